@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_PIN := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint unit distributed cli bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_PIN)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/trainguard demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -q tests
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) runs .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,105 @@
+"""Local checks of one rank: the loss, and every gradient in one fused pass.
+
+The pass is one ``torch._foreach_norm`` per device (a single read of the gradients, no
+``torch.cat``, no per-parameter ``.item()``). The per-parameter norms stay on the device; they
+are read back only on a bad step, to name the parameters whose gradients are not finite.
+With ``grad_clip`` the same norms give the clip coefficient, so clipping costs no second read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class GradStats:
+    """The gradient pass of one rank. All tensors live on ``device``; nothing synced yet."""
+
+    names: list[str]
+    """Parameter names, aligned with ``norms``."""
+    norms: Tensor | None
+    """Per-parameter gradient norms (float32, 1-d), or None when no parameter has a gradient."""
+    sumsq: Tensor
+    """Sum of squared norms of the local gradients (float64 scalar)."""
+    bad: Tensor
+    """True when any local gradient holds NaN/Inf (bool scalar)."""
+    grads: list[Tensor]
+    """The local gradient tensors (shards under FSDP2), for in-place clipping."""
+
+    def bad_names(self) -> list[str]:
+        """Names of the parameters whose gradients are not finite. Syncs: bad steps only."""
+        if self.norms is None:
+            return []
+        finite = torch.isfinite(self.norms).tolist()
+        return [name for name, ok in zip(self.names, finite, strict=True) if not ok]
+
+
+def local_grad(param: Tensor) -> Tensor | None:
+    """The gradient this rank holds for ``param``: the local shard of a DTensor gradient."""
+    grad = param.grad
+    if grad is None:
+        return None
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if callable(to_local) else grad
+
+
+def is_sharded(params: Iterable[Tensor]) -> bool:
+    """True when the gradients are DTensor shards (FSDP2): norms must be summed across ranks."""
+    return any(hasattr(p.grad, "to_local") for p in params if p.grad is not None)
+
+
+def _norms(grads: list[Tensor]) -> list[Tensor]:
+    try:
+        return list(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
+    except TypeError:  # torch < 2.3 has no dtype argument
+        return [n.float() for n in torch._foreach_norm(grads, 2.0)]
+
+
+def grad_stats(named_params: list[tuple[str, nn.Parameter]], device: torch.device) -> GradStats:
+    """One fused pass over the local gradients, grouped by device; results land on ``device``."""
+    names: list[str] = []
+    grads: list[Tensor] = []
+    for name, param in named_params:
+        grad = local_grad(param)
+        if grad is not None:
+            names.append(name)
+            grads.append(grad)
+    if not grads:
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return GradStats(names, None, zero, torch.zeros((), dtype=torch.bool, device=device), [])
+    by_device: dict[torch.device, list[int]] = {}
+    for i, grad in enumerate(grads):
+        by_device.setdefault(grad.device, []).append(i)
+    norms: list[Tensor] = [torch.empty(0)] * len(grads)
+    for indices in by_device.values():
+        for i, norm in zip(indices, _norms([grads[i] for i in indices]), strict=True):
+            norms[i] = norm
+    stacked = torch.stack([n.to(device, non_blocking=True) for n in norms])
+    sumsq = stacked.double().square().sum()
+    return GradStats(names, stacked, sumsq, ~torch.isfinite(stacked).all(), grads)
+
+
+def loss_is_bad(loss: Tensor, device: torch.device) -> Tensor:
+    """True (bool scalar on ``device``) when the loss holds NaN or Inf."""
+    return (~torch.isfinite(loss.detach()).all()).to(device, non_blocking=True)
+
+
+def clip_(grads: list[Tensor], total_norm: float, max_norm: float) -> float:
+    """Scale the gradients in place so their total norm is at most ``max_norm``.
+
+    ``total_norm`` is the (already agreed) global norm, so every rank applies the same factor.
+    Returns the factor applied (1.0 when no clipping was needed).
+    """
+    coef = max_norm / (total_norm + 1e-6)
+    if coef >= 1.0 or not grads:
+        return 1.0
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for grad in grads:
+        by_device.setdefault(grad.device, []).append(grad)
+    for group in by_device.values():
+        torch._foreach_mul_(group, coef)
+    return coef

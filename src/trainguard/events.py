@@ -1,0 +1,73 @@
+"""Per-rank JSONL event log: ``run_dir/events/rank-{r}.jsonl``, and reading it back.
+
+Each line is one JSON object with at least ``time`` (unix seconds), ``rank``, ``step`` and
+``kind``. Lines are flushed as they are written so a killed run keeps its events.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "nan" / "inf": strict JSON has no NaN
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+class EventLog:
+    """Append-only event log of one rank. Thread-safe (the watchdog writes from a thread)."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.path = Path(run_dir) / "events" / f"rank-{rank}.jsonl"
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._file: TextIO | None = None
+
+    def write(self, kind: str, step: int | None, **fields: Any) -> dict[str, Any]:
+        record: dict[str, Any] = {"time": time.time(), "rank": self.rank, "step": step}
+        record["kind"] = kind
+        record.update(fields)
+        line = json.dumps(_jsonable(record), allow_nan=False)
+        with self._lock:
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = self.path.open("a", encoding="utf-8")
+            self._file.write(line + "\n")
+            self._file.flush()
+        return record
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def read_events(run_dir: Path | str, rank: int | None = None) -> list[dict[str, Any]]:
+    """Every event of the run (or of one rank), ordered by time. Torn last lines are skipped."""
+    folder = Path(run_dir) / "events"
+    paths = [folder / f"rank-{rank}.jsonl"] if rank is not None else sorted(folder.glob("*.jsonl"))
+    records = [rec for path in paths if path.exists() for rec in _read_lines(path)]
+    return sorted(records, key=lambda r: (r.get("time", 0.0), r.get("rank", 0)))
+
+
+def _read_lines(path: Path) -> Iterator[dict[str, Any]]:
+    with path.open(encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a kill mid-write

@@ -1,0 +1,306 @@
+"""Guard: the per-step lifecycle. It composes the parts; each part lives in its own module.
+
+``watch()`` (data.BatchStream) -> user forward/backward -> ``check()``:
+detect (local flags, one fused gradient pass) -> consensus (one small all-reduce) ->
+policy (one decision, identical on every rank) -> apply (clear, clip, raise) + events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from trainguard import amp
+from trainguard.config import GuardConfig, NonFiniteAction
+from trainguard.consensus import Agreement, Consensus, LocalReport
+from trainguard.data import BatchStream
+from trainguard.detect import GradStats, clip_, grad_stats, is_sharded, loss_is_bad
+from trainguard.errors import ConfigError, LossScaleCollapseError, NonFiniteError
+from trainguard.events import EventLog
+from trainguard.policy import Decision, decide
+from trainguard.progress import Progress
+from trainguard.state import GuardState
+
+logger = logging.getLogger(__name__)
+
+
+def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Parameters under the user's own names (no ``module.`` / ``_orig_mod.`` wrapper prefix)."""
+    inner = model
+    for attr in ("module", "_orig_mod"):  # DDP, torch.compile
+        wrapped = getattr(inner, attr, None)
+        if isinstance(wrapped, nn.Module) and type(inner).__name__ in (
+            "DistributedDataParallel",
+            "OptimizedModule",
+        ):
+            inner = wrapped
+    return list(inner.named_parameters())
+
+
+class Guard:
+    """Guards a training loop: same decision on every rank, evidence when a step goes bad.
+
+    See ``GuardConfig`` for the options. ``process_group`` (default: the default group)
+    carries the per-step agreement.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        run_dir: Path | str = "runs/trainguard",
+        on_nonfinite: NonFiniteAction = "skip",
+        max_consecutive: int = 5,
+        capture: bool = True,
+        grad_clip: float | None = None,
+        scaler: Any = None,
+        hang_timeout: float | None = None,
+        *,
+        accumulation_steps: int = 1,
+        min_loss_scale: float = 1.0,
+        process_group: dist.ProcessGroup | None = None,
+        config: GuardConfig | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ConfigError("model", f"expected a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                "optimizer", f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        self.config = config or GuardConfig(
+            run_dir=run_dir,
+            on_nonfinite=on_nonfinite,
+            max_consecutive=max_consecutive,
+            capture=capture,
+            grad_clip=grad_clip,
+            hang_timeout=hang_timeout,
+            accumulation_steps=accumulation_steps,
+            min_loss_scale=min_loss_scale,
+        )
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self._params = named_parameters(model)
+        self._consensus = Consensus(process_group)
+        self.rank = self._consensus.rank
+        self.world_size = self._consensus.world_size
+        self.run_dir = Path(self.config.run_dir)
+        self.events = EventLog(self.run_dir, self.rank)
+        self.state = GuardState(nonfinite_steps=deque(maxlen=self.config.max_recorded_steps))
+        self.progress = Progress()
+        self._stream: BatchStream | None = None
+        self._micro_losses: list[Tensor] = []
+        self._closed = False
+        self.events.write(
+            "start",
+            self.state.step,
+            world_size=self.world_size,
+            on_nonfinite=self.config.on_nonfinite,
+            max_consecutive=self.config.max_consecutive,
+            grad_clip=self.config.grad_clip,
+            accumulation_steps=self.config.accumulation_steps,
+            torch=torch.__version__,
+            **self.config.extra,
+        )
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def watch(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """Yield the batches; every rank ends at the same step when any rank runs out."""
+        self._stream = BatchStream(
+            iterable,
+            self.config.accumulation_steps,
+            self._consensus,
+            self.progress,
+            self.events,
+            step_of=lambda: self.state.step,
+        )
+        return iter(self._stream)
+
+    def record_loss(self, loss: Tensor) -> None:
+        """Record a micro-batch's loss (gradient accumulation); no host sync."""
+        self._micro_losses.append(loss.detach())
+
+    def check(self, loss: Tensor) -> bool:
+        """After backward, before the optimizer step. True only when the loss and every
+        gradient are finite on every rank; every rank gets the same answer."""
+        step = self.state.step
+        self.progress.enter("check", step)
+        self.record_loss(loss)
+        if self.scaler is not None:
+            amp.unscale(self.scaler, self.optimizer)
+        stats = grad_stats(self._params, self._consensus.device)
+        agreement = self._consensus.agree(self._report(stats, loss), is_sharded(self._p()))
+        if self._stream is not None:
+            self._stream.agreed(agreement)
+        decision = self._decide(agreement)
+        self._micro_losses = []
+        self.state.step = step + 1
+        self.progress.enter("step", step + 1)
+        return self._apply(decision, agreement, stats, step)
+
+    def step(self, loss: Tensor) -> bool:
+        """``check()``, then the optimizer step (when good) and ``zero_grad`` in one call."""
+        ok = self.check(loss)
+        if ok:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+            else:
+                self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return ok
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Mark long non-training work (eval, checkpointing) so it is not taken for a hang."""
+        previous = self.progress.phase
+        self.progress.user_phases.append(name)
+        self.progress.enter(name)
+        self.events.write("phase", self.state.step, phase=name, state="enter")
+        try:
+            yield
+        finally:
+            self.progress.user_phases.pop()
+            self.progress.enter(previous)
+            self.events.write("phase", self.state.step, phase=name, state="exit")
+
+    # -- decision -------------------------------------------------------------------------
+
+    def _p(self) -> Iterator[Tensor]:
+        return (p for _, p in self._params)
+
+    def _report(self, stats: GradStats, loss: Tensor) -> LocalReport:
+        device = self._consensus.device
+        loss_bad = loss_is_bad(self._micro_losses[0], device)
+        for micro in self._micro_losses[1:]:
+            loss_bad = loss_bad | loss_is_bad(micro, device)
+        stream = self._stream
+        return LocalReport(
+            loss_bad=loss_bad,
+            grad_bad=stats.bad,
+            loss=loss.detach().float().mean(),
+            grad_sumsq=stats.sumsq,
+            has_next=stream.has_next_step if stream is not None else True,
+            batches=stream.batches_seen if stream is not None else 0,
+        )
+
+    def _decide(self, agreement: Agreement) -> Decision:
+        scale = amp.current_scale(self.scaler) if agreement.bad else None
+        return decide(agreement, self.config, self.state.consecutive_nonfinite, scale)
+
+    def _apply(self, decision: Decision, agreement: Agreement, stats: GradStats, step: int) -> bool:
+        if decision is Decision.OK:
+            self.state.record_good(step, agreement.mean_loss)
+            if self.config.grad_clip is not None:
+                clip_(stats.grads, agreement.grad_norm(), self.config.grad_clip)
+            return True
+        if self.scaler is not None:
+            amp.mark_overflow(self.scaler, self.optimizer)
+        if decision is Decision.OVERFLOW:
+            self.state.overflow_steps += 1
+            self._clear_grads()
+            self.events.write("overflow", step, ranks=agreement.grad_ranks)
+            return False
+        self.state.record_bad(step)
+        self._log_nonfinite(decision, agreement, stats, step)
+        if decision is Decision.SKIP:
+            self._clear_grads()
+            self.events.write("skip", step, consecutive=self.state.consecutive_nonfinite)
+        elif decision in (Decision.RAISE, Decision.ESCALATE):
+            self._clear_grads()
+            raise self._stop_error(decision, agreement, step)
+        return False
+
+    def _clear_grads(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for _, param in self._params:
+            param.grad = None
+
+    def _log_nonfinite(
+        self, decision: Decision, agreement: Agreement, stats: GradStats, step: int
+    ) -> None:
+        bad_params = stats.bad_names()
+        self.events.write(
+            "nonfinite",
+            step,
+            where=agreement.where,
+            ranks=agreement.ranks,
+            loss_ranks=agreement.loss_ranks,
+            grad_ranks=agreement.grad_ranks,
+            params=bad_params,
+            loss=agreement.losses[self.rank],
+            action=decision.value,
+            consecutive=self.state.consecutive_nonfinite,
+        )
+        log = logger.warning if self.rank == 0 else logger.debug
+        log(
+            "trainguard: step %d non-finite %s on ranks %s (%d in a row): %s",
+            step,
+            agreement.where,
+            agreement.ranks,
+            self.state.consecutive_nonfinite,
+            decision.value,
+        )
+
+    def _stop_error(self, decision: Decision, agreement: Agreement, step: int) -> NonFiniteError:
+        if decision is Decision.RAISE:
+            message = f"step {step}: non-finite {agreement.where} on ranks {agreement.ranks}"
+            return NonFiniteError(message, step=step, ranks=agreement.ranks)
+        if not agreement.loss_ranks and self.scaler is not None:
+            scale = amp.current_scale(self.scaler)
+            message = (
+                f"step {step}: fp16 loss scale collapsed to {scale} (below min_loss_scale="
+                f"{self.config.min_loss_scale}); gradients overflow at any scale"
+            )
+            self.events.write("escalate", step, reason="loss_scale", scale=scale)
+            return LossScaleCollapseError(message, step=step, ranks=agreement.ranks)
+        message = (
+            f"step {step}: {self.state.consecutive_nonfinite} non-finite steps in a row "
+            f"(max_consecutive={self.config.max_consecutive}); last on ranks {agreement.ranks}"
+        )
+        self.events.write(
+            "escalate",
+            step,
+            reason="max_consecutive",
+            consecutive=self.state.consecutive_nonfinite,
+        )
+        return NonFiniteError(message, step=step, ranks=agreement.ranks)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"format": 1, "state": self.state.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state.load_state_dict(state["state"])
+        self.progress.enter(self.progress.phase, self.state.step)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.progress.enter("closed")
+        self.events.write("close", self.state.step, total_nonfinite=self.state.total_nonfinite)
+        self.events.close()
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,48 @@
+"""The decision for a step, from agreed data only, so every rank decides the same."""
+
+from __future__ import annotations
+
+import enum
+
+from trainguard.config import GuardConfig
+from trainguard.consensus import Agreement
+
+
+class Decision(enum.Enum):
+    """What the guard does with a checked step."""
+
+    OK = "ok"
+    """Finite everywhere: the optimizer may step."""
+    SKIP = "skip"
+    """Non-finite: gradients cleared, ``check()`` returns False."""
+    WARN = "warn"
+    """Non-finite: logged, gradients left alone, ``check()`` returns False."""
+    RAISE = "raise"
+    """Non-finite and the policy is "raise": NonFiniteError on every rank."""
+    ESCALATE = "escalate"
+    """Too many bad steps in a row (or a collapsed loss scale): stop every rank."""
+    OVERFLOW = "overflow"
+    """fp16 gradient overflow that the GradScaler handles: skip, scale goes down."""
+
+
+_ACTION = {"skip": Decision.SKIP, "warn": Decision.WARN, "raise": Decision.RAISE}
+
+
+def decide(
+    agreement: Agreement,
+    config: GuardConfig,
+    consecutive_before: int,
+    scaler_scale: float | None,
+) -> Decision:
+    """Decide a step. ``scaler_scale``: the GradScaler's scale, or None without a scaler."""
+    if not agreement.bad:
+        return Decision.OK
+    if scaler_scale is not None and not agreement.loss_ranks:
+        # Gradients overflowed while the loss is finite: the scaler's business, unless the
+        # scale has collapsed (then no scale makes the gradients fit).
+        if scaler_scale < config.min_loss_scale:
+            return Decision.ESCALATE
+        return Decision.OVERFLOW
+    if consecutive_before + 1 >= config.max_consecutive and config.on_nonfinite != "raise":
+        return Decision.ESCALATE
+    return _ACTION[config.on_nonfinite]

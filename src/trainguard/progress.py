@@ -1,0 +1,34 @@
+"""Progress of the local training loop: step, phase and a heartbeat counter.
+
+The main thread updates it (plain attribute writes, no locks on the hot path); the watchdog
+thread reads it and publishes it to the other ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+PHASES = ("init", "data", "step", "check", "closed")
+"""Built-in phases; users add their own with ``guard.phase("eval")``."""
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    phase: str = "init"
+    beats: int = 0
+    phase_since: float = field(default_factory=time.monotonic)
+    user_phases: list[str] = field(default_factory=list)
+
+    def enter(self, phase: str, step: int | None = None) -> None:
+        if step is not None:
+            self.step = step
+        if phase != self.phase:
+            self.phase = phase
+            self.phase_since = time.monotonic()
+        self.beats += 1
+
+    @property
+    def in_user_phase(self) -> bool:
+        return bool(self.user_phases)

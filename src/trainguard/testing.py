@@ -1,0 +1,98 @@
+"""Fault injection for testing a guarded training loop (yours or ours).
+
+Plan faults up front and apply them in the loop::
+
+    from trainguard.testing import Fault, FaultPlan
+
+    plan = FaultPlan([Fault(step=3, rank=1, where="loss"),
+                      Fault(step=7, where="grad", param="fc.weight", value=float("inf"))])
+    for batch in guard.watch(loader):
+        loss = plan.loss(model(batch).mean(), guard.state.step)
+        loss.backward()
+        plan.grads(model, guard.state.step)
+        if guard.check(loss):
+            optimizer.step()
+        optimizer.zero_grad()
+
+A loss fault multiplies the loss by NaN (or Inf), so backward spreads it into the gradients as
+a real bad batch would (``spread=False`` adds it instead: only the loss is non-finite). A grad fault writes the value into one element of one parameter's
+gradient after backward (after DDP's all-reduce), so only that rank sees it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from trainguard.detect import local_grad
+from trainguard.errors import ConfigError
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def poison_loss(loss: Tensor, value: float = float("nan"), spread: bool = True) -> Tensor:
+    """A non-finite loss. ``spread=True`` multiplies the loss by ``value`` (NaN by default), so
+    backward carries it into every gradient as a real bad batch does; ``spread=False`` adds it,
+    so only the loss is non-finite and the gradients stay finite."""
+    return loss * value if spread else loss + value
+
+
+def poison_grad(model: nn.Module, param: str | None = None, value: float = float("nan")) -> str:
+    """Write ``value`` into the first element of a parameter's gradient; returns its name.
+
+    ``param`` names the parameter (default: the first one that has a gradient). Under FSDP2
+    the rank's local shard is written (a rank whose shard is empty gets nothing).
+    """
+    for name, p in model.named_parameters():
+        if (param is None or name == param) and p.grad is not None:
+            grad = local_grad(p)
+            if grad is not None and grad.numel() > 0:
+                with torch.no_grad():
+                    grad.view(-1)[0] = value
+            return name
+    raise ConfigError("param", f"no parameter named {param!r} with a gradient in the model")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault: at optimizer ``step``, on ``rank`` (None: every rank)."""
+
+    step: int
+    where: Literal["loss", "grad"] = "loss"
+    rank: int | None = None
+    value: float = float("nan")
+    param: str | None = None
+    spread: bool = True
+    """Loss faults: carry the value into the gradients (see ``poison_loss``)."""
+
+    def __post_init__(self) -> None:
+        if self.where not in ("loss", "grad"):
+            raise ConfigError("where", f"got {self.where!r}; use 'loss' or 'grad'")
+
+    def due(self, step: int) -> bool:
+        return self.step == step and (self.rank is None or self.rank == _rank())
+
+
+class FaultPlan:
+    """A list of faults applied by step and rank."""
+
+    def __init__(self, faults: Sequence[Fault]) -> None:
+        self.faults = list(faults)
+
+    def loss(self, loss: Tensor, step: int) -> Tensor:
+        for fault in self.faults:
+            if fault.where == "loss" and fault.due(step):
+                loss = poison_loss(loss, fault.value, fault.spread)
+        return loss
+
+    def grads(self, model: nn.Module, step: int) -> None:
+        for fault in self.faults:
+            if fault.where == "grad" and fault.due(step):
+                poison_grad(model, fault.param, fault.value)
