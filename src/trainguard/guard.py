@@ -143,10 +143,12 @@ class Guard:
         if self._stream is not None:
             self._stream.agreed(agreement)
         decision = self._decide(agreement)
-        self._micro_losses = []
         self.state.step = step + 1
-        self.progress.enter("step", step + 1)
-        return self._apply(decision, agreement, stats, step)
+        try:
+            return self._apply(decision, agreement, stats, step)
+        finally:
+            self._micro_losses = []
+            self.progress.enter("step", step + 1)
 
     def step(self, loss: Tensor) -> bool:
         """``check()``, then the optimizer step (when good) and ``zero_grad`` in one call."""

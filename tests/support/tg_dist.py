@@ -1,0 +1,133 @@
+"""Run a function on N real processes (spawn) joined in a gloo process group.
+
+Each test gets a free port and a hard deadline: a hang kills every worker and fails the
+test instead of eating CI. Results (or the exception each rank raised) come back per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+@dataclass
+class RankResult:
+    rank: int
+    value: Any = None
+    error: BaseException | None = None
+    error_type: str | None = None
+    traceback: str | None = None
+    exitcode: int | None = None
+    elapsed: float = 0.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    out: str,
+    pg_timeout: float,
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    start = time.monotonic()
+    result = RankResult(rank)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
+        )
+        result.value = fn(rank, world_size, *args)
+    except BaseException as exc:  # report everything to the parent
+        result.error_type = type(exc).__name__
+        result.traceback = traceback.format_exc()
+        try:
+            pickle.dumps(exc)
+            result.error = exc
+        except Exception:
+            result.error = None
+    result.elapsed = time.monotonic() - start
+    with open(out + ".tmp", "wb") as fh:
+        pickle.dump(result, fh)
+    os.replace(out + ".tmp", out)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 60.0,
+    pg_timeout: float = 30.0,
+) -> list[RankResult]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [str(Path(tmp) / f"rank-{r}.pkl") for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world_size, port, args, outs[r], pg_timeout))
+            for r in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        if hung:
+            raise TimeoutError(f"ranks {hung} still running after {timeout}s (killed)")
+        results = []
+        for rank, (proc, out) in enumerate(zip(procs, outs, strict=True)):
+            if os.path.exists(out):
+                with open(out, "rb") as fh:
+                    result = pickle.load(fh)
+            else:
+                result = RankResult(rank, error_type="NoResult")
+            result.exitcode = proc.exitcode
+            results.append(result)
+        return results
+
+
+def values(results: list[RankResult]) -> list[Any]:
+    """The ranks' return values; fails with every rank's traceback if any rank raised."""
+    failed = [r for r in results if r.error_type is not None]
+    if failed:
+        details = "\n".join(f"--- rank {r.rank} ---\n{r.traceback}" for r in failed)
+        raise AssertionError(f"ranks {[r.rank for r in failed]} failed:\n{details}")
+    return [r.value for r in results]
