@@ -1,4 +1,7 @@
-"""The ``trainguard`` command: a thin layer over the library. Exit 0 ok, 1 a finding, 2 bad input."""
+"""The ``trainguard`` command, a thin layer over the library.
+
+Exit codes: 0 success, 1 a finding (e.g. a failed doctor check), 2 bad input.
+"""
 
 from __future__ import annotations
 

@@ -27,6 +27,10 @@ class ConfigError(TrainGuardError, ValueError):
     def __init__(self, option: str, message: str) -> None:
         super().__init__(f"{option}: {message}")
         self.option = option
+        self.detail = message
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.option, self.detail))
 
 
 class NonFiniteError(TrainGuardError):
@@ -49,13 +53,13 @@ class NonFiniteError(TrainGuardError):
         self.bundle = bundle
 
     def __reduce__(self) -> tuple[object, ...]:  # picklable across processes
-        return (_rebuild_nonfinite, (str(self), self.step, self.ranks, self.bundle))
+        return (_rebuild_nonfinite, (type(self), str(self), self.step, self.ranks, self.bundle))
 
 
 def _rebuild_nonfinite(
-    message: str, step: int, ranks: list[int], bundle: Path | None
+    cls: type[NonFiniteError], message: str, step: int, ranks: list[int], bundle: Path | None
 ) -> NonFiniteError:
-    return NonFiniteError(message, step=step, ranks=ranks, bundle=bundle)
+    return cls(message, step=step, ranks=ranks, bundle=bundle)
 
 
 class LossScaleCollapseError(NonFiniteError):
@@ -68,6 +72,10 @@ class BundleError(TrainGuardError):
     def __init__(self, path: Path | str, message: str) -> None:
         super().__init__(f"{path}: {message}")
         self.path = Path(path)
+        self.detail = message
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.path, self.detail))
 
 
 class ReplayError(TrainGuardError):
@@ -80,3 +88,10 @@ class PeerFailureError(TrainGuardError):
     def __init__(self, message: str, *, rank: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_peer_failure, (str(self), self.rank))
+
+
+def _rebuild_peer_failure(message: str, rank: int | None) -> PeerFailureError:
+    return PeerFailureError(message, rank=rank)

@@ -15,8 +15,9 @@ Plan faults up front and apply them in the loop::
         optimizer.zero_grad()
 
 A loss fault multiplies the loss by NaN (or Inf), so backward spreads it into the gradients as
-a real bad batch would (``spread=False`` adds it instead: only the loss is non-finite). A grad fault writes the value into one element of one parameter's
-gradient after backward (after DDP's all-reduce), so only that rank sees it.
+a real bad batch would (``spread=False`` adds it instead: only the loss is non-finite). A grad
+fault writes the value into one element of one parameter's gradient after backward (after
+DDP's all-reduce), so only that rank sees it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 
 from trainguard.detect import local_grad
 from trainguard.errors import ConfigError
+from trainguard.guard import named_parameters
 
 
 def _rank() -> int:
@@ -47,10 +49,11 @@ def poison_loss(loss: Tensor, value: float = float("nan"), spread: bool = True) 
 def poison_grad(model: nn.Module, param: str | None = None, value: float = float("nan")) -> str:
     """Write ``value`` into the first element of a parameter's gradient; returns its name.
 
-    ``param`` names the parameter (default: the first one that has a gradient). Under FSDP2
+    ``param`` names the parameter as the guard names it, without wrapper prefixes such as
+    DDP's ``module.`` (default: the first one that has a gradient). Under FSDP2
     the rank's local shard is written (a rank whose shard is empty gets nothing).
     """
-    for name, p in model.named_parameters():
+    for name, p in named_parameters(model):
         if (param is None or name == param) and p.grad is not None:
             grad = local_grad(p)
             if grad is not None and grad.numel() > 0:

@@ -1,0 +1,80 @@
+"""A good step must not sync per parameter or concatenate the gradients.
+
+The check is observed at the aten level with a TorchDispatchMode: the number of ops it issues
+must not grow with the number of parameters (a per-parameter ``.item()`` / ``isfinite`` loop
+would), no op may be a host read (``_local_scalar_dense`` is what ``.item()`` dispatches to),
+and no ``cat``/``stack`` may take gradient-sized inputs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import trainguard as tg
+
+
+class OpRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, list[int]]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        sizes = [a.numel() for a in _tensors(args)]
+        self.ops.append((str(func.overloadpacket.__name__), sizes))
+        return func(*args, **(kwargs or {}))
+
+
+def _tensors(args: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(_tensors(a))
+    return out
+
+
+def _record_check(n_layers: int, tmp_path: Path, **kwargs: Any) -> list[tuple[str, list[int]]]:
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(n_layers)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = tg.Guard(model, opt, run_dir=tmp_path / str(n_layers), **kwargs)
+    loss = model(torch.randn(4, 32)).sum()
+    loss.backward()
+    with OpRecorder() as rec:
+        assert guard.check(loss)
+    return rec.ops
+
+
+def test_good_step_cost_does_not_grow_with_parameters(tmp_path: Path) -> None:
+    small = _record_check(2, tmp_path)
+    large = _record_check(40, tmp_path)
+    assert len(small) == len(large), (small, large)
+
+
+def test_good_step_has_no_host_read_and_no_gradient_concat(tmp_path: Path) -> None:
+    for kwargs in ({}, {"grad_clip": 1.0}):
+        ops = _record_check(20, tmp_path / str(len(kwargs)), **kwargs)
+        names = [name for name, _ in ops]
+        assert "_local_scalar_dense" not in names  # what .item() dispatches to
+        assert "nonzero" not in names and "is_nonzero" not in names
+        for name, sizes in ops:
+            if name in ("cat", "stack"):
+                assert max(sizes) <= 1, f"{name} over gradient-sized tensors: {sizes}"
+        assert names.count("_foreach_norm") == 1  # one fused pass over the gradients
+
+
+def test_recorder_catches_a_naive_check() -> None:
+    """The recorder would see the naive approaches (guards the test itself)."""
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    model(torch.randn(2, 8)).sum().backward()
+    with OpRecorder() as rec:
+        all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+        torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    names = [name for name, _ in rec.ops]
+    assert names.count("is_nonzero") + names.count("_local_scalar_dense") >= 6
+    assert any(name == "cat" and max(sizes) > 1 for name, sizes in rec.ops)
