@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
+LINT_PATHS := src tests $(wildcard benchmarks/*.py examples/*.py)
 
 .PHONY: demo test lint unit distributed cli bench clean
 
@@ -18,8 +19,8 @@ demo: $(STAMP)
 	$(BIN)/trainguard demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
 	$(BIN)/mypy
 
 test: lint
