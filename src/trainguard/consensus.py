@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-COLUMNS = ("loss_bad", "grad_bad", "has_next", "batches", "loss")
+COLUMNS = ("loss_bad", "grad_bad", "exhausted", "batches", "loss")
 _NCOL = len(COLUMNS)
 
 
@@ -27,8 +27,10 @@ class LocalReport:
     grad_bad: Tensor
     loss: Tensor
     grad_sumsq: Tensor
-    has_next: bool = True
+    exhausted: bool = False
+    """This rank's data iterator is used up (``batches`` is then its exact total)."""
     batches: int = 0
+    """Batches this rank has fetched so far."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,11 @@ class Agreement:
     def mean_loss(self) -> float:
         return sum(self.losses) / len(self.losses)
 
+    def steps_available(self, accumulation_steps: int) -> float:
+        """How many optimizer steps the data allows: set by the ranks whose data ran out."""
+        totals = [self.batches[r] // accumulation_steps for r in self.exhausted_ranks]
+        return min(totals) if totals else math.inf
+
     def grad_norm(self) -> float:
         return math.sqrt(self.grad_sumsq) if math.isfinite(self.grad_sumsq) else math.inf
 
@@ -79,33 +86,49 @@ class Consensus:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def agree(self, report: LocalReport, sum_grad_norms: bool) -> Agreement:
-        """One all-reduce, one host read. ``sum_grad_norms``: gradients are shards (FSDP2)."""
+    def reduce(self, report: LocalReport, sum_grad_norms: bool) -> Tensor:
+        """Start the step's all-reduce; returns the buffer on ``device`` without reading it.
+
+        ``sum_grad_norms``: the gradients are shards (FSDP2), so the squared norms add up.
+        """
         buf = torch.zeros(self.world_size * _NCOL + 1, dtype=torch.float64, device=self.device)
         row = buf[self.rank * _NCOL : (self.rank + 1) * _NCOL]
         row[0].copy_(report.loss_bad, non_blocking=True)
         row[1].copy_(report.grad_bad, non_blocking=True)
-        row[2].fill_(1.0 if report.has_next else 0.0)
+        row[2].fill_(1.0 if report.exhausted else 0.0)
         row[3].fill_(float(report.batches))
         row[4].copy_(report.loss.detach().reshape(()), non_blocking=True)
         if sum_grad_norms or self.rank == 0:  # replicated gradients: count rank 0's norm once
             buf[-1].copy_(report.grad_sumsq, non_blocking=True)
         if self.distributed and self.world_size > 1:
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
-        return self._read(buf.tolist())
+        return buf
 
-    def exchange_has_next(self, has_next: bool, batches: int) -> Agreement:
+    def agree(self, report: LocalReport, sum_grad_norms: bool) -> Agreement:
+        """One all-reduce, one host read."""
+        return self.read(self.reduce(report, sum_grad_norms).tolist())
+
+    def exchange_data_state(self, exhausted: bool, batches: int) -> Agreement:
         """A standalone agreement on data availability (start of ``watch()``, or no check)."""
         zero = torch.zeros((), dtype=torch.float64)
-        report = LocalReport(zero, zero, zero, zero, has_next=has_next, batches=batches)
+        report = LocalReport(zero, zero, zero, zero, exhausted=exhausted, batches=batches)
         return self.agree(report, sum_grad_norms=False)
 
-    def _read(self, values: list[float]) -> Agreement:
+    def bad_flag(self, buf: Tensor, device: torch.device) -> Tensor:
+        """On the device: 1.0 when any rank saw a bad loss or gradient, else 0.0 (no sync).
+
+        The 0-d float32 tensor fused optimizers take as ``found_inf``.
+        """
+        flags = buf[:-1].view(self.world_size, _NCOL)[:, :2]
+        return (flags.sum() > 0.5).to(device=device, dtype=torch.float32, non_blocking=True)
+
+    def read(self, values: list[float]) -> Agreement:
+        """Turn the reduced buffer, read back as host values, into the agreement."""
         rows = [values[r * _NCOL : (r + 1) * _NCOL] for r in range(self.world_size)]
         return Agreement(
             loss_ranks=[r for r, row in enumerate(rows) if row[0] > 0.5],
             grad_ranks=[r for r, row in enumerate(rows) if row[1] > 0.5],
-            exhausted_ranks=[r for r, row in enumerate(rows) if row[2] < 0.5],
+            exhausted_ranks=[r for r, row in enumerate(rows) if row[2] > 0.5],
             batches=[int(row[3]) for row in rows],
             losses=[row[4] for row in rows],
             grad_sumsq=values[-1],

@@ -1,10 +1,15 @@
 """The batch stream behind ``Guard.watch()``: prefetch, uneven-data agreement, step batches.
 
-The stream keeps the next optimizer step's micro-batches fetched ahead (references, never
-copies), so when ``check()`` runs it already knows whether this rank has another full step.
-That bit rides on the check's all-reduce; when any rank is out of data every rank ends its
-loop after the same step, with an ``uneven_data`` event, instead of hanging in the next
-collective.
+The stream fetches ``lookahead`` optimizer steps ahead (references, never copies). Each
+step's report carries whether this rank's iterator is used up and how many batches it has
+fetched; the agreement therefore tells every rank how many steps the shortest rank can still
+take. Every rank ends its loop after the same step, with an ``uneven_data`` event, instead of
+hanging in the next collective.
+
+Why the rule is safe: a rank that is not used up when it reports for step ``s`` has fetched
+at least ``(s + 1 + lookahead) * k`` batches. The decision after step ``t`` may use a report
+up to ``lag = lookahead - 1`` steps old (the sync-free ``guard.step()`` reads its flags a step
+late), and still every rank not yet used up is known to hold step ``t + 1``.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ class BatchStream:
         progress: Progress,
         events: EventLog,
         step_of: Callable[[], int],
+        lookahead: int = 1,
     ) -> None:
         self._iterable = iterable
         self._k = accumulation_steps
+        self._lookahead = lookahead
         self._consensus = consensus
         self._progress = progress
         self._events = events
@@ -44,34 +51,43 @@ class BatchStream:
         self._exhausted = False
         self._yielded = 0
         self._agreement: Agreement | None = None
+        self._agreement_step = -1
+        self._in_step = -1
         self.current: list[Any] = []
         """Micro-batches of the step in progress (references, not copies)."""
         self.current_rng: dict[str, Any] | None = None
         """RNG states taken before the step's first micro-batch was handed out."""
+        self.previous: list[Any] = []
+        """The step before: kept for a capture decided a step late (sync-free path)."""
+        self.previous_rng: dict[str, Any] | None = None
 
     @property
-    def has_next_step(self) -> bool:
-        """This rank holds the next step's micro-batches already."""
-        return len(self._queue) >= self._k
+    def exhausted(self) -> bool:
+        return self._exhausted
 
     @property
     def batches_seen(self) -> int:
         return self._yielded + len(self._queue)
 
-    def agreed(self, agreement: Agreement) -> None:
-        """``check()`` hands over its agreement: the stream reads the ranks' data state from it."""
-        self._agreement = agreement
+    def agreed(self, agreement: Agreement, steps_ago: int = 0) -> None:
+        """The guard hands over a step's agreement: the step in progress, or ``steps_ago``."""
+        self._set_agreement(agreement, self._in_step - steps_ago)
+
+    def _set_agreement(self, agreement: Agreement, step: int) -> None:
+        if step >= self._agreement_step:
+            self._agreement = agreement
+            self._agreement_step = step
 
     def __iter__(self) -> Iterator[Any]:
         iterator = iter(self._iterable)
-        self._fill(iterator, self._k)
-        if self._stop(self._consensus.exchange_has_next(self.has_next_step, self.batches_seen)):
-            return
-        while True:
-            self.current = []
-            self._agreement = None
+        self._fill(iterator, (self._lookahead + 1) * self._k)
+        self._set_agreement(self._exchange(), -1)
+        step = 0
+        while not self._stop_before(step):
+            self._rotate()
+            self._in_step = step
             for _ in range(self._k):
-                self._fill(iterator, self._k + 1)
+                self._fill(iterator, self._lookahead * self._k + 1)
                 batch = self._queue.popleft()
                 if not self.current:
                     self.current_rng = rng_state()
@@ -79,11 +95,14 @@ class BatchStream:
                 self._yielded += 1
                 self._progress.enter("step")
                 yield batch
-            agreement = self._agreement
-            if agreement is None:  # the loop did not call check(): agree here instead
-                agreement = self._consensus.exchange_has_next(self.has_next_step, self.batches_seen)
-            if self._stop(agreement):
-                return
+            step += 1
+
+    def _rotate(self) -> None:
+        self.previous, self.previous_rng = self.current, self.current_rng
+        self.current, self.current_rng = [], None
+
+    def _exchange(self) -> Agreement:
+        return self._consensus.exchange_data_state(self._exhausted, self.batches_seen)
 
     def _fill(self, iterator: Iterator[Any], size: int) -> None:
         while not self._exhausted and len(self._queue) < size:
@@ -93,26 +112,41 @@ class BatchStream:
             except StopIteration:
                 self._exhausted = True
 
-    def _stop(self, agreement: Agreement) -> bool:
-        exhausted = agreement.exhausted_ranks
-        if not exhausted:
+    def _stop_before(self, step: int) -> bool:
+        """Whether every rank stops before ``step``, from an agreement at most a lag old."""
+        lag = self._lookahead - 1
+        if self._agreement is None or self._agreement_step < step - 1 - lag:
+            # The loop did not call check() for the last step(s): agree here instead.
+            self._set_agreement(self._exchange(), step - 1)
+        agreement = self._agreement
+        assert agreement is not None  # set just above
+        available = agreement.steps_available(self._k)
+        if step < available:
             return False
-        if len(exhausted) < self._consensus.world_size:
+        self._report_end(agreement, step)
+        return True
+
+    def _report_end(self, agreement: Agreement, step: int) -> None:
+        dropped = len(self._queue)
+        everyone_done = len(agreement.exhausted_ranks) == self._consensus.world_size
+        totals = {b // self._k for b in agreement.batches}
+        if not (everyone_done and len(totals) == 1):
             self._events.write(
                 "uneven_data",
                 self._step_of(),
                 batches=agreement.batches,
-                exhausted_ranks=exhausted,
-                dropped=len(self._queue),
+                exhausted_ranks=agreement.exhausted_ranks,
+                steps=step,
+                dropped=dropped,
             )
             if self._consensus.rank == 0:
                 logger.warning(
-                    "trainguard: ranks %s ran out of data (batches per rank: %s); every rank "
-                    "stops after step %d",
-                    exhausted,
+                    "trainguard: ranks %s ran out of data (batches fetched per rank: %s); "
+                    "every rank stops after %d steps",
+                    agreement.exhausted_ranks,
                     agreement.batches,
-                    self._step_of() - 1,
+                    step,
                 )
         self._queue.clear()
+        self._rotate()
         self.current = []
-        return True
