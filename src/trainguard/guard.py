@@ -193,7 +193,7 @@ class Guard:
             grad_bad=stats.bad,
             loss=loss.detach().float().mean(),
             grad_sumsq=stats.sumsq,
-            has_next=stream.has_next_step if stream is not None else True,
+            exhausted=stream.exhausted if stream is not None else False,
             batches=stream.batches_seen if stream is not None else 0,
         )
 
