@@ -103,3 +103,16 @@ def clip_(grads: list[Tensor], total_norm: float, max_norm: float) -> float:
     for group in by_device.values():
         torch._foreach_mul_(group, coef)
     return coef
+
+
+def clip_on_device_(grads: list[Tensor], total_sumsq: Tensor, max_norm: float) -> None:
+    """Clip by a global norm that stays on the device (the sync-free path); no host read.
+
+    A non-finite norm makes the factor non-finite too; that step is skipped by ``found_inf``.
+    """
+    coef = (max_norm / (total_sumsq.sqrt() + 1e-6)).clamp(max=1.0).float()
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for grad in grads:
+        by_device.setdefault(grad.device, []).append(grad)
+    for device, group in by_device.items():
+        torch._foreach_mul_(group, coef.to(device, non_blocking=True))

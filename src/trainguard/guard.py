@@ -8,6 +8,7 @@ policy (one decision, identical on every rank) -> apply (clear, clip, raise) + e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -23,7 +24,15 @@ from trainguard import amp
 from trainguard.config import GuardConfig, NonFiniteAction
 from trainguard.consensus import Agreement, Consensus, LocalReport
 from trainguard.data import BatchStream
-from trainguard.detect import GradStats, clip_, grad_stats, is_sharded, loss_is_bad
+from trainguard.deferred import PendingStep, StepOutcome, set_found_inf, stage_to_host, uses_fused
+from trainguard.detect import (
+    GradStats,
+    clip_,
+    clip_on_device_,
+    grad_stats,
+    is_sharded,
+    loss_is_bad,
+)
 from trainguard.errors import ConfigError, LossScaleCollapseError, NonFiniteError
 from trainguard.events import EventLog
 from trainguard.policy import Decision, decide
@@ -99,6 +108,8 @@ class Guard:
         self.progress = Progress()
         self._stream: BatchStream | None = None
         self._micro_losses: list[Tensor] = []
+        self._deferred = uses_fused(optimizer) and scaler is None
+        self._pending: PendingStep | None = None
         self._closed = False
         self.events.write(
             "start",
@@ -123,6 +134,7 @@ class Guard:
             self.progress,
             self.events,
             step_of=lambda: self.state.step,
+            lookahead=2 if self._deferred else 1,  # the sync-free step reads a step late
         )
         return iter(self._stream)
 
@@ -133,6 +145,7 @@ class Guard:
     def check(self, loss: Tensor) -> bool:
         """After backward, before the optimizer step. True only when the loss and every
         gradient are finite on every rank; every rank gets the same answer."""
+        self._resolve_pending()
         step = self.state.step
         self.progress.enter("check", step)
         self.record_loss(loss)
@@ -150,8 +163,17 @@ class Guard:
             self._micro_losses = []
             self.progress.enter("step", step + 1)
 
-    def step(self, loss: Tensor) -> bool:
-        """``check()``, then the optimizer step (when good) and ``zero_grad`` in one call."""
+    def step(self, loss: Tensor) -> StepOutcome:
+        """``check()``, then the optimizer step (when good) and ``zero_grad`` in one call.
+
+        With a fused optimizer (and no GradScaler) the step is sync-free: the agreed flag goes
+        to the optimizer as ``found_inf`` and a bad step is skipped on the device. Events,
+        state, capture and the policy follow when the host reads the flag: at the next
+        ``step()``/``check()``/``close()``, or when the returned outcome is tested. So a
+        "raise" or an escalation surfaces one step later; the skipped update does not.
+        """
+        if self._deferred:
+            return self._step_on_device(loss)
         ok = self.check(loss)
         if ok:
             if self.scaler is not None:
@@ -161,7 +183,68 @@ class Guard:
         if self.scaler is not None:
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return ok
+        return StepOutcome(ok)
+
+    def _step_on_device(self, loss: Tensor) -> StepOutcome:
+        step = self.state.step
+        self.progress.enter("check", step)
+        self.record_loss(loss)
+        stats = grad_stats(self._params, self._consensus.device)
+        buf = self._consensus.reduce(self._report(stats, loss), is_sharded(self._p()))
+        found_inf = self._consensus.bad_flag(buf, self._optimizer_device(stats))
+        if self.config.grad_clip is not None:
+            clip_on_device_(stats.grads, buf[-1], self.config.grad_clip)
+        host_values, ready = stage_to_host(buf)
+        stream = self._stream
+        pending = PendingStep(
+            step,
+            host_values,
+            ready,
+            dataclasses.replace(stats, grads=[]),  # keep no reference to the gradients
+            batches=list(stream.current) if stream is not None else [],
+            rng=stream.current_rng if stream is not None else None,
+            losses=self._micro_losses,
+        )
+        self._micro_losses = []
+        self.state.step = step + 1
+        self._resolve_pending()  # the step before, ahead of this update: weights still pre-update
+        set_found_inf(self.optimizer, found_inf)
+        try:
+            self.optimizer.step()
+        finally:
+            set_found_inf(self.optimizer, None)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._pending = pending
+        self.progress.enter("step", step + 1)
+        return StepOutcome(read=lambda: self._read_outcome(pending))
+
+    def _optimizer_device(self, stats: GradStats) -> torch.device:
+        return stats.grads[0].device if stats.grads else self._consensus.device
+
+    def _read_outcome(self, pending: PendingStep) -> bool:
+        if pending.ok is None:
+            self._resolve_pending()
+        return bool(pending.ok)
+
+    def _resolve_pending(self, raise_errors: bool = True) -> None:
+        """Read the last sync-free step's flags on the host and act on them."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        agreement = self._consensus.read(pending.values())
+        if self._stream is not None:
+            self._stream.agreed(agreement, steps_ago=self.state.step - 1 - pending.step)
+        decision = self._decide(agreement)
+        pending.ok = decision is Decision.OK
+        if pending.ok:
+            self.state.record_good(pending.step, agreement.mean_loss)
+            return
+        self.state.record_bad(pending.step)
+        self._log_nonfinite(decision, agreement, pending.stats, pending.step)
+        if decision in (Decision.SKIP, Decision.WARN):
+            self.events.write("skip", pending.step, consecutive=self.state.consecutive_nonfinite)
+        elif raise_errors:
+            raise self._stop_error(decision, agreement, pending.step)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -255,10 +338,12 @@ class Guard:
             decision.value,
         )
 
-    def _stop_error(self, decision: Decision, agreement: Agreement, step: int) -> NonFiniteError:
+    def _stop_error(
+        self, decision: Decision, agreement: Agreement, step: int, bundle: Path | None = None
+    ) -> NonFiniteError:
         if decision is Decision.RAISE:
             message = f"step {step}: non-finite {agreement.where} on ranks {agreement.ranks}"
-            return NonFiniteError(message, step=step, ranks=agreement.ranks)
+            return NonFiniteError(message, step=step, ranks=agreement.ranks, bundle=bundle)
         if not agreement.loss_ranks and self.scaler is not None:
             scale = amp.current_scale(self.scaler)
             message = (
@@ -266,7 +351,7 @@ class Guard:
                 f"{self.config.min_loss_scale}); gradients overflow at any scale"
             )
             self.events.write("escalate", step, reason="loss_scale", scale=scale)
-            return LossScaleCollapseError(message, step=step, ranks=agreement.ranks)
+            return LossScaleCollapseError(message, step=step, ranks=agreement.ranks, bundle=bundle)
         message = (
             f"step {step}: {self.state.consecutive_nonfinite} non-finite steps in a row "
             f"(max_consecutive={self.config.max_consecutive}); last on ranks {agreement.ranks}"
@@ -277,11 +362,12 @@ class Guard:
             reason="max_consecutive",
             consecutive=self.state.consecutive_nonfinite,
         )
-        return NonFiniteError(message, step=step, ranks=agreement.ranks)
+        return NonFiniteError(message, step=step, ranks=agreement.ranks, bundle=bundle)
 
     # -- lifecycle ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        self._resolve_pending()
         return {"format": 1, "state": self.state.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -289,12 +375,19 @@ class Guard:
         self.progress.enter(self.progress.phase, self.state.step)
 
     def close(self) -> None:
+        """Read the last sync-free step (its policy may still raise), then close the logs."""
+        self._close(raise_errors=True)
+
+    def _close(self, raise_errors: bool) -> None:
         if self._closed:
             return
         self._closed = True
-        self.progress.enter("closed")
-        self.events.write("close", self.state.step, total_nonfinite=self.state.total_nonfinite)
-        self.events.close()
+        try:
+            self._resolve_pending(raise_errors=raise_errors)
+        finally:
+            self.progress.enter("closed")
+            self.events.write("close", self.state.step, total_nonfinite=self.state.total_nonfinite)
+            self.events.close()
 
     def __enter__(self) -> Guard:
         return self
@@ -305,4 +398,4 @@ class Guard:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        self._close(raise_errors=exc is None)

@@ -92,6 +92,28 @@ def _train(
     }
 
 
+def _fused(rank: int, run_dir: Path) -> dict[str, Any]:
+    """Sync-free guard.step() with fused AdamW, faults on one rank, uneven data."""
+    torch.manual_seed(0)
+    model = DDP(TinyNet())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    plan = FaultPlan(FAULTS)
+    steps = 0
+    with tg.Guard(model, opt, run_dir=run_dir, grad_clip=0.5) as guard:
+        for batch in guard.watch(make_batches([9, 8, 12][rank], seed=rank)):
+            loss = plan.loss(loss_fn(model, batch), guard.state.step)
+            loss.backward()
+            plan.grads(model, guard.state.step)
+            guard.step(loss)
+            steps += 1
+    return {
+        "steps": steps,
+        "params": _full_params(model),
+        "optimizer": _optimizer_summary(opt),
+        "bad": list(guard.state.nonfinite_steps),
+    }
+
+
 def _accumulation(rank: int, run_dir: Path) -> list[bool]:
     """DDP with no_sync on the inner micro-batches; a bad loss in one micro-batch on rank 1."""
     torch.manual_seed(0)
@@ -128,6 +150,7 @@ def _ddp_job(rank: int, world: int, root: str) -> dict[str, Any]:
     out["uneven"] = _train(rank, "ddp", base / "uneven", [], uneven)
     out["empty"] = _train(rank, "ddp", base / "empty", [], [] if rank == 2 else data)
     out["accumulation"] = _accumulation(rank, base / "accumulation")
+    out["fused"] = _fused(rank, base / "fused")
     dist.barrier()
     return out
 
@@ -197,6 +220,19 @@ def test_ddp_three_ranks(tmp_path: Path) -> None:
 
     assert [len(r["empty"]["results"]) for r in runs] == [0, 0, 0]
     assert [r["accumulation"] for r in runs] == [[True, False, True, True]] * 3
+
+    fused = [r["fused"] for r in runs]
+    assert [r["steps"] for r in fused] == [8, 8, 8]  # rank 1 holds 8 batches: all stop there
+    assert [r["bad"] for r in fused] == [BAD_STEPS] * 3
+    assert all(r["optimizer"]["steps"] == [5.0] * 4 for r in fused)  # 8 steps, 3 skipped
+    for run in fused:
+        assert torch.isfinite(run["params"]).all() and run["optimizer"]["finite"]
+        assert torch.equal(run["params"], fused[0]["params"])
+    for rank in range(3):
+        (event,) = [
+            e for e in tg.read_events(tmp_path / "fused", rank) if e["kind"] == "uneven_data"
+        ]
+        assert event["exhausted_ranks"] == [1] and event["steps"] == 8
 
 
 @pytest.mark.timeout(120)

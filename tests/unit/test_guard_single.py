@@ -166,7 +166,7 @@ def test_guard_step_skips_on_bad(tmp_path: Path) -> None:
         loss = plan.loss(loss_fn(model, batch), guard.state.step)
         loss.backward()
         ok = guard.step(loss)
-        assert ok == (not torch.equal(before, flat_params(model)))
+        assert bool(ok) == (not torch.equal(before, flat_params(model)))
         assert all(p.grad is None for p in model.parameters())
     assert guard.state.total_nonfinite == 1
     assert torch.isfinite(flat_params(model)).all()
