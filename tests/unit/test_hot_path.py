@@ -12,31 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tg_ops import OpRecorder
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import trainguard as tg
-
-
-class OpRecorder(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[tuple[str, list[int]]] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        sizes = [a.numel() for a in _tensors(args)]
-        self.ops.append((str(func.overloadpacket.__name__), sizes))
-        return func(*args, **(kwargs or {}))
-
-
-def _tensors(args: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out.extend(_tensors(a))
-    return out
 
 
 def _record_check(n_layers: int, tmp_path: Path, **kwargs: Any) -> list[tuple[str, list[int]]]:

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_hot_path import OpRecorder
 from tg_models import TinyNet, flat_params, loss_fn, make_batches
+from tg_ops import OpRecorder
 
 import trainguard as tg
 from trainguard.deferred import PendingStep
