@@ -73,14 +73,22 @@ class Agreement:
 class Consensus:
     """Runs the step's all-reduce over ``group`` (default: the default process group)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        local_device: torch.device | None = None,
+    ) -> None:
         self.group = group
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
-        self.device = self._collective_device() if self.distributed else torch.device("cpu")
+        self.device = self._buffer_device(local_device or torch.device("cpu"))
 
-    def _collective_device(self) -> torch.device:
+    def _buffer_device(self, local_device: torch.device) -> torch.device:
+        """Where the buffer lives: the collective's device, or (one process) the model's, so
+        the flags never cross between host and device before the decision is read."""
+        if not self.distributed:
+            return local_device
         backend = str(dist.get_backend(self.group)).lower()
         if "nccl" in backend and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())

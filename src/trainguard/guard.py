@@ -99,7 +99,8 @@ class Guard:
         self.optimizer = optimizer
         self.scaler = scaler
         self._params = named_parameters(model)
-        self._consensus = Consensus(process_group)
+        local_device = next((p.device for _, p in self._params), torch.device("cpu"))
+        self._consensus = Consensus(process_group, local_device)
         self.rank = self._consensus.rank
         self.world_size = self._consensus.world_size
         self.run_dir = Path(self.config.run_dir)
