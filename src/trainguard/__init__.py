@@ -1,5 +1,6 @@
 """trainguard: keeps PyTorch training runs alive and debuggable."""
 
+from trainguard.bundle import Bundle, load_bundle
 from trainguard.config import GuardConfig
 from trainguard.errors import (
     BundleError,
@@ -13,10 +14,12 @@ from trainguard.errors import (
 from trainguard.events import read_events
 from trainguard.guard import Guard
 from trainguard.policy import Decision
+from trainguard.replay import ReplayReport, ReplaySpec, replay
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Bundle",
     "BundleError",
     "ConfigError",
     "Decision",
@@ -28,5 +31,9 @@ __all__ = [
     "ReplayError",
     "TrainGuardError",
     "__version__",
+    "ReplayReport",
+    "ReplaySpec",
+    "load_bundle",
     "read_events",
+    "replay",
 ]

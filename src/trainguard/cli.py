@@ -6,11 +6,17 @@ Exit codes: 0 success, 1 a finding (e.g. a failed doctor check), 2 bad input.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 from trainguard import __version__
 from trainguard.errors import TrainGuardError
+from trainguard.events import to_jsonable
 
 EXIT_OK = 0
 EXIT_FINDING = 1
@@ -28,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Keep PyTorch training runs alive and debuggable.",
     )
     parser.add_argument("--version", action="version", version=f"trainguard {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    _add_capture_commands(commands)
     return parser
 
 
@@ -46,6 +53,97 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+
+
+# -- capture, replay, demo (issue 3) ----------------------------------------------------------
+
+
+def _add_capture_commands(commands: Any) -> None:
+    inspect = commands.add_parser("inspect", help="show what a capture bundle holds")
+    inspect.add_argument("bundle", type=Path, help="a captures/step-NNNNNNNN folder")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    inspect.set_defaults(handler=_inspect)
+    replay = commands.add_parser(
+        "replay",
+        help="re-run a captured step and diagnose it (exit 1 when it reproduces)",
+        description="Re-run a captured step: phase, op, module, line, culprit samples. Exit 0: "
+        "the step did not reproduce; 1: it did (a finding); 2: bad input.",
+    )
+    replay.add_argument("bundle", type=Path, help="a captures/step-NNNNNNNN folder")
+    replay.add_argument(
+        "--factory",
+        required=True,
+        metavar="MODULE:FUNC",
+        help="a function with no arguments returning (model, loss_fn) or trainguard.ReplaySpec",
+    )
+    replay.add_argument("--rank", type=int, default=None, help="whose batch (default: a bad rank)")
+    replay.add_argument("--repeats", type=int, default=3, help="runs for the determinism check")
+    replay.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    replay.add_argument("--json", action="store_true", help="print one JSON object")
+    replay.set_defaults(handler=_replay)
+    demo = commands.add_parser(
+        "demo", help="a real 2-rank run that hits 0/0, captured and replayed"
+    )
+    demo.add_argument("--ranks", type=int, default=2)
+    demo.add_argument("--steps", type=int, default=30)
+    demo.add_argument("--run-dir", type=Path, default=Path("runs/demo"))
+    demo.set_defaults(handler=_demo)
+
+
+def _print_json(data: dict[str, Any]) -> None:
+    print(json.dumps(to_jsonable(data), allow_nan=False))
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from trainguard.inspect_bundle import inspect_bundle
+    from trainguard.render import inspect_text
+
+    summary = inspect_bundle(args.bundle)
+    if args.json:
+        _print_json(summary)
+    else:
+        print(inspect_text(summary))
+    return EXIT_OK
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from trainguard.render import replay_text
+    from trainguard.replay import replay
+
+    with contextlib.redirect_stdout(sys.stderr):  # the user's prints must not mix with ours
+        report = replay(
+            args.bundle, args.factory, rank=args.rank, repeats=args.repeats, device=args.device
+        ).to_dict()
+    if args.json:
+        _print_json(report)
+    else:
+        print(replay_text(report))
+    return EXIT_FINDING if report["reproduced"] else EXIT_OK
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from trainguard.demo import DemoError, run_demo
+    from trainguard.render import demo_event_line, demo_text
+
+    print(
+        f"trainguard demo: {args.ranks} ranks on CPU (gloo, DDP), launched with "
+        f"torch.distributed.run; {args.steps} steps; run dir {args.run_dir}",
+        flush=True,
+    )
+
+    def show(event: dict[str, Any]) -> None:
+        line = demo_event_line(event)
+        if line is not None:
+            print(line, flush=True)
+
+    try:
+        result = run_demo(args.ranks, args.steps, args.run_dir, on_event=show)
+    except DemoError as exc:
+        print(f"trainguard: demo: {exc}", file=sys.stderr)
+        return EXIT_FINDING
+    print()
+    print(demo_text(dataclasses.asdict(result)))
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 
-def _jsonable(value: Any) -> Any:
+def to_jsonable(value: Any) -> Any:
+    """``value`` as strict JSON can hold it: NaN/Inf as strings, paths and tuples converted."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # "nan" / "inf": strict JSON has no NaN
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): to_jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set)):
-        return [_jsonable(v) for v in value]
+        return [to_jsonable(v) for v in value]
     if isinstance(value, Path):
         return str(value)
     return value
@@ -40,7 +41,7 @@ class EventLog:
         record: dict[str, Any] = {"time": time.time(), "rank": self.rank, "step": step}
         record["kind"] = kind
         record.update(fields)
-        line = json.dumps(_jsonable(record), allow_nan=False)
+        line = json.dumps(to_jsonable(record), allow_nan=False)
         with self._lock:
             if self._file is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from trainguard import amp
+from trainguard.capture import Capturer, step_evidence
 from trainguard.config import GuardConfig, NonFiniteAction
 from trainguard.consensus import Agreement, Consensus, LocalReport
 from trainguard.data import BatchStream
@@ -109,6 +110,7 @@ class Guard:
         self.progress = Progress()
         self._stream: BatchStream | None = None
         self._micro_losses: list[Tensor] = []
+        self._capturer = Capturer(self.run_dir, self._consensus, self.events)
         self._deferred = uses_fused(optimizer) and scaler is None
         self._pending: PendingStep | None = None
         self._closed = False
@@ -228,7 +230,10 @@ class Guard:
         return bool(pending.ok)
 
     def _resolve_pending(self, raise_errors: bool = True) -> None:
-        """Read the last sync-free step's flags on the host and act on them."""
+        """Read the last sync-free step's flags on the host and act on them.
+
+        Called only where every rank calls it (``step()``, ``check()``, ``close()``, the
+        outcome), since acting may capture (a collective) or raise."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -242,10 +247,13 @@ class Guard:
             return
         self.state.record_bad(pending.step)
         self._log_nonfinite(decision, agreement, pending.stats, pending.step)
+        bundle = None  # capture (issue 3): weights and moments are as before the skipped step
+        if raise_errors:  # not while unwinding: other ranks may not join the capture
+            bundle = self._capture(decision, agreement, pending.stats, pending.step, pending)
         if decision in (Decision.SKIP, Decision.WARN):
             self.events.write("skip", pending.step, consecutive=self.state.consecutive_nonfinite)
         elif raise_errors:
-            raise self._stop_error(decision, agreement, pending.step)
+            raise self._stop_error(decision, agreement, pending.step, bundle)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -300,13 +308,40 @@ class Guard:
             return False
         self.state.record_bad(step)
         self._log_nonfinite(decision, agreement, stats, step)
+        bundle = self._capture(decision, agreement, stats, step)
         if decision is Decision.SKIP:
             self._clear_grads()
             self.events.write("skip", step, consecutive=self.state.consecutive_nonfinite)
         elif decision in (Decision.RAISE, Decision.ESCALATE):
             self._clear_grads()
-            raise self._stop_error(decision, agreement, step)
+            raise self._stop_error(decision, agreement, step, bundle)
         return False
+
+    # -- capture (issue 3): a replay bundle of the bad step; the logic is in capture.py -------
+
+    def _capture(
+        self,
+        decision: Decision,
+        agreement: Agreement,
+        stats: GradStats,
+        step: int,
+        pending: PendingStep | None = None,
+    ) -> Path | None:
+        """On the first bad step and on escalation, every rank writes its part of the bundle
+        (collectively, before the gradients are cleared). Never raises; same path on all ranks.
+        ``pending``: a sync-free step read late brings its own batches, RNG and losses."""
+        if not self.config.capture or not self._capturer.due(decision):
+            return None
+        if pending is not None:
+            batches, rng, losses = pending.batches, pending.rng, pending.losses
+        else:
+            stream = self._stream
+            batches = list(stream.current) if stream is not None else []
+            rng = stream.current_rng if stream is not None else None
+            losses = self._micro_losses
+        evidence = step_evidence(step, decision, agreement, stats, batches, rng, losses)
+        with self.phase("capture"):
+            return self._capturer.capture(self.model, self.optimizer, evidence)
 
     def _clear_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -368,7 +403,11 @@ class Guard:
     # -- lifecycle ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        self._resolve_pending()
+        """The guard's counters, to save with a checkpoint.
+
+        Safe to call on some ranks only (e.g. rank 0): it reads nothing from the device. Under
+        the sync-free ``step()`` the last step's outcome is not read yet, so its counters
+        (``total_nonfinite``...) land in the next state_dict; ``step`` is already counted."""
         return {"format": 1, "state": self.state.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

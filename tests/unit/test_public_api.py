@@ -5,6 +5,7 @@ from __future__ import annotations
 import trainguard as tg
 
 EXPECTED = {
+    "Bundle",
     "BundleError",
     "ConfigError",
     "Decision",
@@ -14,9 +15,13 @@ EXPECTED = {
     "NonFiniteError",
     "PeerFailureError",
     "ReplayError",
+    "ReplayReport",
+    "ReplaySpec",
     "TrainGuardError",
     "__version__",
+    "load_bundle",
     "read_events",
+    "replay",
 }
 
 

@@ -1,0 +1,309 @@
+"""Nested batches: encode them for a bundle, restore them, describe and slice them.
+
+A batch may be any nesting of tensors, dicts (and other mappings), lists, tuples,
+namedtuples and dataclasses, with plain scalars and strings as leaves. For a bundle the
+nesting is encoded into tagged dicts of plain values, so it loads back with
+``torch.load(weights_only=True)`` (no pickled classes: opening a bundle runs no code).
+Containers of user types (dataclasses, namedtuples, mapping subclasses) are rebuilt from
+their recorded ``module:qualname`` when that type can be imported, and fall back to a
+dict / tuple when it cannot.
+
+Dataset indices: when the batch is a mapping with a key ``"index"`` or ``"indices"`` (or a
+dataclass / object with such an attribute) holding one integer per sample (a 1-d integer
+tensor or a list of ints), those are the samples' dataset indices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+TAG = "__trainguard__"
+INDEX_KEYS = ("index", "indices")
+_PRIMITIVES = (str, int, float, bool, type(None))
+
+
+@dataclasses.dataclass(frozen=True)
+class Opaque:
+    """A batch leaf that could not be stored (not a tensor, container or plain scalar)."""
+
+    type_name: str
+    text: str
+
+
+def type_name(obj: Any) -> str:
+    cls = obj if isinstance(obj, type) else type(obj)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_fields")
+
+
+def _is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+# -- encode / decode ------------------------------------------------------------------------
+
+
+def encode(obj: Any) -> Any:
+    """A copy of ``obj`` made of plain values and CPU tensors (detached)."""
+    if isinstance(obj, Tensor):
+        to_local = getattr(obj, "full_tensor", None)  # a DTensor leaf: store it whole
+        tensor = to_local() if callable(to_local) else obj
+        return tensor.detach().cpu()
+    if isinstance(obj, _PRIMITIVES):
+        return obj
+    if _is_dataclass_instance(obj):
+        names = [f.name for f in dataclasses.fields(obj)]
+        values = [encode(getattr(obj, name)) for name in names]
+        return {TAG: "dataclass", "type": type_name(obj), "keys": names, "values": values}
+    if _is_namedtuple(obj):
+        return {
+            TAG: "namedtuple",
+            "type": type_name(obj),
+            "keys": list(obj._fields),
+            "values": [encode(v) for v in obj],
+        }
+    if isinstance(obj, Mapping):
+        keys = [k if isinstance(k, _PRIMITIVES) else repr(k) for k in obj]
+        kind = None if type(obj) is dict else type_name(obj)
+        values = [encode(v) for v in obj.values()]
+        return {TAG: "dict", "type": kind, "keys": keys, "values": values}
+    if isinstance(obj, (list, tuple)):
+        return {
+            TAG: "tuple" if isinstance(obj, tuple) else "list",
+            "values": [encode(v) for v in obj],
+        }
+    return {TAG: "opaque", "type": type_name(obj), "text": repr(obj)[:200]}
+
+
+def _import_type(name: str | None) -> type | None:
+    if not name or ":" not in name:
+        return None
+    module_name, qualname = name.split(":", 1)
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError):
+        return None
+    return obj if isinstance(obj, type) else None
+
+
+def decode(obj: Any, restore_types: bool = True) -> Any:
+    """Rebuild what :func:`encode` stored. ``restore_types=False``: never import user types
+    (dataclasses come back as dicts, namedtuples as tuples)."""
+    if not isinstance(obj, dict) or TAG not in obj:
+        return obj
+    kind = obj[TAG]
+    if kind == "opaque":
+        return Opaque(obj["type"], obj["text"])
+    values = [decode(v, restore_types) for v in obj["values"]]
+    if kind == "list":
+        return values
+    if kind == "tuple":
+        return tuple(values)
+    fields = dict(zip(obj["keys"], values, strict=True))
+    cls = _import_type(obj.get("type")) if restore_types else None
+    if kind == "namedtuple":
+        return cls(*values) if cls is not None else tuple(values)
+    if kind == "dataclass" and cls is not None and dataclasses.is_dataclass(cls):
+        return _build_dataclass(cls, fields)
+    if kind == "dict" and cls is not None:
+        try:
+            return cls(fields)
+        except Exception:
+            return fields
+    return fields
+
+
+def _build_dataclass(cls: type, fields: dict[str, Any]) -> Any:
+    init = {f.name for f in dataclasses.fields(cls) if f.init}
+    try:
+        instance = cls(**{k: v for k, v in fields.items() if k in init})
+    except Exception:
+        return fields
+    for key, value in fields.items():
+        if key not in init:
+            object.__setattr__(instance, key, value)
+    return instance
+
+
+# -- walk ------------------------------------------------------------------------------------
+
+
+def _children(obj: Any) -> list[tuple[str, Any]] | None:
+    """``(path suffix, child)`` pairs of a container, or None for a leaf."""
+    if isinstance(obj, (Tensor, *_PRIMITIVES)):
+        return None
+    if _is_dataclass_instance(obj):
+        return [(f".{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    if _is_namedtuple(obj):
+        return [(f".{name}", value) for name, value in zip(obj._fields, obj, strict=True)]
+    if isinstance(obj, Mapping):
+        return [(f"[{k!r}]", v) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return [(f"[{i}]", v) for i, v in enumerate(obj)]
+    return None
+
+
+def leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """Every leaf with its path, e.g. ``["x"]``, ``[1].labels``."""
+    children = _children(obj)
+    if children is None:
+        yield path, obj
+        return
+    for suffix, child in children:
+        yield from leaves(child, path + suffix)
+
+
+def map_tensors(obj: Any, fn: Callable[[Tensor], Any]) -> Any:
+    """``obj`` with every tensor leaf replaced by ``fn(tensor)`` (same container types)."""
+    if isinstance(obj, Tensor):
+        return fn(obj)
+    return _rebuild(obj, lambda child: map_tensors(child, fn))
+
+
+def _rebuild(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    if _is_dataclass_instance(obj):
+        changes = {f.name: fn(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    if _is_namedtuple(obj):
+        return type(obj)(*(fn(v) for v in obj))
+    if isinstance(obj, Mapping):
+        items = {k: fn(v) for k, v in obj.items()}
+        if type(obj) is dict:
+            return items
+        try:
+            return type(obj)(items)  # type: ignore[call-arg]
+        except Exception:
+            return items
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(fn(v) for v in obj)
+    return obj
+
+
+def tensors(obj: Any) -> list[Tensor]:
+    return [leaf for _, leaf in leaves(obj) if isinstance(leaf, Tensor)]
+
+
+# -- samples ---------------------------------------------------------------------------------
+
+
+def batch_size(obj: Any) -> int | None:
+    """The batch dimension: the leading size most tensor leaves share (None: no tensors)."""
+    sizes = Counter(t.shape[0] for t in tensors(obj) if t.dim() >= 1)
+    if not sizes:
+        return None
+    return sizes.most_common(1)[0][0]
+
+
+def select(obj: Any, positions: Sequence[int], size: int) -> Any:
+    """The sub-batch of the given sample positions. Tensors whose leading dimension is
+    ``size`` are indexed, and so are lists of plain values of length ``size`` below the top
+    level; everything else is kept whole."""
+    index = torch.as_tensor(list(positions), dtype=torch.long)
+
+    def pick(node: Any, top: bool) -> Any:
+        if isinstance(node, Tensor):
+            if node.dim() >= 1 and node.shape[0] == size:
+                return node.index_select(0, index.to(node.device))
+            return node
+        if (
+            not top
+            and isinstance(node, list)
+            and len(node) == size
+            and all(isinstance(v, _PRIMITIVES) for v in node)
+        ):
+            return [node[i] for i in positions]
+        return _rebuild(node, lambda child: pick(child, False))
+
+    return pick(obj, True)
+
+
+def dataset_indices(obj: Any) -> list[int] | None:
+    """The samples' dataset indices from an ``index`` / ``indices`` field, or None."""
+    for key in INDEX_KEYS:
+        if isinstance(obj, Mapping) and key in obj:
+            value = obj[key]
+        elif not isinstance(obj, (Mapping, Tensor, list, tuple)) and hasattr(obj, key):
+            value = getattr(obj, key)
+        else:
+            continue
+        found = _as_int_list(value)
+        if found is not None:
+            return found
+    return None
+
+
+def _as_int_list(value: Any) -> list[int] | None:
+    if isinstance(value, Tensor):
+        if value.dim() != 1 or value.is_floating_point() or value.is_complex():
+            return None
+        return [int(v) for v in value.tolist()]
+    if isinstance(value, (list, tuple)) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        return [int(v) for v in value]
+    return None
+
+
+# -- description -----------------------------------------------------------------------------
+
+
+def describe_leaf(value: Any) -> dict[str, Any]:
+    """Shape, dtype and value statistics of a leaf (non-finite counts, finite min/max)."""
+    if isinstance(value, Tensor):
+        info: dict[str, Any] = {
+            "kind": "tensor",
+            "shape": list(value.shape),
+            "dtype": str(value.dtype).replace("torch.", ""),
+            "bytes": value.numel() * value.element_size(),
+        }
+        info.update(tensor_stats(value))
+        return info
+    if isinstance(value, Opaque):
+        return {"kind": "opaque", "type": value.type_name, "repr": value.text}
+    return {
+        "kind": type(value).__name__,
+        "value": value if isinstance(value, _PRIMITIVES) else None,
+    }
+
+
+def tensor_stats(value: Tensor) -> dict[str, Any]:
+    if value.numel() == 0 or value.dtype == torch.bool:
+        return {}
+    if not (value.is_floating_point() or value.is_complex()):
+        return {"min": int(value.min()), "max": int(value.max())}
+    data = value.detach().float() if value.is_floating_point() else value.detach().abs().float()
+    nan = int(torch.isnan(data).sum())
+    inf = int(torch.isinf(data).sum())
+    finite = data[torch.isfinite(data)]
+    stats: dict[str, Any] = {"nan": nan, "inf": inf}
+    if finite.numel():
+        stats["min"] = _round(float(finite.min()))
+        stats["max"] = _round(float(finite.max()))
+    return stats
+
+
+def _round(value: float) -> float:
+    return value if not math.isfinite(value) else float(f"{value:.6g}")
+
+
+def nonfinite_samples(obj: Any, size: int) -> list[int]:
+    """Positions along the batch dimension whose floating-point values are not all finite."""
+    bad: set[int] = set()
+    for tensor in tensors(obj):
+        if tensor.dim() >= 1 and tensor.shape[0] == size and tensor.is_floating_point():
+            rows = ~torch.isfinite(tensor.detach().reshape(size, -1)).all(dim=1)
+            bad.update(int(i) for i in rows.nonzero().flatten().tolist())
+    return sorted(bad)

@@ -1,0 +1,112 @@
+"""Find the samples whose presence makes a (micro-)batch non-finite, by bisection.
+
+The model: a sub-batch is bad when it holds at least one culprit sample. Each round halves
+the remaining samples, keeping a half that is still bad, down to one sample; when neither
+half is bad alone it splits finer and drops parts (delta debugging), down to a set of
+samples that are bad only together. The round's find is removed and the rest is run again:
+when it is finite the culprits are found; when it is still bad another round starts.
+
+A cause that belongs to the batch as a whole (a class with no sample, a statistic over the
+batch) makes every sub-batch bad, so "culprits" would be every sample. The search stops and
+returns ``[]`` (no single sample to blame) when, after the first round, three other samples
+spread over the batch are each bad alone, or when culprits would exceed half the batch.
+When the run budget (64 runs) is spent first it claims nothing (``complete=False``). A run
+that raises (e.g. BatchNorm with one sample) counts as fine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class Bisection:
+    culprits: list[int]
+    """Positions to blame; empty for a batch-level cause (or when nothing was bad)."""
+    runs: int
+    batch_level: bool
+    """The step is bad without any single sample to blame."""
+    complete: bool = True
+    """False when the run budget ran out before the search ended (nothing is claimed)."""
+
+
+class _Budget:
+    def __init__(self, bad: Callable[[Sequence[int]], bool], max_runs: int) -> None:
+        self._bad = bad
+        self.left = max_runs
+        self.runs = 0
+
+    def bad(self, positions: Sequence[int]) -> bool:
+        self.runs += 1
+        self.left -= 1
+        return self._bad(positions)
+
+
+def _chunks(items: list[int], n: int) -> list[list[int]]:
+    size, extra = divmod(len(items), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + size + (1 if i < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return [c for c in out if c]
+
+
+def _shrink(budget: _Budget, positions: list[int]) -> list[int]:
+    """A 1-minimal bad subset of ``positions`` (which is bad): delta debugging, which is
+    plain halving when one sample is to blame."""
+    current, n = positions, 2
+    while len(current) > 1 and budget.left > 0:
+        chunks = _chunks(current, n)
+        found = next((c for c in chunks if budget.left > 0 and budget.bad(c)), None)
+        if found is not None:
+            current, n = found, 2
+            continue
+        if n > 2:
+            for chunk in chunks:
+                rest = [p for p in current if p not in chunk]
+                if budget.left > 0 and budget.bad(rest):
+                    found = rest
+                    break
+            if found is not None:
+                current, n = found, max(n - 1, 2)
+                continue
+        if n >= len(current):
+            break
+        n = min(len(current), 2 * n)
+    return current
+
+
+def _spread(positions: list[int], count: int) -> list[int]:
+    if len(positions) <= count:
+        return list(positions)
+    step = len(positions) / count
+    return [positions[int(i * step + step / 2)] for i in range(count)]
+
+
+def find_culprits(bad: Callable[[Sequence[int]], bool], size: int, max_runs: int = 64) -> Bisection:
+    """Bisect ``range(size)``; ``bad(positions)`` runs the step on those samples only."""
+    budget = _Budget(bad, max_runs)
+    remaining = list(range(size))
+    culprits: list[int] = []
+    while remaining and budget.left > 0:
+        found = _shrink(budget, remaining)
+        if budget.left <= 0:
+            return Bisection([], budget.runs, batch_level=False, complete=False)
+        culprits.extend(found)
+        remaining = [p for p in remaining if p not in found]
+        if 2 * len(culprits) > size or not remaining:
+            break
+        if not budget.bad(remaining):
+            return Bisection(sorted(culprits), budget.runs, batch_level=False)
+        if len(culprits) == len(found) and _all_bad_alone(budget, _spread(remaining, 3)):
+            break
+    return Bisection([], budget.runs, batch_level=True)
+
+
+def _all_bad_alone(budget: _Budget, probes: list[int]) -> bool:
+    for position in probes:
+        if budget.left <= 0 or not budget.bad([position]):
+            return False
+    return bool(probes)

@@ -1,0 +1,389 @@
+"""Writing a capture bundle on a bad step, from every rank, atomically (format: bundle.py).
+
+Every rank reaches the same decision on a bad step, so the capture may use collectives:
+
+1. the ranks agree on a temporary folder ``captures/.tmp-step-{step:08d}-{token}``;
+2. each rank writes ``rank-{r}/`` into it (FSDP2: plus its shard under ``dcp/`` with
+   torch.distributed.checkpoint, a collective that reports any rank's failure to all);
+3. the ranks gather their file checksums (or their errors) on rank 0, which writes
+   ``manifest.json`` last and renames the folder to ``step-{step:08d}``;
+4. rank 0's outcome is shared, so every rank returns the same path (or None).
+
+A failure to write (disk full, permission, a rank that cannot see the shared run_dir) is
+caught on every rank: the temporary folder is removed, a ``capture_failed`` event and a log
+line say why, and the run goes on as the policy says. ``run_dir`` must be a folder all ranks
+see (a shared filesystem on multi-node runs), as for torch.distributed.checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import platform
+import secrets
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from trainguard import batchtree
+from trainguard.bundle import (
+    DCP_DIR,
+    FORMAT,
+    MANIFEST,
+    TMP_PREFIX,
+    VERSION,
+    FileRecord,
+    encode_rng,
+    fsync_dir,
+    hash_file,
+    write_json,
+    write_torch,
+)
+from trainguard.consensus import Agreement, Consensus
+from trainguard.detect import GradStats
+from trainguard.events import EventLog
+from trainguard.policy import Decision
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepEvidence:
+    """What the guard knows about a bad step when it captures it."""
+
+    step: int
+    decision: Decision
+    agreement: Agreement
+    bad_params: list[str]
+    """This rank's parameters whose gradients are not finite."""
+    param_grad_norms: dict[str, float]
+    local_grad_norm: float
+    micro_losses: list[float]
+    micro_batches: list[Any] | None
+    """The step's micro-batches (references), or None when the loop did not use watch()."""
+    rng: dict[str, Any] | None
+    """RNG states taken before the step's first micro-batch."""
+    reason: str = "first_bad_step"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def step_evidence(
+    step: int,
+    decision: Decision,
+    agreement: Agreement,
+    stats: GradStats,
+    micro_batches: list[Any],
+    rng: dict[str, Any] | None,
+    micro_losses: list[Tensor],
+) -> StepEvidence:
+    """Collect the evidence of a bad step (host reads: bad steps only)."""
+    norms = stats.norms.tolist() if stats.norms is not None else []
+    return StepEvidence(
+        step=step,
+        decision=decision,
+        agreement=agreement,
+        bad_params=stats.bad_names(),
+        param_grad_norms=dict(zip(stats.names, norms, strict=True)),
+        local_grad_norm=math.sqrt(float(stats.sumsq))
+        if math.isfinite(float(stats.sumsq))
+        else math.inf,
+        micro_losses=[float(loss.float().mean()) for loss in micro_losses],
+        micro_batches=list(micro_batches) if micro_batches else None,
+        rng=rng,
+        reason="escalation" if decision is Decision.ESCALATE else "first_bad_step",
+    )
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP / torch.compile wrappers (state dict keys without prefix)."""
+    inner = model
+    while type(inner).__name__ in ("DistributedDataParallel", "OptimizedModule"):
+        attr = "module" if type(inner).__name__ == "DistributedDataParallel" else "_orig_mod"
+        wrapped = getattr(inner, attr, None)
+        if not isinstance(wrapped, nn.Module):
+            break
+        inner = wrapped
+    return inner
+
+
+def is_sharded_model(model: nn.Module) -> bool:
+    """Parameters are DTensors (FSDP2 ``fully_shard``): weights are saved with DCP."""
+    return any(hasattr(p, "to_local") for p in model.parameters())
+
+
+class Capturer:
+    """Writes bundles for one Guard: on the first bad step, and again on escalation."""
+
+    def __init__(self, run_dir: Path, consensus: Consensus, events: EventLog) -> None:
+        self.folder = Path(run_dir) / "captures"
+        self._consensus = consensus
+        self._events = events
+        self._first_done = False
+        self.bundles: list[Path] = []
+
+    @property
+    def rank(self) -> int:
+        return self._consensus.rank
+
+    def due(self, decision: Decision) -> bool:
+        """Capture this bad step? The first one of the run, and every escalation."""
+        if decision in (Decision.OK, Decision.OVERFLOW):
+            return False
+        return not self._first_done or decision is Decision.ESCALATE
+
+    def capture(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, evidence: StepEvidence
+    ) -> Path | None:
+        """Write the bundle on every rank (collective); the same path or None on every rank."""
+        self._first_done = True
+        start = time.monotonic()
+        try:
+            path, error = self._capture(model, optimizer, evidence)
+        except Exception as exc:  # a failed collective: never take the run down here
+            path, error = None, f"{type(exc).__name__}: {exc}"
+        seconds = time.monotonic() - start
+        if path is not None:
+            self.bundles.append(path)
+            size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+            self._events.write(
+                "capture",
+                evidence.step,
+                path=path,
+                reason=evidence.reason,
+                bytes=size,
+                seconds=round(seconds, 3),
+            )
+            if self.rank == 0:
+                logger.warning(
+                    "trainguard: step %d captured to %s (%.1f MB in %.2fs); replay it with "
+                    "`trainguard replay %s --factory MODULE:FUNC`",
+                    evidence.step,
+                    path,
+                    size / 1e6,
+                    seconds,
+                    path,
+                )
+            return path
+        self._events.write("capture_failed", evidence.step, error=error, reason=evidence.reason)
+        logger.error(
+            "trainguard: rank %d: step %d could not be captured under %s: %s; training goes "
+            "on as the policy says",
+            self.rank,
+            evidence.step,
+            self.folder,
+            error,
+        )
+        return None
+
+    # -- the collective write ------------------------------------------------------------
+
+    def _gather(self, obj: Any) -> list[Any]:
+        consensus = self._consensus
+        if not consensus.distributed or consensus.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * consensus.world_size
+        dist.all_gather_object(out, obj, group=consensus.group)
+        return out
+
+    def _capture(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, evidence: StepEvidence
+    ) -> tuple[Path | None, str | None]:
+        token = self._gather(secrets.token_hex(4))[0]
+        tmp = self.folder / f"{TMP_PREFIX}step-{evidence.step:08d}-{token}"
+        sharded = is_sharded_model(model)
+        records: dict[str, FileRecord] = {}
+        error: str | None = None
+        try:
+            records = write_rank(tmp, self.rank, model, optimizer, evidence, sharded)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        if sharded:  # every rank joins the DCP collective, even after a local failure
+            try:
+                records.update(self._save_shards(tmp, model, optimizer))
+            except Exception as exc:
+                error = error or f"torch.distributed.checkpoint: {type(exc).__name__}: {exc}"
+        results = self._gather((self.rank, records, error))
+        outcome: tuple[str | None, str | None] = (None, None)
+        if self.rank == 0:
+            outcome = self._publish(tmp, evidence, sharded, results)
+        path, failure = self._gather(outcome)[0]
+        return (Path(path) if path else None), failure
+
+    def _save_shards(
+        self, tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, FileRecord]:
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        state = {
+            "model": get_model_state_dict(model),
+            "optimizer": get_optimizer_state_dict(model, optimizer),
+        }
+        folder = tmp / DCP_DIR
+        save(state, checkpoint_id=str(folder), process_group=self._consensus.group)
+        if self.rank != 0:
+            return {}
+        return {
+            f"{DCP_DIR}/{p.name}": hash_file(p) for p in sorted(folder.iterdir()) if p.is_file()
+        }
+
+    def _publish(
+        self,
+        tmp: Path,
+        evidence: StepEvidence,
+        sharded: bool,
+        results: list[tuple[int, dict[str, FileRecord], str | None]],
+    ) -> tuple[str | None, str | None]:
+        errors = [f"rank {rank}: {error}" for rank, _, error in results if error]
+        files = {name: rec for _, recs, _ in results for name, rec in recs.items()}
+        unseen = sorted(name for name in files if not (tmp / name).is_file())
+        if unseen and not errors:
+            errors.append(
+                f"rank 0 cannot see {unseen[0]}: run_dir must be on a filesystem every rank shares"
+            )
+        if errors:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return None, "; ".join(errors)
+        try:
+            manifest = build_manifest(evidence, sharded, self._consensus.world_size, files)
+            write_json(tmp / MANIFEST, manifest)
+            final = self._final_path(evidence.step)
+            os.rename(tmp, final)
+            fsync_dir(self.folder)
+        except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return None, f"rank 0: {type(exc).__name__}: {exc}"
+        return str(final), None
+
+    def _final_path(self, step: int) -> Path:
+        final = self.folder / f"step-{step:08d}"
+        n = 1
+        while final.exists():  # a resumed run that fails at the same step keeps both bundles
+            final = self.folder / f"step-{step:08d}.{n}"
+            n += 1
+        return final
+
+
+def build_manifest(
+    evidence: StepEvidence, sharded: bool, world_size: int, files: dict[str, FileRecord]
+) -> dict[str, Any]:
+    agreement = evidence.agreement
+    now = datetime.now(timezone.utc)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": evidence.step,
+        "world_size": world_size,
+        "saved_ranks": list(range(world_size)),
+        "trigger": agreement.where,
+        "ranks": agreement.ranks,
+        "loss_ranks": agreement.loss_ranks,
+        "grad_ranks": agreement.grad_ranks,
+        "losses": agreement.losses,
+        "grad_norm": agreement.grad_norm(),
+        "decision": evidence.decision.value,
+        "reason": evidence.reason,
+        "sharded": sharded,
+        "time": now.timestamp(),
+        "time_utc": now.isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "trainguard": _version(),
+        "files": {
+            name: {"sha256": r.sha256, "bytes": r.bytes} for name, r in sorted(files.items())
+        },
+    }
+
+
+def _version() -> str:
+    module = sys.modules.get("trainguard")  # not imported at the top: trainguard imports us
+    return str(getattr(module, "__version__", "unknown"))
+
+
+def write_rank(
+    tmp: Path,
+    rank: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    evidence: StepEvidence,
+    sharded: bool,
+) -> dict[str, FileRecord]:
+    """Write ``rank-{rank}/`` under ``tmp``; returns checksums keyed by bundle-relative path."""
+    folder = tmp / f"rank-{rank}"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    inner = unwrap(model)
+    micro = evidence.micro_batches
+    files: dict[str, Any] = {
+        "batch.pt": {"micro_batches": [batchtree.encode(b) for b in micro or []]},
+        "rng.pt": encode_rng(evidence.rng) if evidence.rng is not None else {},
+    }
+    if not sharded:
+        files["model.pt"] = {k: v.detach().cpu() for k, v in inner.state_dict().items()}
+        files["optimizer.pt"] = optimizer.state_dict()
+    records = {
+        f"rank-{rank}/{name}": write_torch(folder / name, obj) for name, obj in files.items()
+    }
+    meta = rank_meta(rank, inner, evidence)
+    records[f"rank-{rank}/meta.json"] = write_json(folder / "meta.json", meta)
+    return records
+
+
+def rank_meta(rank: int, model: nn.Module, evidence: StepEvidence) -> dict[str, Any]:
+    agreement = evidence.agreement
+    micro = evidence.micro_batches
+    indices = [batchtree.dataset_indices(b) for b in micro] if micro is not None else None
+    return {
+        "rank": rank,
+        "step": evidence.step,
+        "loss": agreement.losses[rank],
+        "micro_losses": evidence.micro_losses,
+        "loss_finite": rank not in agreement.loss_ranks,
+        "grad_finite": rank not in agreement.grad_ranks,
+        "local_grad_norm": evidence.local_grad_norm,
+        "grad_norm": agreement.grad_norm(),
+        "nonfinite_params": evidence.bad_params,
+        "param_grad_norms": evidence.param_grad_norms,
+        "batch_stored": micro is not None,
+        "micro_batches": len(micro) if micro is not None else 0,
+        "dataset_indices": indices if indices and any(i is not None for i in indices) else None,
+        "rng_stored": evidence.rng is not None,
+        "model_class": batchtree.type_name(model),
+        "model_training": model.training,
+        "env": environment(rank, model),
+        **evidence.extra,
+    }
+
+
+def environment(rank: int, model: nn.Module) -> dict[str, Any]:
+    device = next((str(p.device) for p in model.parameters()), "cpu")
+    env: dict[str, Any] = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "rank": rank,
+        "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
+        "device": device,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "backend": str(dist.get_backend())
+        if dist.is_available() and dist.is_initialized()
+        else None,
+    }
+    if torch.cuda.is_available() and device.startswith("cuda"):
+        env["cuda_device"] = torch.cuda.get_device_name(torch.device(device))
+        env["cuda"] = torch.version.cuda
+    return env

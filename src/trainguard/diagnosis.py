@@ -1,0 +1,196 @@
+"""From a traced re-run to a diagnosis: the phase, the op, the module, and one plain sentence."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from trainguard import batchtree
+from trainguard.localize import (
+    ModuleStack,
+    NonFiniteTracer,
+    OpSite,
+    Origin,
+    seed_inputs,
+    seed_parameters,
+)
+from trainguard.stepper import RunResult, StepRunner
+
+PHASES = ("inputs", "forward", "loss", "backward")
+VERDICTS = ("bad_input", "numerical", "not_reproduced")
+
+
+@dataclass
+class Finding:
+    """Where a reproduced step went non-finite."""
+
+    phase: str | None
+    origin: Origin | None
+    result: RunResult
+    input_origins: list[Origin] = field(default_factory=list)
+    parameter_origins: list[Origin] = field(default_factory=list)
+
+    @property
+    def op(self) -> str | None:
+        return self.origin.site.op if self.origin and self.origin.site else None
+
+    @property
+    def module(self) -> str | None:
+        site = self.origin.site if self.origin else None
+        if site is not None:
+            return site.module
+        if self.origin is not None and self.origin.kind == "parameter" and self.origin.label:
+            return self.origin.label.rpartition(".")[0] or None
+        return None
+
+    @property
+    def source(self) -> str | None:
+        return self.origin.site.source if self.origin and self.origin.site else None
+
+    @property
+    def verdict(self) -> str:
+        return "bad_input" if self.phase == "inputs" else "numerical"
+
+
+def locate(runner: StepRunner, micro: int) -> Finding:
+    """Re-run micro-batch ``micro`` under the tracer and name the origin of the bad values."""
+    modules = ModuleStack(runner.model)
+    tracer = NonFiniteTracer(modules)
+    batch = runner.micro_batches[micro]
+    inputs = seed_inputs(tracer, batch, batchtree.leaves, batchtree.batch_size(batch))
+    params = seed_parameters(tracer, runner.model)
+    with modules, tracer:
+        result = runner.run(micro=micro, tracer=tracer, keep_loss=True)
+    phase, origin = _phase_and_origin(result, tracer, inputs, params)
+    return Finding(phase, origin, result, inputs, params)
+
+
+def _phase_and_origin(
+    result: RunResult, tracer: NonFiniteTracer, inputs: list[Origin], params: list[Origin]
+) -> tuple[str | None, Origin | None]:
+    if not result.loss_finite:
+        loss = result.loss_tensor
+        origin = tracer.origin_of(loss) if isinstance(loss, Tensor) else None
+        origin = origin or tracer.first("forward") or next(iter(inputs + params), None)
+        if origin is None:
+            return ("inputs" if inputs else "forward"), None
+        if origin.kind == "input":
+            return "inputs", origin
+        if origin.kind == "parameter" or origin.site is None:
+            return "forward", origin
+        return ("forward" if origin.site.in_model else "loss"), origin
+    if not result.grads_finite:
+        return "backward", tracer.first("backward")
+    return None, None
+
+
+# -- the sentence --------------------------------------------------------------------------
+
+
+def _file_line(source: str | None) -> str:
+    if not source:
+        return "unknown line"
+    path, _, line = source.rpartition(":")
+    return f"{os.path.basename(path)}:{line}"
+
+
+def _where(site: OpSite) -> str:
+    if site.module is None:
+        return "loss_fn, outside any module"
+    if not site.in_model:
+        return f"{site.module} (a module outside the model)"
+    return site.module
+
+
+def culprit_text(culprits: list[dict[str, Any]], batch_level: bool, complete: bool = True) -> str:
+    if not culprits:
+        if batch_level:
+            return "no single sample is to blame: the cause is the batch as a whole"
+        if not complete:
+            return "the samples to blame were not searched for to the end (bisection budget)"
+        return "no sample was singled out"
+    positions = ", ".join(
+        str(c["position"])
+        if c.get("micro_batch", 0) == 0
+        else f"{c['position']} of micro-batch {c['micro_batch']}"
+        for c in culprits
+    )
+    indices = [c["index"] for c in culprits if c.get("index") is not None]
+    noun = "sample" if len(culprits) == 1 else "samples"
+    extra = ""
+    if indices:
+        label = "index" if len(indices) == 1 else "indices"
+        extra = f" (dataset {label} {', '.join(map(str, indices))})"
+    verb = "alone makes" if len(culprits) == 1 else "make"
+    return f"{noun} {positions} of the batch{extra} {verb} the step non-finite"
+
+
+def summarize(
+    finding: Finding, culprits: list[dict[str, Any]], batch_level: bool, complete: bool = True
+) -> str:
+    origin, phase = finding.origin, finding.phase
+    who = culprit_text(culprits, batch_level, complete)
+    if origin is None:
+        what = {
+            "inputs": "the batch holds non-finite values",
+            "backward": "the forward pass was finite but the gradients were not",
+        }.get(phase or "", f"the step went non-finite in the {phase} phase")
+        return f"The step reproduced ({what}), but no single op could be named; {who}."
+    if origin.kind == "input":
+        return f"The batch itself is bad: {origin.detail}; {who}. Fix or filter the data."
+    if origin.kind == "parameter":
+        return (
+            f"The weights were already non-finite before this step ({origin.detail}): an "
+            "earlier update corrupted them; roll back to a good checkpoint."
+        )
+    site = origin.site
+    if site is None:
+        return f"The step reproduced ({origin.detail}); {who}."
+    detail = f" ({origin.detail})" if origin.detail else ""
+    inputs = "finite inputs" if origin.inputs_finite else "inputs holding ±inf but no NaN"
+    made = origin.value.replace("nan", "NaN")
+    if origin.kind == "constant":
+        action = f"brought a non-finite constant ({made})"
+        return f"{site.op} in {_where(site)} ({_file_line(site.source)}) {action}{detail}; {who}."
+    if phase == "backward":
+        forward = site.forward
+        of = f"{forward.op} in {_where(site)} ({_file_line(forward.source)})" if forward else "?"
+        return (
+            f"The forward pass was finite; in the backward pass {site.op} ({site.grad_fn}, the "
+            f"gradient of {of}) turned finite gradients into {made}{detail}; {who}."
+        )
+    return (
+        f"{site.op} in {_where(site)} ({_file_line(site.source)}) turned {inputs} into "
+        f"{made}{detail}; {who}."
+    )
+
+
+def not_reproduced_summary(
+    runs: list[RunResult], deterministic: bool, device: str, meta: dict[str, Any]
+) -> str:
+    recorded = meta.get("loss")
+    where = "loss" if not meta.get("loss_finite", True) else "gradients"
+    host = (meta.get("env") or {}).get("host", "the same host")
+    n = len(runs)
+    loss = runs[0].losses[0] if runs and runs[0].losses else math.nan
+    if not deterministic:
+        return (
+            f"The step did not reproduce: {n} replays on {device} were finite but differ bit "
+            f"for bit (nondeterministic kernels), while rank {meta.get('rank')} recorded "
+            f"non-finite {where}; rerun with more --repeats, under "
+            "torch.use_deterministic_algorithms(True), or on the device it failed on."
+        )
+    same = ""
+    if isinstance(recorded, (int, float)) and math.isclose(recorded, loss, rel_tol=1e-5):
+        same = ", the same loss as recorded"
+    return (
+        f"The step did not reproduce: {n} replays on {device} gave a finite loss ({loss:.6g}"
+        f"{same}) and finite gradients, bit for bit the same, while rank {meta.get('rank')} "
+        f"recorded non-finite {where}; the fault came from outside this forward and backward "
+        "(a transient hardware or communication fault, or a gradient changed after backward): "
+        f"rerun it on another device (--device) or another host than {host}."
+    )

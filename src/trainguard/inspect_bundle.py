@@ -1,0 +1,89 @@
+"""What a bundle holds, without replaying it: ``trainguard inspect BUNDLE [--json]``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from trainguard import batchtree
+from trainguard.bundle import Bundle, load_bundle
+
+MAX_PARAMS = 20
+
+
+def inspect_bundle(path: Path | str | Bundle) -> dict[str, Any]:
+    """A JSON-ready summary: what happened, where, which ranks, per-rank loss, bad
+    parameters, the batch's structure with shapes, dtypes and value statistics, and sizes."""
+    bundle = path if isinstance(path, Bundle) else load_bundle(path)
+    manifest = bundle.manifest
+    files = bundle.files
+    return {
+        "bundle": str(bundle.path),
+        "format": f"{manifest['format']} v{manifest['version']}",
+        "step": bundle.step,
+        "trigger": bundle.trigger,
+        "ranks": bundle.ranks,
+        "loss_ranks": manifest.get("loss_ranks", []),
+        "grad_ranks": manifest.get("grad_ranks", []),
+        "world_size": bundle.world_size,
+        "decision": manifest.get("decision"),
+        "reason": manifest.get("reason"),
+        "time_utc": manifest.get("time_utc"),
+        "torch": manifest.get("torch"),
+        "python": manifest.get("python"),
+        "sharded": bundle.sharded,
+        "grad_norm": manifest.get("grad_norm"),
+        "bytes": sum(int(rec.get("bytes", 0)) for rec in files.values()),
+        "weights_identical_across_ranks": _weights_identical(bundle),
+        "per_rank": [_rank_summary(bundle, rank) for rank in bundle.saved_ranks],
+    }
+
+
+def _weights_identical(bundle: Bundle) -> bool | None:
+    """Replicated (DDP) runs: do the ranks' weight files have the same checksum?"""
+    if bundle.sharded or bundle.world_size < 2:
+        return None
+    sums = {bundle.files.get(f"rank-{r}/model.pt", {}).get("sha256") for r in bundle.saved_ranks}
+    return len(sums) == 1
+
+
+def _rank_summary(bundle: Bundle, rank: int) -> dict[str, Any]:
+    meta = bundle.meta(rank)
+    env = meta.get("env") or {}
+    prefix = f"rank-{rank}/"
+    sizes = {
+        name.removeprefix(prefix): int(rec.get("bytes", 0))
+        for name, rec in bundle.files.items()
+        if name.startswith(prefix)
+    }
+    bad = list(meta.get("nonfinite_params") or [])
+    summary: dict[str, Any] = {
+        "rank": rank,
+        "saw_it": rank in bundle.ranks,
+        "host": env.get("host"),
+        "device": env.get("device"),
+        "loss": meta.get("loss"),
+        "micro_losses": meta.get("micro_losses"),
+        "local_grad_norm": meta.get("local_grad_norm"),
+        "nonfinite_params": bad[:MAX_PARAMS],
+        "nonfinite_params_total": len(bad),
+        "dataset_indices": meta.get("dataset_indices"),
+        "files": sizes,
+        "batch": None,
+    }
+    if meta.get("batch_stored", True):
+        micro = bundle.batches(rank, restore_types=False)
+        summary["batch"] = [_describe(b) for b in micro]
+    return summary
+
+
+def _describe(batch: Any) -> dict[str, Any]:
+    leaves = [
+        {"path": path or "(batch)", **batchtree.describe_leaf(leaf)}
+        for path, leaf in batchtree.leaves(batch)
+    ]
+    return {
+        "type": type(batch).__name__,
+        "batch_size": batchtree.batch_size(batch),
+        "leaves": leaves,
+    }

@@ -1,0 +1,191 @@
+"""Plain-text views of ``inspect`` summaries and ``replay`` reports (the CLI prints them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "kB", "MB"):
+        if value < 1000:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} GB"
+
+
+def _num(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def _loss(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def _indices(indices: list[int] | None) -> str:
+    if not indices:
+        return "not recorded"
+    if indices == list(range(indices[0], indices[0] + len(indices))):
+        return f"{indices[0]}..{indices[-1]}"
+    shown = ", ".join(map(str, indices[:8]))
+    return shown + (", ..." if len(indices) > 8 else "")
+
+
+def inspect_text(summary: dict[str, Any]) -> str:
+    lines = [
+        f"bundle    {summary['bundle']}  ({summary['format']}, {_size(summary['bytes'])}, "
+        f"{summary['world_size']} rank{'s' if summary['world_size'] != 1 else ''}"
+        f"{', FSDP2 shards' if summary['sharded'] else ''})",
+        f"step {summary['step']}: non-finite {summary['trigger']} on ranks {summary['ranks']} "
+        f"(loss on {summary['loss_ranks']}, gradients on {summary['grad_ranks']}); "
+        f"decision {summary['decision']} ({summary['reason']}), {summary['time_utc']}",
+        f"versions  torch {summary['torch']}, python {summary['python']}",
+    ]
+    same = summary.get("weights_identical_across_ranks")
+    if same is not None:
+        lines.append(
+            f"weights   identical across ranks: {'yes' if same else 'NO (ranks diverged)'}"
+        )
+    for rank in summary["per_rank"]:
+        lines.append("")
+        lines.extend(_rank_text(rank))
+    return "\n".join(lines)
+
+
+def _rank_text(rank: dict[str, Any]) -> list[str]:
+    mark = "  <- non-finite here" if rank["saw_it"] else ""
+    micro = rank.get("micro_losses") or []
+    losses = f" (micro-batches: {', '.join(_num(v) for v in micro)})" if len(micro) > 1 else ""
+    lines = [
+        f"rank {rank['rank']}{mark}",
+        f"  host {rank['host']}, device {rank['device']}, loss {_num(rank['loss'])}{losses}, "
+        f"local grad norm {_num(rank['local_grad_norm'])}",
+    ]
+    bad = rank["nonfinite_params"]
+    more = rank["nonfinite_params_total"] - len(bad)
+    shown = ", ".join(bad) + (f" and {more} more" if more > 0 else "")
+    lines.append(f"  non-finite gradients: {shown or 'none'}")
+    indices = rank.get("dataset_indices") or []
+    for i, batch in enumerate(rank.get("batch") or []):
+        label = f"micro-batch {i}" if len(rank["batch"]) > 1 else "batch"
+        idx = indices[i] if i < len(indices) else None
+        lines.append(
+            f"  {label}: {batch['type']}, {batch['batch_size']} samples, dataset indices "
+            f"{_indices(idx)}"
+        )
+        lines.extend(f"    {_leaf_text(leaf)}" for leaf in batch["leaves"])
+    if rank.get("batch") is None:
+        lines.append("  batch: not stored (the loop did not use guard.watch)")
+    files = ", ".join(f"{name} {_size(size)}" for name, size in sorted(rank["files"].items()))
+    lines.append(f"  files: {files}")
+    return lines
+
+
+def _leaf_text(leaf: dict[str, Any]) -> str:
+    if leaf["kind"] != "tensor":
+        value = leaf.get("value", leaf.get("repr"))
+        return f"{leaf['path']:<24} {leaf['kind']} {value!r}"
+    shape = "[" + ", ".join(map(str, leaf["shape"])) + "]"
+    stats = []
+    if "nan" in leaf:
+        bad = leaf["nan"] + leaf["inf"]
+        stats.append(
+            f"non-finite {bad} (nan {leaf['nan']}, inf {leaf['inf']})" if bad else "finite"
+        )
+    if "min" in leaf:
+        stats.append(f"min {_num(leaf['min'])} max {_num(leaf['max'])}")
+    return f"{leaf['path']:<24} {leaf['dtype']:<9} {shape:<14} {'  '.join(stats)}"
+
+
+def replay_text(report: dict[str, Any]) -> str:
+    def yes(value: bool) -> str:
+        return "yes" if value else "no"
+
+    runs = f"{report.get('nonfinite_runs', 0)}/{report.get('repeats', 0)} replays non-finite"
+    culprits = report["culprit_samples"]
+    if culprits:
+        shown = ", ".join(
+            f"{c['position']}"
+            + (f" (index {c['index']})" if c.get("index") is not None else "")
+            + (f" in micro-batch {c['micro_batch']}" if c.get("micro_batch") else "")
+            for c in culprits
+        )
+    else:
+        shown = "none" if not report["reproduced"] else "none: no single sample is to blame"
+    module = report["module"] or ("- (outside any module)" if report["op"] else "-")
+    op = report["op"] or "-"
+    if report.get("op_detail") and report["op"]:
+        op += f"   {report['op_detail']}"
+    backward = report.get("backward")
+    lines = [
+        f"replay    {report.get('bundle')} (step {report.get('step')}, rank {report.get('rank')} "
+        f"of {report.get('world_size')}, on {report.get('device')})",
+        f"reproduced     {yes(report['reproduced'])} ({runs})",
+        f"deterministic  {yes(report['deterministic'])}",
+        f"phase          {report['phase'] or '-'}",
+        f"op             {op}",
+    ]
+    if backward:
+        lines.append(
+            f"               in {backward['grad_fn']}, the gradient of {backward['forward_op']}"
+        )
+    lines += [
+        f"module         {module}",
+        f"source         {report['source'] or '-'}"
+        + (f"   {report['code']}" if report.get("code") else ""),
+        f"culprits       {shown}",
+        f"verdict        {report['verdict']}",
+        "",
+        report["summary"],
+    ]
+    return "\n".join(lines)
+
+
+def demo_event_line(event: dict[str, Any], every: int = 5) -> str | None:
+    """One progress line for a rank-0 event of the demo run, or None to stay quiet."""
+    kind, step = event.get("kind"), event.get("step")
+    if kind == "demo_progress":
+        steps = int(event.get("steps", 0))
+        if not event.get("ok") or (step is not None and (step + 1) % every and step + 1 != steps):
+            return None
+        done = (step or 0) + 1
+        bar = "#" * (20 * done // max(steps, 1))
+        return f"  step {done:>3}/{steps}  loss {_loss(event.get('loss'))}  [{bar:<20}]"
+    if kind == "nonfinite":
+        return (
+            f"  step {step:>3}: non-finite {event.get('where')} on rank(s) {event.get('ranks')}"
+            f" -> every rank {event.get('action')}s it"
+        )
+    if kind == "capture":
+        return (
+            f"  step {step:>3}: captured to {event.get('path')} "
+            f"({_size(int(event.get('bytes', 0)))} in {event.get('seconds')} s)"
+        )
+    if kind == "capture_failed":
+        return f"  step {step:>3}: capture failed: {event.get('error')}"
+    return None
+
+
+def demo_text(result: dict[str, Any]) -> str:
+    """The end of the demo: what training did, then the replay's diagnosis."""
+    report = result["report"]
+    lines = [
+        f"training done in {result['train_seconds']:.1f} s: {result['skipped']} step skipped, "
+        f"final loss {_loss(result['final_loss'])}",
+        "",
+        f"trainguard replay {result['bundle']} --factory trainguard.demo:make_replay "
+        f"({result['replay_seconds']:.1f} s):",
+        "",
+        replay_text(report),
+    ]
+    missing = result.get("missing_classes")
+    if missing:
+        lines += [
+            "",
+            f"(The demo knows its loss: element [k] of the per-class vector is class k, and "
+            f"rank {report.get('rank')}'s batch has no sample of class "
+            f"{', '.join(map(str, missing))}.)",
+        ]
+    return "\n".join(lines)

@@ -1,0 +1,203 @@
+"""Replay of real captured bundles: phase, op, module, source and culprit samples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tg_capture_models as models
+import torch
+from torch import Tensor, nn
+
+import trainguard as tg
+from trainguard.bisect import find_culprits
+from trainguard.replay import KEYS, resolve_factory
+from trainguard.testing import Fault, FaultPlan
+
+pytestmark = pytest.mark.timeout(60)
+
+SUPPORT = "tg_capture_models.py"
+
+
+def _capture(scenario: str, run_dir: Path, **kwargs: Any) -> Path:
+    data = models.batches(scenario, 4, bad_step=2)
+    models.train(models.make_model(scenario), models.loss_of(scenario), data, run_dir, **kwargs)
+    (bundle,) = sorted((run_dir / "captures").glob("step-*"))
+    return bundle
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """One real captured bundle per scenario, replayed with a freshly built model."""
+    factories = {
+        "forward": models.forward_factory,
+        "loss": models.loss_factory,
+        "backward": models.backward_factory,
+        "inputs": models.clean_factory,
+    }
+    out = {}
+    for scenario, factory in factories.items():
+        bundle = _capture(scenario, tmp_path_factory.mktemp(scenario))
+        out[scenario] = tg.replay(bundle, factory).to_dict()
+    plan = FaultPlan([Fault(step=1, where="grad")])  # a one-off fault after backward
+    data = models.batches("clean", 3, bad_step=-1)
+    run_dir = tmp_path_factory.mktemp("transient")
+    models.train(models.make_model("clean"), models.ce_loss, data, run_dir, plan=plan)
+    (bundle,) = (run_dir / "captures").glob("step-*")
+    out["transient"] = tg.replay(bundle, models.clean_factory).to_dict()
+    return out
+
+
+def _sample(position: int = 5, step: int = 2) -> dict[str, int]:
+    return {"micro_batch": 0, "position": position, "index": 1000 + step * models.BATCH + position}
+
+
+def test_every_report_has_the_contract_keys(reports: dict[str, dict[str, Any]]) -> None:
+    for report in reports.values():
+        assert list(report)[: len(KEYS)] == list(KEYS)
+        assert report["verdict"] in ("bad_input", "numerical", "not_reproduced")
+        assert report["summary"].endswith(".") and "\n" not in report["summary"]
+
+
+def test_nan_made_in_a_named_submodule_by_one_sample(reports: dict[str, dict[str, Any]]) -> None:
+    r = reports["forward"]
+    assert (r["reproduced"], r["deterministic"], r["verdict"]) == (True, True, "numerical")
+    assert (r["phase"], r["op"], r["module"]) == ("forward", "aten.div", "encoder.layers.0.norm")
+    assert r["source"].endswith(f"{SUPPORT}:29") and "x.norm" in r["code"]
+    assert r["culprit_samples"] == [_sample()]
+    assert "aten.div(0.0, 0.0) = nan" in r["op_detail"]
+    assert "encoder.layers.0.norm" in r["summary"] and "dataset index 1021" in r["summary"]
+
+
+def test_division_by_zero_in_the_loss_outside_any_module(
+    reports: dict[str, dict[str, Any]],
+) -> None:
+    r = reports["loss"]
+    assert (r["phase"], r["op"], r["module"], r["verdict"]) == (
+        "loss",
+        "aten.div",
+        None,
+        "numerical",
+    )
+    assert "sums / counts" in r["code"]
+    assert r["culprit_samples"] == []  # the batch lacks a class: no single sample to blame
+    assert "no single sample is to blame" in r["summary"]
+    assert f"at [{models.CLASSES - 1}]" in r["op_detail"]
+
+
+def test_gradient_nonfinite_while_forward_is_finite(reports: dict[str, dict[str, Any]]) -> None:
+    r = reports["backward"]
+    assert (r["phase"], r["op"], r["module"]) == ("backward", "aten.div", "encoder.layers.0.scale")
+    assert r["backward"]["grad_fn"] == "SqrtBackward0"
+    assert r["backward"]["forward_op"] == "aten.sqrt"
+    assert "torch.sqrt" in r["code"]
+    assert all(v == v for v in r["replayed"]["losses"])  # the forward loss is finite
+    assert r["culprit_samples"] == [_sample()]
+    assert r["summary"].startswith("The forward pass was finite")
+
+
+def test_nan_in_the_batch_itself(reports: dict[str, dict[str, Any]]) -> None:
+    r = reports["inputs"]
+    assert (r["phase"], r["op"], r["module"], r["verdict"]) == ("inputs", None, None, "bad_input")
+    assert r["culprit_samples"] == [_sample()]
+    assert "batch['x']" in r["summary"]
+
+
+def test_one_off_fault_is_not_reproduced(reports: dict[str, dict[str, Any]]) -> None:
+    r = reports["transient"]
+    assert (r["reproduced"], r["deterministic"], r["verdict"]) == (False, True, "not_reproduced")
+    assert r["phase"] is None and r["op"] is None and r["culprit_samples"] == []
+    assert "did not reproduce" in r["summary"] and "another device" in r["summary"]
+    assert r["nonfinite_runs"] == 0 and r["repeats"] == 3
+
+
+def test_culprit_in_the_second_micro_batch(tmp_path: Path) -> None:
+    data = models.batches("forward", 6, bad_step=3, bad_pos=6)  # step 1 = micro-batches 2, 3
+    models.train(models.make_model("forward"), models.ce_loss, data, tmp_path, accumulation_steps=2)
+    (bundle,) = (tmp_path / "captures").glob("step-*")
+    r = tg.replay(bundle, models.forward_factory, repeats=2).to_dict()
+    assert (r["phase"], r["module"]) == ("forward", "encoder.layers.0.norm")
+    assert r["culprit_samples"] == [{"micro_batch": 1, "position": 6, "index": 1030}]
+
+
+def test_nondeterministic_step_is_reported(tmp_path: Path) -> None:
+    bundle = _capture("backward", tmp_path)  # finite loss, non-finite gradients
+
+    def noisy() -> tg.ReplaySpec:
+        model, loss_fn = models.backward_factory()
+        calls = iter(range(1000))
+
+        def loss(m: nn.Module, batch: Any) -> Tensor:
+            return loss_fn(m, batch) + next(calls) * 1e-3
+
+        return tg.ReplaySpec(model=model, loss_fn=loss)
+
+    r = tg.replay(bundle, noisy, repeats=2, bisect=False).to_dict()
+    assert r["reproduced"] is True and r["deterministic"] is False
+
+
+# -- bad factories and weights ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        ("no_colon", "expected MODULE:FUNC"),
+        ("no_such_module_xyz:make", "cannot import no_such_module_xyz"),
+        ("tg_capture_models:missing", "has no attribute 'missing'"),
+        ("tg_capture_models:wrong_return_factory", "must return \\(model, loss_fn\\)"),
+        ("tg_capture_models:raising_factory", "raised RuntimeError: cannot build"),
+    ],
+)
+def test_bad_factory(factory: str, message: str) -> None:
+    with pytest.raises(tg.ReplayError, match=message):
+        resolve_factory(factory)
+
+
+def test_weights_that_do_not_fit(tmp_path: Path) -> None:
+    bundle = _capture("forward", tmp_path)
+    with pytest.raises(tg.ReplayError, match="do not fit the factory's model"):
+        tg.replay(bundle, models.wrong_model_factory)
+
+
+# -- bisection rule ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [{3}, {0, 6}, {1, 2, 3}, {15}])
+def test_bisection_finds_the_bad_samples(bad: set[int]) -> None:
+    found = find_culprits(lambda positions: bool(bad & set(positions)), 16)
+    assert found.culprits == sorted(bad) and not found.batch_level
+
+
+def test_bisection_calls_a_batch_level_cause_batch_level() -> None:
+    found = find_culprits(lambda positions: True, 16)
+    assert found.culprits == [] and found.batch_level and found.runs <= 12
+
+
+def test_bisection_of_samples_bad_only_together() -> None:
+    found = find_culprits(lambda positions: {2, 9} <= set(positions), 16)
+    assert found.culprits == [2, 9]
+
+
+def test_bisection_claims_nothing_when_its_budget_runs_out() -> None:
+    found = find_culprits(lambda positions: {1, 7, 12} <= set(positions), 16, max_runs=20)
+    assert found.culprits == [] and not found.complete and not found.batch_level
+
+
+def test_tracer_ignores_masked_nan_and_names_softmax_of_masked_row(tmp_path: Path) -> None:
+    """A NaN made and masked away is not the origin; softmax of an all -inf row is."""
+    from trainguard.localize import ModuleStack, NonFiniteTracer
+
+    model = nn.Linear(3, 3)
+    modules = ModuleStack(model)
+    tracer = NonFiniteTracer(modules)
+    x = torch.ones(2, 3)
+    with modules, tracer:
+        hidden = torch.where(x > 0, x, torch.zeros(2, 3) / 0.0)  # NaN made, then masked
+        scores = model(hidden).masked_fill(torch.tensor([[True] * 3, [False] * 3]), float("-inf"))
+        out = torch.softmax(scores, dim=-1).sum()
+    origin = tracer.origin_of(out)
+    assert origin is not None and origin.kind == "op" and origin.site is not None
+    assert origin.site.op == "aten._softmax" and origin.value == "nan"
+    assert not origin.inputs_finite
