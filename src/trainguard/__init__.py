@@ -12,6 +12,7 @@ from trainguard.errors import (
     TrainGuardError,
 )
 from trainguard.events import read_events
+from trainguard.exitcodes import EXIT_HANG, EXIT_PEER_FAILURE
 from trainguard.guard import Guard
 from trainguard.policy import Decision
 from trainguard.replay import ReplayReport, ReplaySpec, replay
@@ -23,6 +24,8 @@ __all__ = [
     "BundleError",
     "ConfigError",
     "Decision",
+    "EXIT_HANG",
+    "EXIT_PEER_FAILURE",
     "Guard",
     "GuardConfig",
     "LossScaleCollapseError",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -39,6 +40,7 @@ from trainguard.events import EventLog
 from trainguard.policy import Decision, decide
 from trainguard.progress import Progress
 from trainguard.state import GuardState
+from trainguard.watchdog import Watchdog, start_watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +127,9 @@ class Guard:
             torch=torch.__version__,
             **self.config.extra,
         )
+        self._watchdog: Watchdog | None = start_watchdog(
+            self.progress, self.events, self.config.hang_timeout, self.run_dir, process_group
+        )
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -139,7 +144,14 @@ class Guard:
             step_of=lambda: self.state.step,
             lookahead=2 if self._deferred else 1,  # the sync-free step reads a step late
         )
-        return iter(self._stream)
+        return self._watched(iter(self._stream))
+
+    def _watched(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """The loop is ``done`` once it ends (the watchdog then stops looking for hangs)."""
+        try:
+            yield from batches
+        finally:
+            self.progress.enter("done")
 
     def record_loss(self, loss: Tensor) -> None:
         """Record a micro-batch's loss (gradient accumulation); no host sync."""
@@ -415,7 +427,13 @@ class Guard:
         self.progress.enter(self.progress.phase, self.state.step)
 
     def close(self) -> None:
-        """Read the last sync-free step (its policy may still raise), then close the logs."""
+        """Read the last sync-free step (its policy may still raise), then close the logs.
+
+        Called in a ``finally`` (or ``except``) block while an exception is handled, it
+        publishes that exception to the other ranks first, as ``with Guard(...)`` does."""
+        failing = sys.exc_info()[1]
+        if failing is not None and self._watchdog is not None and not self._closed:
+            self._watchdog.publish_failure(failing)
         self._close(raise_errors=True)
 
     def _close(self, raise_errors: bool) -> None:
@@ -426,6 +444,8 @@ class Guard:
             self._resolve_pending(raise_errors=raise_errors)
         finally:
             self.progress.enter("closed")
+            if self._watchdog is not None:
+                self._watchdog.stop()
             self.events.write("close", self.state.step, total_nonfinite=self.state.total_nonfinite)
             self.events.close()
 
@@ -438,4 +458,6 @@ class Guard:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if exc is not None and self._watchdog is not None:
+            self._watchdog.publish_failure(exc)  # tell the other ranks (not NonFiniteError)
         self._close(raise_errors=exc is None)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-PHASES = ("init", "data", "step", "check", "closed")
-"""Built-in phases; users add their own with ``guard.phase("eval")``."""
+PHASES = ("init", "data", "step", "check", "done", "closed")
+"""Built-in phases (``done``: a ``watch()`` loop ended); users add their own with
+``guard.phase("eval")``."""
 
 
 @dataclass

@@ -9,6 +9,8 @@ EXPECTED = {
     "BundleError",
     "ConfigError",
     "Decision",
+    "EXIT_HANG",
+    "EXIT_PEER_FAILURE",
     "Guard",
     "GuardConfig",
     "LossScaleCollapseError",

@@ -1,0 +1,31 @@
+"""Process exit codes of a run that the watchdog ended.
+
+When the watchdog ends a run it ends every live rank with ``os._exit`` and one of these
+codes, so a launcher (torchrun, a job scheduler) or a wrapper script can tell what happened
+from the exit status alone:
+
+========================  ====  ==========================================================
+constant                  code  meaning
+========================  ====  ==========================================================
+``EXIT_HANG``             91    no rank progressed for ``hang_timeout``; report under
+                                ``run_dir/hangs/<id>/`` (``kind: "hang"``)
+``EXIT_PEER_FAILURE``     92    another rank died, froze, or failed with an exception
+                                (``kind: "peer_failure"``)
+========================  ====  ==========================================================
+
+The values avoid the codes that mean something else already: 1 and 2 (Python errors and
+usage), 64-78 (``sysexits.h``), 126-127 (shell) and 128+N (killed by signal N).
+
+Two ranks do not exit with these codes: a rank whose own exception caused a peer failure
+ends with that exception (Python's exit status 1), and a rank whose interpreter is frozen
+(its main thread holds the GIL in C code) is ended by :mod:`faulthandler` after it dumped
+its stacks, with status 1.
+"""
+
+from __future__ import annotations
+
+EXIT_HANG = 91
+"""Every rank of a hung job exits with this code."""
+
+EXIT_PEER_FAILURE = 92
+"""Survivors of a dead, frozen or failed rank exit with this code."""

@@ -1,0 +1,101 @@
+"""The hang report: ``run_dir/hangs/<id>/report.json`` and ``report.txt``.
+
+``report.json`` holds ``id``, ``kind`` (``"hang"`` or ``"peer_failure"``), ``culprits``
+(ranks), ``reason``, ``exit_code``, ``decided_by`` and ``reporter`` (ranks), ``timeout``
+and ``dead_after`` (seconds), ``time`` (the reporter's unix time) and ``ranks``: per rank
+``step``, ``phase``, ``state``, ``heartbeat_age`` and ``progress_age`` (seconds, measured
+on the reporter's clock since it last saw that rank's counters change), ``host``, ``pid``
+and ``stack_file``. Stacks are in ``rank-<r>.txt`` next to it, one file per live rank.
+Files are written atomically (temp file, then rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from trainguard.hang_rules import Verdict
+from trainguard.heartbeat import RankView
+
+
+def stack_file(rank: int) -> str:
+    return f"rank-{rank}.txt"
+
+
+def build_report(
+    hang_id: str,
+    verdict: Verdict,
+    views: Sequence[RankView],
+    *,
+    timeout: float,
+    dead_after: float,
+    exit_code: int,
+) -> dict[str, Any]:
+    ranks = []
+    for view in views:
+        record = view.to_dict()
+        record["culprit"] = view.rank in verdict.culprits
+        record["stack_file"] = stack_file(view.rank)
+        ranks.append(record)
+    return {
+        "format": 1,
+        "id": hang_id,
+        "kind": verdict.kind,
+        "culprits": list(verdict.culprits),
+        "reason": verdict.reason,
+        "exit_code": exit_code,
+        "decided_by": verdict.by,
+        "reporter": verdict.reporter,
+        "timeout": round(timeout, 3),
+        "dead_after": round(dead_after, 3),
+        "time": time.time(),
+        "ranks": ranks,
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as text for a person."""
+    culprits = ", ".join(str(r) for r in report["culprits"]) or "none identified"
+    lines = [
+        f"trainguard {report['kind']} report {report['id']}",
+        f"culprit ranks: {culprits}",
+        f"reason: {report['reason']}",
+        f"every live rank exits with code {report['exit_code']}; decided by rank "
+        f"{report['decided_by']}, reported by rank {report['reporter']}",
+        f"timeout {report['timeout']:g}s, dead after {report['dead_after']:g}s without heartbeat",
+        "",
+        f"{'rank':>4}  {'step':>6}  {'phase':<10} {'state':<8} {'heartbeat':>9}  "
+        f"{'progress':>8}  host:pid",
+    ]
+    for r in report["ranks"]:
+        mark = "*" if r["culprit"] else " "
+        lines.append(
+            f"{r['rank']:>3}{mark}  {r['step']:>6}  {r['phase']:<10} {r['state']:<8} "
+            f"{r['heartbeat_age']:>8.1f}s  {r['progress_age']:>7.1f}s  {r['host']}:{r['pid']}"
+        )
+    lines += [
+        "",
+        "* culprit. heartbeat / progress: seconds since the reporter last saw the rank's",
+        "watchdog counter / training-progress counter change (the reporter's own clock).",
+        "Stacks: rank-<r>.txt in this folder (on each rank's host).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_report(folder: Path, report: dict[str, Any]) -> Path:
+    """Write ``report.json`` and ``report.txt`` into ``folder``; returns the JSON's path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "report.json"
+    _write_atomic(path, json.dumps(report, indent=2) + "\n")
+    _write_atomic(folder / "report.txt", format_report(report))
+    return path

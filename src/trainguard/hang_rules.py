@@ -1,0 +1,170 @@
+"""What counts as a hang or a peer failure, and which ranks are the culprits. Pure functions.
+
+* **Peer failure**: a registered, running rank whose heartbeat counter has not changed for
+  ``dead_after`` seconds (its process died, or its interpreter is frozen so its watchdog
+  thread cannot run), or a rank that published its own exception.
+* **Hang**: no rank that is still training made progress for the timeout (the largest
+  timeout any rank publishes), unless a rank is in a user phase (``guard.phase(...)``) or
+  every rank has finished its loop (``done``: between ``watch()`` loops or after the last).
+* **Culprits of a hang**: the ranks furthest behind, ordered by ``(step, phase)`` with
+  ``init = done < data < step < check`` (a rank stuck fetching data at step 5 is behind
+  ranks waiting in step 5's check; a rank still between two loops is behind ranks already
+  in the next loop). When every training rank is at the same place, the culprits
+  are the ranks that already closed or failed (the others wait for them) or, failing that,
+  every rank: nobody is behind, so nobody can be singled out.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from trainguard.errors import NonFiniteError, PeerFailureError
+from trainguard.heartbeat import RankView
+
+HANG = "hang"
+PEER_FAILURE = "peer_failure"
+
+PHASE_ORDER = {"absent": -1, "init": 0, "done": 0, "data": 1, "step": 2, "check": 3}
+"""Position inside a step; phases not listed (user phases) count as ``step``."""
+
+
+_COMM_MARKERS = (
+    "gloo",
+    "nccl",
+    "connection reset by peer",
+    "connection closed by peer",
+    "broken pipe",
+    "processgroup",
+    "socket timeout",
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A decision every rank acts on: which kind, whom to blame, and who writes the report."""
+
+    kind: str
+    culprits: list[int]
+    reason: str
+    by: int = -1
+    """The rank that decided it."""
+    reporter: int = -1
+    """The rank that writes ``report.json``."""
+    silent: list[int] = field(default_factory=list)
+    """Ranks that will not acknowledge the verdict (dead, frozen or failing)."""
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @staticmethod
+    def decode(raw: bytes | str) -> Verdict | None:
+        if not raw:
+            return None
+        try:
+            data: Any = json.loads(raw)
+            return Verdict(**data)
+        except (ValueError, TypeError):
+            return None
+
+
+def position(view: RankView) -> tuple[int, int]:
+    return (view.step, PHASE_ORDER.get(view.phase, PHASE_ORDER["step"]))
+
+
+def pick_culprits(views: Sequence[RankView]) -> list[int]:
+    """The ranks to blame for a hang (see the module docstring)."""
+    training = [v for v in views if v.state == "running"]
+    if not training:
+        return []
+    lowest = min(position(v) for v in training)
+    behind = sorted(v.rank for v in training if position(v) == lowest)
+    if len(behind) < len(training):
+        return behind
+    gone = sorted(v.rank for v in views if v.state in ("closed", "failed"))
+    return gone or behind
+
+
+def stopped_ranks(views: Sequence[RankView], me: int, dead_after: float) -> list[int]:
+    """Running peers whose heartbeats stopped for ``dead_after`` seconds."""
+    return sorted(
+        v.rank
+        for v in views
+        if v.rank != me and v.registered and v.state == "running" and v.heartbeat_age >= dead_after
+    )
+
+
+def effective_timeout(views: Sequence[RankView], timeout: float) -> float:
+    """The largest timeout of any running rank (the most patient one decides)."""
+    published = [v.timeout for v in views if v.registered and v.state == "running"]
+    return max([timeout, *published])
+
+
+def detection_suspended(views: Sequence[RankView]) -> bool:
+    """A user phase runs somewhere, or every rank finished its loop: no hang is declared."""
+    training = [v for v in views if v.state == "running"]
+    if any(v.registered and v.user_phase for v in training):
+        return True
+    return bool(training) and all(v.registered and v.phase == "done" for v in training)
+
+
+def assess(views: Sequence[RankView], me: int, timeout: float, dead_after: float) -> Verdict | None:
+    """A verdict when the views show a dead peer or a hang, else None."""
+    stopped = stopped_ranks(views, me, dead_after)
+    if stopped:
+        ages = ", ".join(
+            f"rank {v.rank} {v.heartbeat_age:.1f}s" for v in views if v.rank in stopped
+        )
+        reason = (
+            f"heartbeats stopped ({ages} without a heartbeat): the process died or its "
+            "interpreter is frozen"
+        )
+        return Verdict(PEER_FAILURE, stopped, reason, by=me, reporter=me, silent=stopped)
+    if detection_suspended(views):
+        return None
+    training = [v for v in views if v.state == "running"]
+    if not training:
+        return None
+    limit = effective_timeout(views, timeout)
+    if not all(v.progress_age >= limit for v in training):
+        return None
+    culprits = pick_culprits(views)
+    where = "; ".join(
+        f"rank {v.rank} at step {v.step} in {v.phase!r}" for v in views if v.rank in culprits
+    )
+    reason = f"no rank made progress for {limit:g}s; behind: {where}"
+    absent = [v.rank for v in views if not v.registered]
+    return Verdict(HANG, culprits, reason, by=me, reporter=me, silent=absent)
+
+
+def failure_verdict(rank: int, members: Sequence[int], exc: BaseException) -> Verdict:
+    """The verdict a rank publishes about its own exception."""
+    message = f"rank {rank} failed: {type(exc).__name__}: {exc}"
+    if len(message) > 2000:
+        message = message[:2000] + "..."
+    others = [r for r in members if r != rank]
+    reporter = min(others) if others else rank
+    return Verdict(PEER_FAILURE, [rank], message, by=rank, reporter=reporter, silent=[rank])
+
+
+def should_publish(exc: BaseException) -> bool:
+    """Whether a rank's exception is news for the other ranks.
+
+    Not ``NonFiniteError`` (raised on every rank by design), not ``PeerFailureError`` (the
+    rank stops because of another rank), not ``KeyboardInterrupt`` / ``SystemExit``."""
+    return isinstance(exc, Exception) and not isinstance(exc, (NonFiniteError, PeerFailureError))
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """An error from a collective or the store: likely a symptom of another rank's failure."""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc).lower()
+    return any(marker in text for marker in _COMM_MARKERS)

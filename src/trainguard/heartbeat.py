@@ -1,0 +1,125 @@
+"""Heartbeats: what each rank publishes about itself, and what a rank makes of its peers'.
+
+A heartbeat carries two counters: ``seq`` grows on every watchdog tick (the watchdog thread
+is alive), ``beats`` grows whenever the training loop makes progress (``Progress.enter``).
+Readers never compare the clocks of two hosts: they note, on their own monotonic clock,
+when they last saw each counter change, and judge the peer from those local ages.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+STATES = ("running", "closed", "failed")
+"""``closed``: the guard was closed (or the process is exiting normally); ``failed``: the
+rank is going down with its own exception, which it published."""
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    seq: int
+    step: int
+    phase: str
+    beats: int
+    user_phase: bool
+    timeout: float
+    state: str = "running"
+    host: str = ""
+    pid: int = 0
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @staticmethod
+    def decode(raw: bytes | str) -> Heartbeat | None:
+        """The heartbeat in ``raw``; None for an empty or unreadable value."""
+        try:
+            data: Any = json.loads(raw)
+            return Heartbeat(**data)
+        except (ValueError, TypeError):
+            return None
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank as this rank sees it now. Ages are local seconds (this rank's clock)."""
+
+    rank: int
+    registered: bool
+    """False until its first heartbeat arrived (its Guard is not created yet)."""
+    state: str
+    step: int
+    phase: str
+    user_phase: bool
+    timeout: float
+    heartbeat_age: float
+    """Seconds since its ``seq`` counter last changed: its watchdog thread's liveness."""
+    progress_age: float
+    """Seconds since its ``beats`` counter last changed: its training loop's progress."""
+    host: str = ""
+    pid: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        record = asdict(self)
+        record["heartbeat_age"] = round(self.heartbeat_age, 3)
+        record["progress_age"] = round(self.progress_age, 3)
+        return record
+
+
+@dataclass
+class _Seen:
+    beat: Heartbeat | None = None
+    seq_at: float = 0.0
+    beats_at: float = 0.0
+
+
+class PeerTracker:
+    """Local receipt times of every member rank's counters."""
+
+    def __init__(self, ranks: list[int], now: float) -> None:
+        self._seen = {rank: _Seen(seq_at=now, beats_at=now) for rank in ranks}
+
+    def update(self, rank: int, beat: Heartbeat | None, now: float) -> None:
+        seen = self._seen[rank]
+        if beat is None:
+            return
+        previous = seen.beat
+        if previous is None or beat.seq != previous.seq:
+            seen.seq_at = now
+        if previous is None or beat.beats != previous.beats or beat.step != previous.step:
+            seen.beats_at = now
+        seen.beat = beat
+
+    def views(self, now: float) -> list[RankView]:
+        return [self._view(rank, seen, now) for rank, seen in sorted(self._seen.items())]
+
+    @staticmethod
+    def _view(rank: int, seen: _Seen, now: float) -> RankView:
+        beat = seen.beat
+        if beat is None:
+            return RankView(
+                rank,
+                registered=False,
+                state="running",
+                step=-1,
+                phase="absent",
+                user_phase=False,
+                timeout=0.0,
+                heartbeat_age=now - seen.seq_at,
+                progress_age=now - seen.beats_at,
+            )
+        return RankView(
+            rank,
+            registered=True,
+            state=beat.state,
+            step=beat.step,
+            phase=beat.phase,
+            user_phase=beat.user_phase,
+            timeout=beat.timeout,
+            heartbeat_age=now - seen.seq_at,
+            progress_age=now - seen.beats_at,
+            host=beat.host,
+            pid=beat.pid,
+        )
