@@ -6,8 +6,10 @@ row norm is 0 in ``blocks.0.norm``). Timed, each ``--runs`` times, in one proces
 - ``torch.save(model.state_dict())``: the floor: plain weights, one file;
 - ``torch.save(model + optimizer + batch)``: the same content as a bundle, one file, no
   fsync, no checksum;
-- ``capture``: trainguard's bundle (5 files a rank, hashed while written, fsynced, manifest,
-  atomic rename);
+- ``capture``: trainguard's bundle (5 files a rank, checksums, manifest, atomic rename): the
+  time the training thread is blocked; the flush to disk runs in a background thread after
+  that (joined outside the timing, so runs do not overlap);
+- ``capture + fsync`` against ``torch.save(...) + fsync``: the same, durable on disk;
 - ``load_bundle`` (every checksum verified);
 - ``replay``: 3 repeats, the traced run and the bisection.
 
@@ -18,6 +20,8 @@ row norm is 0 in ``blocks.0.norm``). Timed, each ``--runs`` times, in one proces
 from __future__ import annotations
 
 import argparse
+import os
+import random
 import shutil
 import sys
 import tempfile
@@ -30,7 +34,15 @@ import torch
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import machine_info, markdown_table, median, now_iso, quartiles, write_json
+from _common import (
+    machine_info,
+    markdown_table,
+    median,
+    now_iso,
+    quartiles,
+    replace_block,
+    write_json,
+)
 
 import trainguard as tg
 from trainguard.capture import Capturer, step_evidence
@@ -82,12 +94,61 @@ def _time(fn: Callable[[], Any], runs: int) -> list[float]:
     return out
 
 
+def interleaved(
+    fns: dict[str, Callable[[], Any]],
+    runs: int,
+    after_each: Callable[[], None],
+    sync_first: bool,
+) -> dict[str, list[float]]:
+    """Each round runs every write once, in a shuffled order, so the page cache's writeback
+    hits every kind of write alike; ``after_each`` (untimed) joins background work. With
+    ``sync_first`` the page cache is flushed (``os.sync``, untimed) before each write: every
+    write then starts from a clean cache (slower on every row, see docs/capture.md)."""
+    rng = random.Random(0)
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(runs):
+        names = list(fns)
+        rng.shuffle(names)
+        for name in names:
+            if sync_first:
+                os.sync()
+            start = time.perf_counter()
+            fns[name]()
+            out[name].append(time.perf_counter() - start)
+            after_each()
+    return out
+
+
+PAIRS = {
+    "capture / torch.save of the same objects": (
+        "capture (bundle), training thread blocked",
+        "torch.save(model + optimizer + batch)",
+    ),
+    "capture + fsync / torch.save + fsync": (
+        "capture (bundle) + background fsync joined",
+        "torch.save(model + optimizer + batch) + fsync",
+    ),
+}
+
+
+def paired_ratios(timings: dict[str, list[float]]) -> list[list[object]]:
+    """Per round ``a / b`` of two interleaved writes, then median and quartiles."""
+    rows: list[list[object]] = []
+    for label, (a, b) in PAIRS.items():
+        per_round = [x / y for x, y in zip(timings[a], timings[b], strict=True)]
+        q1, q3 = quartiles(per_round)
+        rows.append([label, median(per_round), q1, q3, "<= 1.5"])
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=SIZES["width"])
     parser.add_argument("--layers", type=int, default=SIZES["layers"])
     parser.add_argument("--batch", type=int, default=SIZES["batch"])
     parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--update-docs", type=Path, metavar="PAGE", help="e.g. docs/capture.md")
+    parser.add_argument("--sync-first", action="store_true", help="os.sync() before each write")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 runs")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
@@ -121,21 +182,53 @@ def main() -> None:
         content = {"model": model.state_dict(), "optim": optimizer.state_dict(), "batch": batch}
         torch.save(content, root / f"all-{next(counter)}.pt")
 
-    def capture() -> Path | None:
-        run_dir = root / f"run-{next(counter)}"
-        capturer = Capturer(run_dir, Consensus(), EventLog(run_dir, 0))
-        return capturer.capture(model, optimizer, evidence)
+    def plain_all_fsync() -> None:
+        path = root / f"all-{next(counter)}.pt"
+        content = {"model": model.state_dict(), "optim": optimizer.state_dict(), "batch": batch}
+        with path.open("wb") as fh:
+            torch.save(content, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
 
-    bundle = capture()
+    def new_capturer() -> Capturer:
+        run_dir = root / f"run-{next(counter)}"
+        return Capturer(run_dir, Consensus(), EventLog(run_dir, 0))
+
+    def capture_blocking() -> None:
+        """The time capture() blocks the caller; its background flush is joined untimed."""
+        capturer = new_capturer()
+        capturer.capture(model, optimizer, evidence)
+        pending.append(capturer)
+
+    def join_pending() -> None:
+        while pending:
+            syncing = pending.pop().syncing
+            if syncing is not None:
+                syncing.join()
+
+    def capture_durable() -> Path | None:
+        capturer = new_capturer()
+        path = capturer.capture(model, optimizer, evidence)
+        if capturer.syncing is not None:
+            capturer.syncing.join()
+        return path
+
+    pending: list[Capturer] = []
+    bundle = capture_durable()
     assert bundle is not None
 
     def factory() -> tuple[nn.Module, Any]:
         return Net(width, layers), loss_fn
 
-    timings = {
-        "torch.save(model.state_dict())": _time(plain_weights, args.runs),
-        "torch.save(model + optimizer + batch)": _time(plain_all, args.runs),
-        "capture (bundle)": _time(capture, args.runs),
+    writes = {
+        "torch.save(model.state_dict())": plain_weights,
+        "torch.save(model + optimizer + batch)": plain_all,
+        "capture (bundle), training thread blocked": capture_blocking,
+        "torch.save(model + optimizer + batch) + fsync": plain_all_fsync,
+        "capture (bundle) + background fsync joined": capture_durable,
+    }
+    timings = interleaved(writes, args.runs, join_pending, args.sync_first)
+    timings |= {
         "load_bundle (verify checksums)": _time(lambda: tg.load_bundle(bundle), args.runs),
         "replay (3 repeats + trace + bisection)": _time(
             lambda: tg.replay(bundle, factory), max(2, args.runs // 2)
@@ -154,6 +247,14 @@ def main() -> None:
         f"{report['op']} / {report['module']} / culprits {report['culprit_samples']}"
     )
     print(markdown_table(["what", "runs", "median ms", "q1 ms", "q3 ms"], rows))
+    ratios = paired_ratios(timings)
+    table = markdown_table(["what", "runs", "median ms", "q1 ms", "q3 ms"], rows)
+    ratio_table = markdown_table(["ratio (same round)", "median", "q1", "q3", "target"], ratios)
+    print()
+    print(ratio_table)
+    if args.update_docs is not None:
+        replace_block(args.update_docs, "capture-cost", f"{table}\n\n{ratio_table}")
+        print(f"updated {args.update_docs}", file=sys.stderr)
     if args.out is not None:
         write_json(
             args.out,
@@ -163,6 +264,7 @@ def main() -> None:
                 "params": n_params,
                 "bundle_bytes": size,
                 "timings_s": timings,
+                "ratios": {r[0]: r[1] for r in ratios},
                 "report": {k: report[k] for k in ("phase", "op", "module", "culprit_samples")},
             },
         )

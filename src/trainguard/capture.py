@@ -25,6 +25,7 @@ import secrets
 import shutil
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -43,9 +44,9 @@ from trainguard.bundle import (
     TMP_PREFIX,
     VERSION,
     FileRecord,
+    checksum_file,
     encode_rng,
-    fsync_dir,
-    hash_file,
+    sync_in_background,
     write_json,
     write_torch,
 )
@@ -130,6 +131,8 @@ class Capturer:
         self._events = events
         self._first_done = False
         self.bundles: list[Path] = []
+        self.syncing: threading.Thread | None = None
+        """The background flush to disk of the last bundle (``bundle.sync_in_background``)."""
 
     @property
     def rank(self) -> int:
@@ -237,7 +240,7 @@ class Capturer:
         if self.rank != 0:
             return {}
         return {
-            f"{DCP_DIR}/{p.name}": hash_file(p) for p in sorted(folder.iterdir()) if p.is_file()
+            f"{DCP_DIR}/{p.name}": checksum_file(p) for p in sorted(folder.iterdir()) if p.is_file()
         }
 
     def _publish(
@@ -262,7 +265,7 @@ class Capturer:
             write_json(tmp / MANIFEST, manifest)
             final = self._final_path(evidence.step)
             os.rename(tmp, final)
-            fsync_dir(self.folder)
+            self.syncing = sync_in_background(final)  # off the step; checksums guard reads
         except Exception as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             return None, f"rank 0: {type(exc).__name__}: {exc}"
@@ -302,9 +305,7 @@ def build_manifest(
         "torch": torch.__version__,
         "python": platform.python_version(),
         "trainguard": _version(),
-        "files": {
-            name: {"sha256": r.sha256, "bytes": r.bytes} for name, r in sorted(files.items())
-        },
+        "files": {name: r.to_manifest() for name, r in sorted(files.items())},
     }
 
 

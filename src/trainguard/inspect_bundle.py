@@ -43,7 +43,8 @@ def _weights_identical(bundle: Bundle) -> bool | None:
     """Replicated (DDP) runs: do the ranks' weight files have the same checksum?"""
     if bundle.sharded or bundle.world_size < 2:
         return None
-    sums = {bundle.files.get(f"rank-{r}/model.pt", {}).get("sha256") for r in bundle.saved_ranks}
+    files = bundle.files
+    sums = {str(files.get(f"rank-{r}/model.pt")) for r in bundle.saved_ranks}  # crc32 + bytes
     return len(sums) == 1
 
 

@@ -131,18 +131,21 @@ def test_bad_input_exits_2_with_one_line(
 
 KILLED_MID_WRITE = textwrap.dedent(
     """
-    import os, sys
+    import io, os, sys
+    import torch
     sys.path.insert(0, {support!r})
     import tg_capture_models as models
-    from trainguard import bundle
+    from trainguard import capture
 
-    real = bundle._write
-    def write(path, fill):
-        record = real(path, fill)
-        if path.name == "batch.pt":
-            os._exit(9)  # killed mid-capture
-        return record
-    bundle._write = write
+    real = capture.write_torch
+    def write(path, obj):
+        if path.name == "model.pt":  # killed halfway through the weights
+            data = io.BytesIO()
+            torch.save(obj, data)
+            path.write_bytes(data.getvalue()[: len(data.getvalue()) // 2])
+            os._exit(9)
+        return real(path, obj)
+    capture.write_torch = write
     data = models.batches("forward", 3, bad_step=1)
     models.train(models.make_model("forward"), models.ce_loss, data, {run_dir!r})
     """

@@ -68,7 +68,7 @@ def test_manifest_and_rank_files(escalated: tuple[Path, tg.NonFiniteError]) -> N
     assert isinstance(manifest["time"], float) and not bundle.sharded
     names = {"meta.json", "batch.pt", "rng.pt", "model.pt", "optimizer.pt"}
     assert set(manifest["files"]) == {f"rank-0/{n}" for n in names}
-    assert all(len(r["sha256"]) == 64 and r["bytes"] > 0 for r in manifest["files"].values())
+    assert all(len(r["crc32"]) == 8 and r["bytes"] > 0 for r in manifest["files"].values())
     meta = bundle.meta(0)
     assert meta["loss"] == "nan" and meta["loss_finite"] is False
     assert "encoder.layers.0.fc.weight" in meta["nonfinite_params"]
@@ -187,6 +187,9 @@ def _edit_manifest(path: Path, **changes: Any) -> None:
         (lambda p: _edit_manifest(p, version=99), "version 99"),
         (lambda p: (p / "rank-0" / "batch.pt").unlink(), "missing file rank-0/batch.pt"),
         (lambda p: _flip_byte(p / "rank-0" / "model.pt"), "checksum mismatch in rank-0/model.pt"),
+        (lambda p: _flip_tensor_byte(p / "rank-0" / "model.pt"), r"record .*data/0 does not"),
+        (lambda p: _truncate(p / "rank-0" / "optimizer.pt"), r"rank-0/optimizer.pt \(\d+ bytes"),
+        (lambda p: _flip_byte(p / "rank-0" / "meta.json"), "mismatch in rank-0/meta.json"),
     ],
 )
 def test_load_bundle_rejects_damage(bundle_copy: Path, damage: Any, message: str) -> None:
@@ -200,6 +203,20 @@ def _flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def _flip_tensor_byte(path: Path) -> None:
+    """Bit rot inside a tensor's bytes: torch.load would return wrong weights silently."""
+    first = next(iter(torch.load(path, weights_only=True).values()))
+    data = bytearray(path.read_bytes())
+    at = data.find(first.numpy().tobytes()[:16])
+    assert at > 0
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-100])
 
 
 # -- failures and interruptions ---------------------------------------------------------------
@@ -233,20 +250,21 @@ def test_interrupted_capture_leaves_no_bundle(
 ) -> None:
     """A capture stopped mid-write (Ctrl-C here; a kill in the CLI test) leaves only a
     temporary folder, which load_bundle and inspect refuse."""
-    from trainguard import bundle as bundle_mod
 
-    real_write = bundle_mod._write
+    def interrupting(real_write: Any) -> Any:
+        def write(path: Path, obj: Any) -> Any:
+            record = real_write(path, obj)
+            if path.name == stop_at:
+                raise KeyboardInterrupt
+            return record
 
-    def write(path: Path, fill: Any) -> Any:
-        record = real_write(path, fill)
-        if path.name == stop_at:
-            raise KeyboardInterrupt
-        return record
+        return write
 
     def rename(src: Path, dst: Path) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(bundle_mod, "_write", write)
+    monkeypatch.setattr(capture, "write_torch", interrupting(capture.write_torch))
+    monkeypatch.setattr(capture, "write_json", interrupting(capture.write_json))
     if stop_at == "rename":
         monkeypatch.setattr(capture.os, "rename", rename)
     data = models.batches("forward", 3, bad_step=1)
