@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-# -- capture, replay, demo (issue 3) ----------------------------------------------------------
+# -- capture, replay, demo --------------------------------------------------------------------
 
 
 def _add_capture_commands(commands: Any) -> None:

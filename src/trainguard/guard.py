@@ -259,7 +259,7 @@ class Guard:
             return
         self.state.record_bad(pending.step)
         self._log_nonfinite(decision, agreement, pending.stats, pending.step)
-        bundle = None  # capture (issue 3): weights and moments are as before the skipped step
+        bundle = None  # capture: weights and moments are as before the skipped step
         if raise_errors:  # not while unwinding: other ranks may not join the capture
             bundle = self._capture(decision, agreement, pending.stats, pending.step, pending)
         if decision in (Decision.SKIP, Decision.WARN):
@@ -329,7 +329,7 @@ class Guard:
             raise self._stop_error(decision, agreement, step, bundle)
         return False
 
-    # -- capture (issue 3): a replay bundle of the bad step; the logic is in capture.py -------
+    # -- capture: a replay bundle of the bad step; the logic is in capture.py ------------------
 
     def _capture(
         self,
