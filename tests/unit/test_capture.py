@@ -308,3 +308,17 @@ def test_sync_free_step_captures_the_pre_update_state(tmp_path: Path) -> None:
     for name, value in before.items():
         assert torch.equal(bundle.model_state(0)[name], value), name
     assert torch.equal(bundle.batches(0)[0]["x"], data[2]["x"])
+
+
+def test_equal_content_gives_equal_checksums(tmp_path: Path) -> None:
+    """torch.save writes a random id into every file; the record-table checksum leaves it
+    out, so DDP ranks with identical weights get identical checksums (inspect relies on it)."""
+    from trainguard.bundle import verify_file, write_torch
+
+    weights = {"w": torch.arange(1000, dtype=torch.float32)}
+    first = write_torch(tmp_path / "a" / "model.pt", weights)
+    second = write_torch(tmp_path / "b" / "model.pt", dict(weights))
+    changed = write_torch(tmp_path / "c" / "model.pt", {"w": weights["w"] + 1})
+    assert first == second and first.over == "records"
+    assert changed.crc32 != first.crc32
+    assert verify_file(tmp_path / "a" / "model.pt", first.to_manifest()) is None
