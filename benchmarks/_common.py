@@ -67,6 +67,8 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "cuda_version": torch.version.cuda,
         "load_average": load_average(),
     }
 

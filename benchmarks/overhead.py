@@ -159,13 +159,27 @@ class Workload:
         return F.cross_entropy(out.flatten(0, 1), targets.flatten())
 
 
-def workloads(quick: bool) -> dict[str, Workload]:
-    if quick:
-        mlp = {"width": 64, "layers": 3, "batch": 4}
-        gpt = {"vocab": 64, "dim": 32, "layers": 1, "heads": 2, "seq": 16, "batch": 2}
-    else:
-        mlp = {"width": 1448, "layers": 12, "batch": 16}
-        gpt = {"vocab": 4096, "dim": 256, "layers": 4, "heads": 4, "seq": 128, "batch": 8}
+SIZES: dict[str, tuple[dict[str, int], dict[str, int]]] = {
+    "quick": (
+        {"width": 64, "layers": 3, "batch": 4},
+        {"vocab": 64, "dim": 32, "layers": 1, "heads": 2, "seq": 16, "batch": 2},
+    ),
+    "cpu": (
+        {"width": 1448, "layers": 12, "batch": 16},
+        {"vocab": 4096, "dim": 256, "layers": 4, "heads": 4, "seq": 128, "batch": 8},
+    ),
+    # A step of tens of milliseconds on a data-centre GPU; the cpu sizes take 1-3 ms there,
+    # where kernel launches rather than the work set the step time.
+    "gpu": (
+        {"width": 4096, "layers": 8, "batch": 512},
+        {"vocab": 32768, "dim": 1024, "layers": 8, "heads": 16, "seq": 512, "batch": 16},
+    ),
+}
+"""``--sizes``: (MLP sizes, transformer sizes)."""
+
+
+def workloads(sizes: str) -> dict[str, Workload]:
+    mlp, gpt = SIZES[sizes]
     return {
         "mlp": Workload(
             "mlp",
@@ -193,6 +207,10 @@ class ModeSpec:
     description: str
     reference: str | None = "bare"
     slow: bool = False
+    fused: bool = False
+    """The mode's AdamW runs the fused kernels (``fused=True``)."""
+    cuda_only_default: bool = False
+    """In the default set on CUDA only (on CPU: ask for it with ``--modes``)."""
 
 
 MODES: dict[str, ModeSpec] = {
@@ -211,6 +229,15 @@ MODES: dict[str, ModeSpec] = {
     "detect_anomaly": ModeSpec(
         "forward + backward under torch.autograd.detect_anomaly()", slow=True
     ),
+    "bare_fused": ModeSpec(
+        "bare training with AdamW(fused=True)", fused=True, cuda_only_default=True
+    ),
+    "guard_step": ModeSpec(
+        "trainguard defaults, guard.step(loss) with AdamW(fused=True): the sync-free step",
+        "bare_fused",
+        fused=True,
+        cuda_only_default=True,
+    ),
 }
 
 
@@ -225,7 +252,9 @@ class ModeContext:
     max_norm: float
     run_dir: Path
     clock: Callable[[], float] = time.perf_counter
-    """Timestamps; on CUDA it synchronizes first, so each phase includes its kernels."""
+    """Step start and end; on CUDA it synchronizes first, so the step includes its kernels."""
+    phase_clock: Callable[[], float] = time.perf_counter
+    """Phase boundaries inside the step: never synchronizes (on CUDA: host time per phase)."""
 
     def grads(self) -> list[Tensor]:
         return [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -235,6 +264,8 @@ class Runner:
     """One mode's training step; subclasses add work before forward and after backward."""
 
     anomaly = False
+    owns_step = False
+    """``after()`` runs the optimizer step and ``zero_grad`` itself."""
 
     def __init__(self, ctx: ModeContext) -> None:
         self.ctx = ctx
@@ -252,8 +283,8 @@ class Runner:
 
     def step(self) -> Sample:
         ctx = self.ctx
-        clock = ctx.clock
-        t0 = clock()
+        clock = ctx.phase_clock
+        t0 = ctx.clock()
         batch = self.fetch()
         t1 = clock()
         self.before(batch)
@@ -264,12 +295,13 @@ class Runner:
         t3 = clock()
         ok = self.after(loss)
         t4 = clock()
-        if ok:
-            ctx.optimizer.step()
-        else:
-            self.skipped += 1
-        ctx.optimizer.zero_grad()
-        t5 = clock()
+        if not self.owns_step:
+            if ok:
+                ctx.optimizer.step()
+            else:
+                self.skipped += 1
+            ctx.optimizer.zero_grad()
+        t5 = ctx.clock()
         times = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)
         sample = {phase: 1e3 * dt for phase, dt in zip(PHASES, times, strict=True)}
         sample["total"] = 1e3 * (t5 - t0)
@@ -353,9 +385,22 @@ class GuardRunner(Runner):
         return {**super().close(), "guard_steps": state.step, "nonfinite": state.total_nonfinite}
 
 
+class GuardStepRunner(GuardRunner):
+    """``guard.step(loss)``: check, optimizer step and zero_grad in one call. With the fused
+    AdamW of this mode the step is sync-free (the flags are read one step later)."""
+
+    owns_step = True
+
+    def after(self, loss: Tensor) -> bool:
+        self.guard.step(loss)  # the outcome is not tested: testing it would wait for the device
+        return True
+
+
 def make_runner(mode: str, ctx: ModeContext) -> Runner:
     if mode == "guard":
         return GuardRunner(ctx, grad_clip=None)
+    if mode == "guard_step":
+        return GuardStepRunner(ctx, grad_clip=None)
     if mode == "guard_clip":
         return GuardRunner(ctx, grad_clip=ctx.max_norm)
     runners: dict[str, Callable[[ModeContext], Runner]] = {
@@ -365,6 +410,7 @@ def make_runner(mode: str, ctx: ModeContext) -> Runner:
         "nancapture": NaNCaptureRunner,
         "per_param": PerParamRunner,
         "detect_anomaly": AnomalyRunner,
+        "bare_fused": Runner,
     }
     return runners[mode](ctx)
 
@@ -380,7 +426,8 @@ class Settings:
     rounds: int
     warmup: int
     slow_every: int
-    quick: bool
+    sizes: str
+    """Key of SIZES: ``quick`` (smoke test), ``cpu`` (the default), ``gpu``."""
     seed: int
     threads: int | None
     max_norm: float | None
@@ -411,7 +458,8 @@ def build_context(
     if world > 1:
         ids = [device.index] if device.type == "cuda" else None
         model = DistributedDataParallel(model, device_ids=ids)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr)
+    fused = {"fused": True} if MODES[mode].fused else {}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr, **fused)
     gen = torch.Generator().manual_seed(settings.seed + 1000 * (rank + 1))  # per-rank data
     pool = [
         tuple(t.to(device) for t in workload.batch(gen)) for _ in range(settings.batches_per_mode)
@@ -424,6 +472,7 @@ def build_context(
         max_norm=settings.max_norm if settings.max_norm is not None else workload.clip_norm,
         run_dir=run_root / workload.name / f"world{world}" / mode,
         clock=synced_clock if device.type == "cuda" else time.perf_counter,
+        phase_clock=time.perf_counter,
     )
 
 
@@ -517,6 +566,7 @@ def measure_workload(
         "parameters": params,
         "world": world,
         "threads": torch.get_num_threads(),
+        "device": str(device_for(settings, rank)),
         "rounds": settings.rounds,
         "warmup": settings.warmup,
         "modes": {mode: summarize(mode, samples, notes[mode]) for mode in settings.modes},
@@ -625,8 +675,11 @@ def evaluate_targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for res in results:
         where = {"workload": res["workload"], "world": res["world"]}
         guard, clip = _mode(res, "guard"), _mode(res, "guard_clip")
+        step = _mode(res, "guard_step")
         if res["workload"] == "transformer" and guard:
             targets.append(_target(where, "guard / bare", guard["ratio"], 1.02))
+        if res["workload"] == "transformer" and step:
+            targets.append(_target(where, "guard_step / bare_fused", step["ratio"], 1.02))
         if clip:
             targets.append(_target(where, "guard_clip / bare_clip", clip["ratio"], 1.01))
         if res["workload"] != "mlp" or not guard:
@@ -709,7 +762,9 @@ def _count(n: int) -> str:
 
 
 def _describe(res: dict[str, Any]) -> str:
-    setup = "one process" if res["world"] == 1 else f"{res['world']}-rank DDP, gloo, rank 0's times"
+    backend = "nccl" if res.get("device", "cpu").startswith("cuda") else "gloo"
+    world = res["world"]
+    setup = "one process" if world == 1 else f"{world}-rank DDP, {backend}, rank 0's times"
     text = (
         f"- {res['workload']}, {setup}: {res['description']}; {_count(res['parameters'])} "
         f"parameters; {res['threads']} thread(s) per process; {res['rounds']} rounds after "
@@ -733,12 +788,22 @@ def render(report: dict[str, Any]) -> str:
         "",
         f"Machine: {machine['cpu']}, {machine['cpus_available']} CPUs, "
         f"{machine['memory_gib']} GiB, {machine['platform']}; Python {machine['python']}, "
-        f"torch {machine['torch']}; device {report['settings']['device']}. "
+        f"torch {machine['torch']}; device {report['settings']['device']}"
+        + (f" ({machine['gpu']}, CUDA {machine['cuda_version']})" if machine.get("gpu") else "")
+        + ". "
         f"Load average at start {report['load_average_start']}, "
         f"at end {report['load_average_end']}.",
         "",
     ]
     lines += [_describe(res) for res in results]
+    if report["settings"]["device"] == "cuda":
+        lines += [
+            "",
+            "On CUDA the step is timed from a `torch.cuda.synchronize()` before fetching the "
+            "batch to one after `zero_grad()`, so it holds all of the step's GPU work; the "
+            "phases inside it are host time (a mode that waits for the device shows the wait "
+            "in the phase where it waits).",
+        ]
     lines += ["", "Step time (median), ratio to the reference (median of per-round ratios):", ""]
     lines += [main_table(results), "", "Targets:", "", targets_table(report["targets"]), ""]
     lines += ["Median milliseconds per phase of the step:", "", phase_table(results)]
@@ -755,6 +820,12 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     parser.add_argument("--rounds", type=int, help="timed rounds (default 30; 3 with --quick)")
     parser.add_argument("--warmup", type=int, help="untimed rounds first (default 3; 1 --quick)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument(
+        "--sizes",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="workload sizes: cpu (a step of 0.1-1 s on 2 cores) or gpu (tens of ms on an H100)",
+    )
     parser.add_argument("--modes", help=f"comma-separated subset of: {', '.join(MODES)}")
     parser.add_argument(
         "--slow-every", type=int, default=1, help="run detect_anomaly every N-th round only"
@@ -769,19 +840,31 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     )
     parser.add_argument("--out", type=Path, default=Path("runs/benchmarks/overhead.json"))
     parser.add_argument("--update-docs", type=Path, metavar="PAGE", help="e.g. docs/benchmarks.md")
+    parser.add_argument(
+        "--docs-block",
+        default=DOCS_BLOCK,
+        help=f"the marked block of PAGE to replace (default {DOCS_BLOCK})",
+    )
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        metavar="FILE",
+        help="measure nothing: render a report written earlier (e.g. on a GPU machine)",
+    )
     args = parser.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     settings = Settings(
         workloads=("mlp", "transformer") if args.workload == "all" else (args.workload,),
         worlds=(1, 2) if args.world == "all" else (int(args.world),),
-        modes=_modes(args.modes),
+        modes=_modes(args.modes, device),
         rounds=args.rounds if args.rounds is not None else (3 if args.quick else 30),
         warmup=args.warmup if args.warmup is not None else (1 if args.quick else 3),
         slow_every=max(1, args.slow_every),
-        quick=args.quick,
+        sizes="quick" if args.quick else args.sizes,
         seed=args.seed,
         threads=args.threads,
         max_norm=args.max_norm,
-        device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+        device=device,
     )
     if settings.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
@@ -790,9 +873,12 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     return settings, args
 
 
-def _modes(spec: str | None) -> tuple[str, ...]:
+def _modes(spec: str | None, device: str) -> tuple[str, ...]:
     """The chosen modes in table order, with the references they are compared against."""
-    wanted = set(MODES) if not spec else {m.strip() for m in spec.split(",") if m.strip()}
+    if spec:
+        wanted = {m.strip() for m in spec.split(",") if m.strip()}
+    else:
+        wanted = {m for m, s in MODES.items() if device == "cuda" or not s.cuda_only_default}
     unknown = wanted - set(MODES)
     if unknown:
         raise SystemExit(f"unknown mode(s) {sorted(unknown)}; choose from {', '.join(MODES)}")
@@ -805,11 +891,18 @@ def _modes(spec: str | None) -> tuple[str, ...]:
 
 
 def run(settings: Settings) -> list[dict[str, Any]]:
-    specs = workloads(settings.quick)
+    specs = workloads(settings.sizes)
     results = []
     with tempfile.TemporaryDirectory(prefix="tg-bench-") as tmp:
         for name in settings.workloads:
             for world in settings.worlds:
+                if settings.device == "cuda" and world > torch.cuda.device_count():
+                    print(
+                        f"{name}, world {world}: skipped, {torch.cuda.device_count()} GPU(s) "
+                        "here (NCCL needs one GPU per rank)",
+                        file=sys.stderr,
+                    )
+                    continue
                 threads = threads_for(settings, world)
                 print(
                     f"{name}, world {world}: {len(settings.modes)} modes, {settings.rounds} "
@@ -825,12 +918,11 @@ def run(settings: Settings) -> list[dict[str, Any]]:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    settings, args = parse_args(argv)
+def measure(settings: Settings, argv: list[str] | None) -> dict[str, Any]:
     command = shlex.join(["python", "benchmarks/overhead.py", *(argv or sys.argv[1:])])
     load_start = load_average()
     results = run(settings)
-    report = {
+    return {
         "benchmark": "overhead",
         "date": now_iso(),
         "command": command,
@@ -841,12 +933,20 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "targets": evaluate_targets(results),
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings, args = parse_args(argv)
+    if args.from_json is not None:
+        report: dict[str, Any] = json.loads(args.from_json.read_text(encoding="utf-8"))
+    else:
+        report = measure(settings, argv)
+        write_json(args.out, report)
+        print(f"\nJSON: {args.out}", file=sys.stderr)
     text = render(report)
     print(text)
-    write_json(args.out, report)
-    print(f"\nJSON: {args.out}", file=sys.stderr)
     if args.update_docs is not None:
-        replace_block(args.update_docs, DOCS_BLOCK, text)
+        replace_block(args.update_docs, args.docs_block, text)
         print(f"updated {args.update_docs}", file=sys.stderr)
     return 0
 

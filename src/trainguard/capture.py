@@ -95,9 +95,7 @@ def step_evidence(
         agreement=agreement,
         bad_params=stats.bad_names(),
         param_grad_norms=dict(zip(stats.names, norms, strict=True)),
-        local_grad_norm=math.sqrt(float(stats.sumsq))
-        if math.isfinite(float(stats.sumsq))
-        else math.inf,
+        local_grad_norm=_finite_or_inf(float(stats.norm)),
         micro_losses=[float(loss.float().mean()) for loss in micro_losses],
         micro_batches=list(micro_batches) if micro_batches else None,
         rng=rng,
@@ -367,6 +365,10 @@ def rank_meta(rank: int, model: nn.Module, evidence: StepEvidence) -> dict[str, 
         "env": environment(rank, model),
         **evidence.extra,
     }
+
+
+def _finite_or_inf(value: float) -> float:
+    return value if math.isfinite(value) else math.inf
 
 
 def environment(rank: int, model: nn.Module) -> dict[str, Any]:

@@ -1,9 +1,13 @@
 """Cross-rank agreement on a step: one small all-reduce that every rank reads the same way.
 
-Each rank writes its own row of a ``world_size x COLUMNS`` float64 buffer (zeros elsewhere)
-plus a shared slot for the sum of squared gradient norms (needed when gradients are FSDP2
-shards); one SUM all-reduce then tells every rank what every rank saw. With torch.distributed
-not initialized (or a world of one) no collective runs.
+Each rank writes its own row of a ``world_size x COLUMNS`` float64 buffer (zeros elsewhere);
+one SUM all-reduce then tells every rank what every rank saw, bit for bit (``x + 0 = x``, and
+NaN/Inf survive the sum). A non-finite loss or gradient needs no flag of its own: the row
+holds the loss and the gradient norm, which are non-finite exactly when some loss or
+gradient is. So building the row is one ``stack`` on the device, and the device-side flag
+for a fused optimizer one fused check of the buffer. With
+torch.distributed not initialized (or a world of one) no collective runs and the buffer is
+the local row's device part alone.
 """
 
 from __future__ import annotations
@@ -15,22 +19,36 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-COLUMNS = ("loss_bad", "grad_bad", "exhausted", "batches", "loss")
+COLUMNS = ("loss", "loss_check", "grad_norm", "exhausted", "batches")
+DEVICE_COLUMNS = 3
+"""The first columns come from the device (``LocalReport.values``); the rest from the host."""
 _NCOL = len(COLUMNS)
+_NORM = COLUMNS.index("grad_norm")
 
 
 @dataclass(frozen=True)
 class LocalReport:
-    """What one rank saw during a step. Tensors may be on the device (no sync needed)."""
+    """What one rank saw during a step. ``values`` may be on the device (no sync needed)."""
 
-    loss_bad: Tensor
-    grad_bad: Tensor
-    loss: Tensor
-    grad_sumsq: Tensor
+    values: Tensor
+    """float64 ``[loss, loss_check, grad_norm]``: the loss reported (mean of the last
+    micro-batch's loss), the sum of every micro-batch's loss (non-finite when any is), and
+    the L2 norm of this rank's gradients (non-finite when any gradient is)."""
     exhausted: bool = False
     """This rank's data iterator is used up (``batches`` is then its exact total)."""
     batches: int = 0
     """Batches this rank has fetched so far."""
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """A started agreement: the buffer on the device, not read yet."""
+
+    buf: Tensor
+    report: LocalReport
+    """This rank's report (its host fields fill the row in a world of one)."""
+    sharded: bool
+    """The gradients are shards (FSDP2): the global norm combines every rank's."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +60,8 @@ class Agreement:
     exhausted_ranks: list[int]
     batches: list[int]
     losses: list[float]
-    grad_sumsq: float
+    global_grad_norm: float
+    """The norm of all gradients: of every rank's shard (FSDP2), else rank 0's."""
 
     @property
     def bad(self) -> bool:
@@ -67,7 +86,8 @@ class Agreement:
         return min(totals) if totals else math.inf
 
     def grad_norm(self) -> float:
-        return math.sqrt(self.grad_sumsq) if math.isfinite(self.grad_sumsq) else math.inf
+        norm = self.global_grad_norm
+        return norm if math.isfinite(norm) else math.inf
 
 
 class Consensus:
@@ -94,50 +114,52 @@ class Consensus:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def reduce(self, report: LocalReport, sum_grad_norms: bool) -> Tensor:
-        """Start the step's all-reduce; returns the buffer on ``device`` without reading it.
+    def reduce(self, report: LocalReport, sum_grad_norms: bool) -> Reduced:
+        """Start the step's all-reduce; the buffer stays on ``device``, unread.
 
         ``sum_grad_norms``: the gradients are shards (FSDP2), so the squared norms add up.
         """
-        buf = torch.zeros(self.world_size * _NCOL + 1, dtype=torch.float64, device=self.device)
+        if not self.distributed or self.world_size == 1:
+            return Reduced(report.values, report, sum_grad_norms)
+        buf = torch.zeros(self.world_size * _NCOL, dtype=torch.float64, device=self.device)
         row = buf[self.rank * _NCOL : (self.rank + 1) * _NCOL]
-        row[0].copy_(report.loss_bad, non_blocking=True)
-        row[1].copy_(report.grad_bad, non_blocking=True)
-        row[2].fill_(1.0 if report.exhausted else 0.0)
-        row[3].fill_(float(report.batches))
-        row[4].copy_(report.loss.detach().reshape(()), non_blocking=True)
-        if sum_grad_norms or self.rank == 0:  # replicated gradients: count rank 0's norm once
-            buf[-1].copy_(report.grad_sumsq, non_blocking=True)
-        if self.distributed and self.world_size > 1:
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
-        return buf
+        row[:DEVICE_COLUMNS].copy_(report.values, non_blocking=True)
+        row[DEVICE_COLUMNS].fill_(1.0 if report.exhausted else 0.0)
+        row[DEVICE_COLUMNS + 1].fill_(float(report.batches))
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+        return Reduced(buf, report, sum_grad_norms)
 
     def agree(self, report: LocalReport, sum_grad_norms: bool) -> Agreement:
         """One all-reduce, one host read."""
-        return self.read(self.reduce(report, sum_grad_norms).tolist())
+        reduced = self.reduce(report, sum_grad_norms)
+        return self.read(reduced.buf.tolist(), reduced)
 
     def exchange_data_state(self, exhausted: bool, batches: int) -> Agreement:
         """A standalone agreement on data availability (start of ``watch()``, or no check)."""
-        zero = torch.zeros((), dtype=torch.float64)
-        report = LocalReport(zero, zero, zero, zero, exhausted=exhausted, batches=batches)
+        zeros = torch.zeros(DEVICE_COLUMNS, dtype=torch.float64)
+        report = LocalReport(zeros, exhausted=exhausted, batches=batches)
         return self.agree(report, sum_grad_norms=False)
 
-    def bad_flag(self, buf: Tensor, device: torch.device) -> Tensor:
-        """On the device: 1.0 when any rank saw a bad loss or gradient, else 0.0 (no sync).
+    def global_grad_norm(self, reduced: Reduced) -> Tensor:
+        """On the device: the norm of all gradients (the same on every rank); no sync."""
+        buf = reduced.buf
+        if reduced.sharded and buf.numel() > DEVICE_COLUMNS:
+            norm: Tensor = torch.linalg.vector_norm(buf.view(self.world_size, _NCOL)[:, _NORM])
+            return norm
+        return buf[_NORM]  # one rank, or replicated gradients: rank 0's norm
 
-        The 0-d float32 tensor fused optimizers take as ``found_inf``.
-        """
-        flags = buf[:-1].view(self.world_size, _NCOL)[:, :2]
-        return (flags.sum() > 0.5).to(device=device, dtype=torch.float32, non_blocking=True)
-
-    def read(self, values: list[float]) -> Agreement:
+    def read(self, values: list[float], reduced: Reduced) -> Agreement:
         """Turn the reduced buffer, read back as host values, into the agreement."""
+        if len(values) == DEVICE_COLUMNS:  # a world of one: the host columns are local
+            report = reduced.report
+            values = [*values, 1.0 if report.exhausted else 0.0, float(report.batches)]
         rows = [values[r * _NCOL : (r + 1) * _NCOL] for r in range(self.world_size)]
+        norms = [row[_NORM] for row in rows]
         return Agreement(
-            loss_ranks=[r for r, row in enumerate(rows) if row[0] > 0.5],
-            grad_ranks=[r for r, row in enumerate(rows) if row[1] > 0.5],
-            exhausted_ranks=[r for r, row in enumerate(rows) if row[2] > 0.5],
-            batches=[int(row[3]) for row in rows],
-            losses=[row[4] for row in rows],
-            grad_sumsq=values[-1],
+            loss_ranks=[r for r, row in enumerate(rows) if not math.isfinite(row[1])],
+            grad_ranks=[r for r, row in enumerate(rows) if not math.isfinite(row[2])],
+            exhausted_ranks=[r for r, row in enumerate(rows) if row[3] > 0.5],
+            batches=[int(row[4]) for row in rows],
+            losses=[row[0] for row in rows],
+            global_grad_norm=math.hypot(*norms) if reduced.sharded else norms[0],
         )

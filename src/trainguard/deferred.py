@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trainguard.consensus import Reduced
 from trainguard.detect import GradStats
 
 
@@ -35,6 +36,8 @@ class PendingStep:
     ready: torch.cuda.Event | None
     stats: GradStats
     """The gradient pass (norms only; gradient references are dropped)."""
+    reduced: Reduced
+    """The started agreement (its buffer is what ``host_values`` copies)."""
     batches: list[Any] = field(default_factory=list)
     rng: dict[str, Any] | None = None
     losses: list[Tensor] = field(default_factory=list)
@@ -48,15 +51,56 @@ class PendingStep:
         return values
 
 
-def stage_to_host(buf: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
-    """Start copying ``buf`` to the host without blocking; CPU buffers are returned as is."""
-    if buf.device.type != "cuda":
-        return buf, None
-    host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
-    host.copy_(buf, non_blocking=True)
-    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    ready.record()
-    return host, ready
+class HostStager:
+    """Copies the step's small buffer to the host without blocking.
+
+    Two pinned buffers (and their events) are used in turn: a step's copy is read during the
+    next step, before the step after that reuses its buffer. Allocating pinned memory and
+    creating an event each step would cost host time that shows on launch-bound models.
+    """
+
+    def __init__(self) -> None:
+        self._slots: list[tuple[Tensor, torch.cuda.Event]] = []
+        self._turn = 0
+
+    def stage(self, buf: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+        """Start the copy; CPU buffers are returned as they are."""
+        if buf.device.type != "cuda":
+            return buf, None
+        if not self._slots or self._slots[0][0].shape != buf.shape:
+            self._slots = [self._new_slot(buf) for _ in range(2)]
+        host, ready = self._slots[self._turn]
+        self._turn ^= 1
+        host.copy_(buf, non_blocking=True)
+        ready.record()
+        return host, ready
+
+    @staticmethod
+    def _new_slot(buf: Tensor) -> tuple[Tensor, torch.cuda.Event]:
+        host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+        return host, torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+
+class FoundInf:
+    """The ``found_inf`` flag fused optimizers take, from the agreed buffer, on the device.
+
+    One fused kernel (``torch._amp_foreach_non_finite_check_and_unscale_``, GradScaler's own
+    check, with a scale of exactly 1) sets the flag when any value is NaN/Inf; the flag and
+    the scale tensors are kept, so nothing is allocated per step.
+    """
+
+    def __init__(self) -> None:
+        self._flags: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+    def of(self, buf: Tensor, device: torch.device) -> Tensor:
+        """1.0 when ``buf`` holds a non-finite value, else 0.0 (float32, on ``device``)."""
+        if buf.device not in self._flags:
+            one = torch.ones((), dtype=torch.float32, device=buf.device)
+            self._flags[buf.device] = (torch.zeros_like(one), one)
+        found, one = self._flags[buf.device]
+        found.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_([buf], found, one)
+        return found if buf.device == device else found.to(device, non_blocking=True)
 
 
 def set_found_inf(optimizer: torch.optim.Optimizer, found_inf: Tensor | None) -> None:

@@ -23,10 +23,10 @@ class GradStats:
     """Parameter names, aligned with ``norms``."""
     norms: Tensor | None
     """Per-parameter gradient norms (float32, 1-d), or None when no parameter has a gradient."""
-    sumsq: Tensor
-    """Sum of squared norms of the local gradients (float64 scalar)."""
-    bad: Tensor
-    """True when any local gradient holds NaN/Inf (bool scalar)."""
+    norm: Tensor
+    """L2 norm of all the local gradients (float64 scalar, computed in float64). Non-finite
+    exactly when some gradient holds NaN/Inf (or has a norm beyond float32): squares of finite
+    float32 norms cannot overflow float64."""
     grads: list[Tensor]
     """The local gradient tensors (shards under FSDP2), for in-place clipping."""
 
@@ -59,33 +59,49 @@ def _norms(grads: list[Tensor]) -> list[Tensor]:
         return [n.float() for n in torch._foreach_norm(grads, 2.0)]
 
 
-def grad_stats(named_params: list[tuple[str, nn.Parameter]], device: torch.device) -> GradStats:
-    """One fused pass over the local gradients, grouped by device; results land on ``device``."""
+def grad_stats(
+    named_params: list[tuple[str, nn.Parameter]], device: torch.device, sharded: bool = True
+) -> GradStats:
+    """One fused pass over the local gradients, grouped by device; results land on ``device``.
+
+    ``sharded=False`` skips the DTensor lookup per parameter (plain gradients)."""
     names: list[str] = []
     grads: list[Tensor] = []
     for name, param in named_params:
-        grad = local_grad(param)
+        grad = local_grad(param) if sharded else param.grad
         if grad is not None:
             names.append(name)
             grads.append(grad)
     if not grads:
         zero = torch.zeros((), dtype=torch.float64, device=device)
-        return GradStats(names, None, zero, torch.zeros((), dtype=torch.bool, device=device), [])
+        return GradStats(names, None, zero, [])
+    stacked = torch.stack(_norms_on(grads, device))
+    norm = torch.linalg.vector_norm(stacked, dtype=torch.float64)  # NaN/Inf propagate
+    return GradStats(names, stacked, norm, grads)
+
+
+def _norms_on(grads: list[Tensor], device: torch.device) -> list[Tensor]:
+    """Per-gradient norms, one fused pass per device, moved to ``device``."""
+    first = grads[0].device
+    if first == device and all(g.device == first for g in grads):
+        return _norms(grads)  # the usual case: one device, nothing to move
     by_device: dict[torch.device, list[int]] = {}
     for i, grad in enumerate(grads):
         by_device.setdefault(grad.device, []).append(i)
     norms: list[Tensor] = [torch.empty(0)] * len(grads)
     for indices in by_device.values():
         for i, norm in zip(indices, _norms([grads[i] for i in indices]), strict=True):
-            norms[i] = norm
-    stacked = torch.stack([n.to(device, non_blocking=True) for n in norms])
-    sumsq = stacked.double().square().sum()
-    return GradStats(names, stacked, sumsq, ~torch.isfinite(stacked).all(), grads)
+            norms[i] = norm.to(device, non_blocking=True)
+    return norms
 
 
-def loss_is_bad(loss: Tensor, device: torch.device) -> Tensor:
-    """True (bool scalar on ``device``) when the loss holds NaN or Inf."""
-    return (~torch.isfinite(loss.detach()).all()).to(device, non_blocking=True)
+def loss_value(loss: Tensor) -> Tensor:
+    """The loss as a scalar on its device (the float64 mean when it has several elements);
+    non-finite when any element is."""
+    value = loss.detach()
+    if value.numel() == 1:
+        return value if value.dim() == 0 else value.reshape(())
+    return value.double().mean()
 
 
 def clip_(grads: list[Tensor], total_norm: float, max_norm: float) -> float:
@@ -105,12 +121,12 @@ def clip_(grads: list[Tensor], total_norm: float, max_norm: float) -> float:
     return coef
 
 
-def clip_on_device_(grads: list[Tensor], total_sumsq: Tensor, max_norm: float) -> None:
+def clip_on_device_(grads: list[Tensor], total_norm: Tensor, max_norm: float) -> None:
     """Clip by a global norm that stays on the device (the sync-free path); no host read.
 
     A non-finite norm makes the factor non-finite too; that step is skipped by ``found_inf``.
     """
-    coef = (max_norm / (total_sumsq.sqrt() + 1e-6)).clamp(max=1.0).float()
+    coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0).float()
     by_device: dict[torch.device, list[Tensor]] = {}
     for grad in grads:
         by_device.setdefault(grad.device, []).append(grad)

@@ -26,14 +26,21 @@ from trainguard.capture import Capturer, step_evidence
 from trainguard.config import GuardConfig, NonFiniteAction
 from trainguard.consensus import Agreement, Consensus, LocalReport
 from trainguard.data import BatchStream
-from trainguard.deferred import PendingStep, StepOutcome, set_found_inf, stage_to_host, uses_fused
+from trainguard.deferred import (
+    FoundInf,
+    HostStager,
+    PendingStep,
+    StepOutcome,
+    set_found_inf,
+    uses_fused,
+)
 from trainguard.detect import (
     GradStats,
     clip_,
     clip_on_device_,
     grad_stats,
     is_sharded,
-    loss_is_bad,
+    loss_value,
 )
 from trainguard.errors import ConfigError, LossScaleCollapseError, NonFiniteError
 from trainguard.events import EventLog
@@ -115,6 +122,9 @@ class Guard:
         self._capturer = Capturer(self.run_dir, self._consensus, self.events)
         self._deferred = uses_fused(optimizer) and scaler is None
         self._pending: PendingStep | None = None
+        self._stager = HostStager()
+        self._found_inf = FoundInf()
+        self._is_sharded: bool | None = None
         self._closed = False
         self.events.write(
             "start",
@@ -166,8 +176,9 @@ class Guard:
         self.record_loss(loss)
         if self.scaler is not None:
             amp.unscale(self.scaler, self.optimizer)
-        stats = grad_stats(self._params, self._consensus.device)
-        agreement = self._consensus.agree(self._report(stats, loss), is_sharded(self._p()))
+        sharded = self._sharded()
+        stats = grad_stats(self._params, self._consensus.device, sharded)
+        agreement = self._consensus.agree(self._report(stats, loss), sharded)
         if self._stream is not None:
             self._stream.agreed(agreement)
         decision = self._decide(agreement)
@@ -204,18 +215,21 @@ class Guard:
         step = self.state.step
         self.progress.enter("check", step)
         self.record_loss(loss)
-        stats = grad_stats(self._params, self._consensus.device)
-        buf = self._consensus.reduce(self._report(stats, loss), is_sharded(self._p()))
-        found_inf = self._consensus.bad_flag(buf, self._optimizer_device(stats))
+        sharded = self._sharded()
+        stats = grad_stats(self._params, self._consensus.device, sharded)
+        reduced = self._consensus.reduce(self._report(stats, loss), sharded)
+        found_inf = self._found_inf.of(reduced.buf, self._optimizer_device(stats))
         if self.config.grad_clip is not None:
-            clip_on_device_(stats.grads, buf[-1], self.config.grad_clip)
-        host_values, ready = stage_to_host(buf)
+            norm = self._consensus.global_grad_norm(reduced)
+            clip_on_device_(stats.grads, norm, self.config.grad_clip)
+        host_values, ready = self._stager.stage(reduced.buf)
         stream = self._stream
         pending = PendingStep(
             step,
             host_values,
             ready,
             dataclasses.replace(stats, grads=[]),  # keep no reference to the gradients
+            reduced,
             batches=list(stream.current) if stream is not None else [],
             rng=stream.current_rng if stream is not None else None,
             losses=self._micro_losses,
@@ -249,7 +263,7 @@ class Guard:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        agreement = self._consensus.read(pending.values())
+        agreement = self._consensus.read(pending.values(), pending.reduced)
         if self._stream is not None:
             self._stream.agreed(agreement, steps_ago=self.state.step - 1 - pending.step)
         decision = self._decide(agreement)
@@ -286,17 +300,27 @@ class Guard:
     def _p(self) -> Iterator[Tensor]:
         return (p for _, p in self._params)
 
+    def _sharded(self) -> bool:
+        """Whether the gradients are FSDP2 shards; looked up once, at the first gradients."""
+        if self._is_sharded is None:
+            if not any(p.grad is not None for p in self._p()):
+                return False
+            self._is_sharded = is_sharded(self._p())
+        return self._is_sharded
+
     def _report(self, stats: GradStats, loss: Tensor) -> LocalReport:
         device = self._consensus.device
-        loss_bad = loss_is_bad(self._micro_losses[0], device)
-        for micro in self._micro_losses[1:]:
-            loss_bad = loss_bad | loss_is_bad(micro, device)
+        last = loss_value(loss)
+        if last.device != device:
+            last = last.to(device, non_blocking=True)
+        check = last  # one micro-batch: the loss is its own check
+        if len(self._micro_losses) > 1:  # gradient accumulation: every micro-batch counts
+            micro = [loss_value(m).to(device, non_blocking=True) for m in self._micro_losses]
+            check = torch.stack(micro).double().sum()
+        values = torch.stack([last, check, stats.norm])  # promoted to float64: one kernel
         stream = self._stream
         return LocalReport(
-            loss_bad=loss_bad,
-            grad_bad=stats.bad,
-            loss=loss.detach().float().mean(),
-            grad_sumsq=stats.sumsq,
+            values,
             exhausted=stream.exhausted if stream is not None else False,
             batches=stream.batches_seen if stream is not None else 0,
         )

@@ -30,7 +30,8 @@ MODES = (
 
 def _run(tmp_path: Path, *args: str) -> dict[str, Any]:
     out = tmp_path / "overhead.json"
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--rounds", "2", "--warmup", "1"]
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--device", "cpu"]
+    cmd += ["--rounds", "2", "--warmup", "1"]
     proc = subprocess.run(
         [*cmd, "--out", str(out), *args],
         cwd=tmp_path,
