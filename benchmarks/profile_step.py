@@ -88,6 +88,11 @@ def pieces(device: str) -> dict[str, float]:
         "HostStager.stage(3 values)": _per_call_us(lambda: stager.stage(buf), device),
         "FoundInf.of(3 values)": _per_call_us(lambda: found_inf.of(buf, dev), device),
         "one tiny op (torch.isfinite)": _per_call_us(lambda: torch.isfinite(buf), device),
+        **(
+            {"torch.cuda.get_rng_state_all()": _per_call_us(torch.cuda.get_rng_state_all, device)}
+            if device.startswith("cuda")
+            else {}
+        ),
     }
 
 
