@@ -8,6 +8,8 @@ and no ``cat``/``stack`` may take gradient-sized inputs.
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -57,3 +59,32 @@ def test_recorder_catches_a_naive_check() -> None:
     names = [name for name, _ in rec.ops]
     assert names.count("is_nonzero") + names.count("_local_scalar_dense") >= 6
     assert any(name == "cat" and max(sizes) > 1 for name, sizes in rec.ops)
+
+
+def _record_fused_step(n_layers: int, tmp_path: Path, guarded: bool) -> list[str]:
+    """The ops of the third step (warm state) of a fused AdamW loop, guarded or bare."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(n_layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    guard = tg.Guard(model, opt, run_dir=tmp_path / f"{n_layers}-{guarded}", hang_timeout=0)
+    rec = OpRecorder()
+    for step in range(3):
+        loss = model(torch.randn(4, 32)).sum()
+        loss.backward()
+        with rec if step == 2 else contextlib.nullcontext():
+            if guarded:
+                guard.step(loss)
+            else:
+                opt.step()
+                opt.zero_grad()
+    return [name for name, _ in rec.ops]
+
+
+def test_sync_free_step_adds_a_few_ops_whatever_the_model(tmp_path: Path) -> None:
+    """Each op costs host time on a launch-bound GPU loop: the guard's share stays small."""
+    for n_layers in (2, 30):
+        guarded = _record_fused_step(n_layers, tmp_path, guarded=True)
+        bare = _record_fused_step(n_layers, tmp_path, guarded=False)
+        extra = Counter(guarded) - Counter(bare)
+        assert sum(extra.values()) <= 10, extra
+        assert extra["_foreach_norm"] == 1 and "_local_scalar_dense" not in guarded
