@@ -9,8 +9,9 @@ import datetime as _dt
 import json
 import os
 import platform
+import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,16 @@ def quartiles(values: Sequence[float]) -> tuple[float, float]:
         return float(values[0]), float(values[0])
     q = statistics.quantiles(values, n=4, method="inclusive")
     return float(q[0]), float(q[2])
+
+
+def bootstrap_ci(
+    n: int, statistic: Callable[[list[int]], float], resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of ``statistic`` over rounds resampled with
+    replacement (``statistic`` gets the round indices; pairing within a round is kept)."""
+    rng = random.Random(seed)
+    values = sorted(statistic([rng.randrange(n) for _ in range(n)]) for _ in range(resamples))
+    return values[int(0.025 * resamples)], values[int(0.975 * resamples) - 1]
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -76,3 +76,27 @@ def test_ddp_two_ranks(tmp_path: Path) -> None:
     (result,) = report["results"]
     assert result["world"] == 2 and result["threads"] >= 1
     _check_result(result)
+
+
+def test_a_target_is_met_only_when_its_interval_is_within_the_limit() -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import overhead
+        from _common import bootstrap_ci
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    where = {"workload": "mlp", "world": 1}
+    verdict = [
+        overhead._target(where, "x", value, 1.01, ci)["verdict"]
+        for value, ci in (
+            (1.0, [0.99, 1.005]),
+            (1.005, [0.99, 1.02]),
+            (1.02, [1.015, 1.03]),
+            (1.0, None),
+            (1.02, None),
+        )
+    ]
+    assert verdict == ["met", "within noise", "missed", "met", "missed"]
+    assert bootstrap_ci(20, lambda rounds: 2.0) == (2.0, 2.0)
+    low, high = bootstrap_ci(50, lambda rounds: sum(rounds) / len(rounds))
+    assert low < 24.5 < high  # the mean index of 0..49 lies inside its interval
