@@ -734,8 +734,11 @@ def _overheads(
     return mine / theirs if theirs > 0 else math.inf
 
 
-def _ci(res: dict[str, Any], statistic: Callable[[list[int]], float]) -> list[float] | None:
-    """95% bootstrap interval over the rounds (None when the modes' rounds do not align)."""
+def _ci(res: dict[str, Any], statistic: Callable[[list[int]], float]) -> list[float | None] | None:
+    """95% bootstrap interval over the rounds (None when the modes' rounds do not align).
+
+    A bound is None where it is not finite: a ratio of overheads whose denominator is not
+    positive in some resamples (the baseline's overhead is lost in the noise)."""
     n = len(_rounds(res, "bare")) if "bare" in res["modes"] else 0
     if n < 5:
         return None
@@ -743,7 +746,7 @@ def _ci(res: dict[str, Any], statistic: Callable[[list[int]], float]) -> list[fl
         low, high = bootstrap_ci(n, statistic)
     except IndexError:  # a mode skipped rounds
         return None
-    return [low, high]
+    return [b if math.isfinite(b) else None for b in (low, high)]
 
 
 def _target(
@@ -751,15 +754,16 @@ def _target(
     name: str,
     value: float | None,
     limit: float,
-    ci: list[float] | None = None,
+    ci: list[float | None] | None = None,
 ) -> dict[str, Any]:
-    """``met``: the median is within the limit; ``verdict`` also asks the 95% interval."""
+    """``met``: the median is within the limit; ``verdict`` also asks the 95% interval
+    (a None bound is unbounded)."""
     ok = value is not None and value <= limit
     if ci is None:
         verdict = "met" if ok else "missed"
-    elif ci[1] <= limit:
+    elif ci[1] is not None and ci[1] <= limit:
         verdict = "met"
-    elif ci[0] > limit:
+    elif ci[0] is not None and ci[0] > limit:
         verdict = "missed"
     else:
         verdict = "within noise"
@@ -835,8 +839,11 @@ def targets_table(targets: list[dict[str, Any]]) -> str:
     return markdown_table(headers, rows)
 
 
-def _interval(ci: list[float] | None) -> str:
-    return "-" if ci is None else f"{ci[0]:.3f} .. {ci[1]:.3f}"
+def _interval(ci: list[float | None] | None) -> str:
+    if ci is None:
+        return "-"
+    low, high = ("unbounded" if b is None else f"{b:.3f}" for b in ci)
+    return f"{low} .. {high}"
 
 
 def _verdict(target: dict[str, Any]) -> str:

@@ -6,6 +6,7 @@ one workload) and checks the JSON it writes, so the benchmark cannot rot unnotic
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -94,9 +95,17 @@ def test_a_target_is_met_only_when_its_interval_is_within_the_limit() -> None:
             (1.02, [1.015, 1.03]),
             (1.0, None),
             (1.02, None),
+            (1.0, [0.9, None]),  # unbounded above: the baseline's overhead was lost in noise
+            (1.05, [None, 1.0]),
         )
     ]
-    assert verdict == ["met", "within noise", "missed", "met", "missed"]
+    assert verdict == ["met", "within noise", "missed", "met", "missed", "within noise", "met"]
     assert bootstrap_ci(20, lambda rounds: 2.0) == (2.0, 2.0)
+    res = {"modes": {m: {"step_ms": [10.0 + (i % 3) for i in range(20)]} for m in ("bare",)}}
+    res["modes"]["guard"] = {"step_ms": [11.0 + (i % 3) for i in range(20)]}
+    res["modes"]["foreach_norm"] = {"step_ms": [10.0 + (i % 3) for i in range(20)]}
+    stat = functools.partial(overhead._overheads, res, "guard", "foreach_norm", "step_ms")
+    assert overhead._ci(res, stat) == [None, None]  # zero baseline overhead: no bound, no crash
+    assert overhead._interval([0.5, None]) == "0.500 .. unbounded"
     low, high = bootstrap_ci(50, lambda rounds: sum(rounds) / len(rounds))
     assert low < 24.5 < high  # the mean index of 0..49 lies inside its interval
