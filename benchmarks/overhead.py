@@ -219,6 +219,10 @@ class ModeSpec:
 MODES: dict[str, ModeSpec] = {
     "bare": ModeSpec("bare training (forward, backward, optimizer step, zero_grad)", None),
     "foreach_norm": ModeSpec("bare + one torch._foreach_norm pass over the gradients"),
+    "norm_allreduce": ModeSpec(
+        "foreach_norm + the total norm in one small all-reduce, read on the host: the floor "
+        "for a check whose decision every rank shares (no all-reduce in one process)"
+    ),
     "guard": ModeSpec(
         "trainguard defaults: Guard(capture=True), watch() + check(loss) as in the README"
     ),
@@ -321,6 +325,19 @@ class ForeachNormRunner(Runner):
         return True
 
 
+class NormAllReduceRunner(Runner):
+    """The least a check that every rank agrees on can do: one norm pass, one all-reduce of a
+    row as small as the guard's, one host read."""
+
+    def after(self, loss: Tensor) -> bool:
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(self.ctx.grads(), 2.0)))
+        row = torch.stack([loss.detach(), loss.detach(), norm]).to(torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            row = torch.cat([row, row.new_zeros(2)]).repeat(dist.get_world_size())
+            dist.all_reduce(row)
+        return bool(torch.isfinite(row).all())
+
+
 class ClipRunner(Runner):
     def __init__(self, ctx: ModeContext) -> None:
         super().__init__(ctx)
@@ -409,6 +426,7 @@ def make_runner(mode: str, ctx: ModeContext) -> Runner:
     runners: dict[str, Callable[[ModeContext], Runner]] = {
         "bare": Runner,
         "foreach_norm": ForeachNormRunner,
+        "norm_allreduce": NormAllReduceRunner,
         "bare_clip": ClipRunner,
         "nancapture": NaNCaptureRunner,
         "per_param": PerParamRunner,
@@ -911,6 +929,32 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _load_report(path: Path) -> dict[str, Any]:
+    """A report written earlier, its targets evaluated again (with today's rules)."""
+    try:
+        report: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--from-json {path}: cannot read a report ({exc})") from None
+    report["targets"] = evaluate_targets(report["results"], report["settings"]["device"])
+    return report
+
+
+def render_targets_of_runs(reports: list[dict[str, Any]]) -> str:
+    """Every target that several runs measured, one row per run and target, with the runs'
+    commands: how far a verdict moves from run to run."""
+    rows, commands = [], []
+    for number, report in enumerate(reports, start=1):
+        commands.append(f"{number}. {report['date'][:16]}: `{report['command']}`")
+        rounds = {(r["workload"], r["world"]): r["rounds"] for r in report["results"]}
+        for t in report["targets"]:
+            where = (t["workload"], t["world"])
+            rows.append([number, *where, rounds[where], t["target"], t["value"]])
+            rows[-1] += [_interval(t.get("ci95")), f"<= {t['limit']}", _verdict(t)]
+    headers = ("run", "workload", "world", "rounds", "target", "value", "95% interval")
+    table = markdown_table((*headers, "limit", "verdict"), rows)
+    return "\n".join(["Runs:", "", *commands, "", table])
+
+
 # -- command line -----------------------------------------------------------------------------
 
 
@@ -949,8 +993,10 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     parser.add_argument(
         "--from-json",
         type=Path,
+        nargs="+",
         metavar="FILE",
-        help="measure nothing: render a report written earlier (e.g. on a GPU machine)",
+        help="measure nothing: render a report written earlier (e.g. on a GPU machine); "
+        "with several files, one table of every target they measured",
     )
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -1039,13 +1085,13 @@ def measure(settings: Settings, argv: list[str] | None) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     settings, args = parse_args(argv)
     if args.from_json is not None:
-        report: dict[str, Any] = json.loads(args.from_json.read_text(encoding="utf-8"))
-        report["targets"] = evaluate_targets(report["results"], report["settings"]["device"])
+        reports = [_load_report(path) for path in args.from_json]
+        text = render(reports[0]) if len(reports) == 1 else render_targets_of_runs(reports)
     else:
         report = measure(settings, argv)
         write_json(args.out, report)
         print(f"\nJSON: {args.out}", file=sys.stderr)
-    text = render(report)
+        text = render(report)
     print(text)
     if args.update_docs is not None:
         replace_block(args.update_docs, args.docs_block, text)

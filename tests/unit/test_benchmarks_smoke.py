@@ -20,6 +20,7 @@ SCRIPT = ROOT / "benchmarks" / "overhead.py"
 MODES = (
     "bare",
     "foreach_norm",
+    "norm_allreduce",
     "guard",
     "bare_clip",
     "guard_clip",
@@ -69,6 +70,17 @@ def test_single_process_every_mode(tmp_path: Path) -> None:
     assert report["machine"]["cpu_count"] >= 1
     assert report["machine"]["torch"]
     assert report["targets"], "the issue's targets are evaluated"
+    _check_targets_of_runs(tmp_path / "overhead.json", len(report["targets"]))
+
+
+def _check_targets_of_runs(out: Path, n_targets: int) -> None:
+    """``--from-json`` with two reports: one table of both runs' targets, nothing measured."""
+    cmd = [sys.executable, str(SCRIPT), "--from-json", str(out), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert len(rows) == 2 * n_targets
+    assert proc.stdout.count("`python benchmarks/overhead.py --quick") == 2
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo spawn smoke test on Linux only")
