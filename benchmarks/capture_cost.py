@@ -57,7 +57,8 @@ SIZES = {"width": 512, "layers": 4, "batch": 64}
 
 class RowNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
-        return x / x.norm(dim=-1, keepdim=True)
+        out: Tensor = x / x.norm(dim=-1, keepdim=True)
+        return out
 
 
 class Block(nn.Module):
@@ -82,7 +83,8 @@ class Net(nn.Module):
 
 
 def loss_fn(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
-    return model(batch["x"]).pow(2).mean()
+    loss: Tensor = model(batch["x"]).pow(2).mean()
+    return loss
 
 
 def _time(fn: Callable[[], Any], runs: int) -> list[float]:

@@ -258,7 +258,7 @@ def main() -> int:
             throughput(int(b), args.blocks, args.block_steps, f"{tmp}/t{b}")
             for b in args.batches.split(",")
         ]
-    report = {
+    report: dict[str, Any] = {
         "benchmark": "gpu_check",
         "date": now_iso(),
         "command": " ".join(["python", *sys.argv]),
