@@ -1093,6 +1093,12 @@ def measure(settings: Settings, argv: list[str] | None) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     settings, args = parse_args(argv)
     if args.from_json is not None:
+        several = len(args.from_json) > 1
+        if several and args.update_docs is not None and args.docs_block == DOCS_BLOCK:
+            raise SystemExit(
+                "--from-json with several files renders a table of targets, not a report: "
+                f"name its block with --docs-block (not {DOCS_BLOCK})"
+            )
         reports = [_load_report(path) for path in args.from_json]
         text = render(reports[0]) if len(reports) == 1 else render_targets_of_runs(reports)
     else:
