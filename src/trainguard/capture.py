@@ -18,7 +18,6 @@ see (a shared filesystem on multi-node runs), as for torch.distributed.checkpoin
 from __future__ import annotations
 
 import logging
-import math
 import os
 import platform
 import secrets
@@ -51,7 +50,7 @@ from trainguard.bundle import (
     write_torch,
 )
 from trainguard.consensus import Agreement, Consensus
-from trainguard.detect import GradStats
+from trainguard.detect import GradStats, norm_or_inf
 from trainguard.events import EventLog
 from trainguard.policy import Decision
 
@@ -95,7 +94,7 @@ def step_evidence(
         agreement=agreement,
         bad_params=stats.bad_names(),
         param_grad_norms=dict(zip(stats.names, norms, strict=True)),
-        local_grad_norm=_finite_or_inf(float(stats.norm)),
+        local_grad_norm=norm_or_inf(float(stats.norm)),
         micro_losses=[float(loss.float().mean()) for loss in micro_losses],
         micro_batches=list(micro_batches) if micro_batches else None,
         rng=rng,
@@ -365,10 +364,6 @@ def rank_meta(rank: int, model: nn.Module, evidence: StepEvidence) -> dict[str, 
         "env": environment(rank, model),
         **evidence.extra,
     }
-
-
-def _finite_or_inf(value: float) -> float:
-    return value if math.isfinite(value) else math.inf
 
 
 def environment(rank: int, model: nn.Module) -> dict[str, Any]:

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from trainguard.detect import norm_or_inf
+
 COLUMNS = ("loss", "loss_check", "grad_norm", "exhausted", "batches")
 DEVICE_COLUMNS = 3
 """The first columns come from the device (``LocalReport.values``); the rest from the host."""
@@ -86,8 +88,7 @@ class Agreement:
         return min(totals) if totals else math.inf
 
     def grad_norm(self) -> float:
-        norm = self.global_grad_norm
-        return norm if math.isfinite(norm) else math.inf
+        return norm_or_inf(self.global_grad_norm)
 
 
 class Consensus:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from trainguard import batchtree
+from trainguard.detect import norm_or_inf
 from trainguard.errors import ReplayError
 from trainguard.localize import NonFiniteTracer
 from trainguard.rng import rng_state, set_rng_state
@@ -162,7 +163,7 @@ class StepRunner:
                     result.bad_params.append(name)
                 sumsq = sumsq + grad.double().pow(2).sum()
         result.grads_finite = not result.bad_params
-        result.grad_norm = math.sqrt(float(sumsq)) if math.isfinite(float(sumsq)) else math.inf
+        result.grad_norm = norm_or_inf(math.sqrt(float(sumsq)))
         result.bits = (*(_bits(s) for s in sums), _bits(sumsq))
         if result.first_bad_micro is None and not result.grads_finite:
             result.first_bad_micro = self._first_bad_grad_micro()
