@@ -1,6 +1,6 @@
 """trainguard: keeps PyTorch training runs alive and debuggable."""
 
-from trainguard.bundle import Bundle, load_bundle
+from trainguard.capture import Bundle, load_bundle
 from trainguard.config import GuardConfig
 from trainguard.errors import (
     BundleError,
@@ -13,9 +13,8 @@ from trainguard.errors import (
 )
 from trainguard.events import read_events
 from trainguard.exitcodes import EXIT_HANG, EXIT_PEER_FAILURE
-from trainguard.guard import Guard
-from trainguard.policy import Decision
 from trainguard.replay import ReplayReport, ReplaySpec, replay
+from trainguard.step import Decision, Guard
 
 __version__ = "0.1.0"
 

@@ -95,8 +95,8 @@ def _print_json(data: dict[str, Any]) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from trainguard.inspect_bundle import inspect_bundle
-    from trainguard.render import inspect_text
+    from trainguard.capture.inspect import inspect_bundle
+    from trainguard.replay.render import inspect_text
 
     summary = inspect_bundle(args.bundle)
     if args.json:
@@ -107,8 +107,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from trainguard.render import replay_text
-    from trainguard.replay import replay
+    from trainguard.replay.render import replay_text
+    from trainguard.replay.runner import replay
 
     with contextlib.redirect_stdout(sys.stderr):  # the user's prints must not mix with ours
         report = replay(
@@ -123,7 +123,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from trainguard.demo import DemoError, run_demo
-    from trainguard.render import demo_event_line, demo_text
+    from trainguard.replay.render import demo_event_line, demo_text
 
     print(
         f"trainguard demo: {args.ranks} ranks on CPU (gloo, DDP), launched with "

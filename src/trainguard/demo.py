@@ -183,7 +183,7 @@ def run_demo(
     """Train under the elastic launcher, then replay the capture. ``on_event`` gets rank 0's
     events as they are written (for a progress display)."""
     from trainguard.events import read_events
-    from trainguard.replay import replay
+    from trainguard.replay.runner import replay
 
     if ranks < 1 or steps < 5:
         raise DemoError(f"use --ranks >= 1 and --steps >= 5 (got {ranks} and {steps})")
@@ -259,7 +259,7 @@ def _follow(
 
 
 def _missing_classes(bundle: Path, rank: int) -> list[int]:
-    from trainguard.bundle import load_bundle
+    from trainguard.capture.bundle import load_bundle
 
     batch = load_bundle(bundle, verify=False).batches(rank)[0]
     present = set(batch["y"].tolist())

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from trainguard.detect import local_grad
 from trainguard.errors import ConfigError
-from trainguard.guard import named_parameters
+from trainguard.step.detect import local_grad
+from trainguard.step.guard import named_parameters
 
 
 def _rank() -> int:

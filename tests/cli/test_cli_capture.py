@@ -14,7 +14,7 @@ import pytest
 import tg_capture_models as models
 
 from trainguard.cli import EXIT_FINDING, EXIT_OK, EXIT_USAGE, main
-from trainguard.replay import KEYS
+from trainguard.replay.runner import KEYS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -135,7 +135,7 @@ KILLED_MID_WRITE = textwrap.dedent(
     import torch
     sys.path.insert(0, {support!r})
     import tg_capture_models as models
-    from trainguard import capture
+    from trainguard.step import capturer as capture
 
     real = capture.write_torch
     def write(path, obj):

@@ -17,8 +17,8 @@ import torch
 from tg_dist import run_ranks, values
 
 import trainguard as tg
-from trainguard.inspect_bundle import inspect_bundle
-from trainguard.replay import load_weights
+from trainguard.capture.inspect import inspect_bundle
+from trainguard.replay.runner import load_weights
 
 
 def _events(run_dir: str, rank: int, kind: str) -> list[dict[str, Any]]:
@@ -28,7 +28,7 @@ def _events(run_dir: str, rank: int, kind: str) -> list[dict[str, Any]]:
 def _ddp_worker(rank: int, world: int, run_dir: str, failing_dir: str) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
-    from trainguard import capture
+    from trainguard.step import capturer as capture
 
     data = models.batches("forward", 4, bad_step=2 if rank == 1 else -1, seed=rank)
     model = DistributedDataParallel(models.make_model("forward"))

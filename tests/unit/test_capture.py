@@ -16,9 +16,10 @@ import tg_capture_models as models
 import torch
 
 import trainguard as tg
-from trainguard import batchtree, capture
-from trainguard.bundle import MANIFEST
-from trainguard.rng import rng_state, set_rng_state
+from trainguard.capture import batchtree
+from trainguard.capture.bundle import MANIFEST
+from trainguard.capture.rng import rng_state, set_rng_state
+from trainguard.step import capturer as capture
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -232,7 +233,7 @@ def test_failed_write_is_an_event_and_training_goes_on(
     monkeypatch.setattr(capture, "write_torch", disk_full)
     data = models.batches("forward", 5, bad_step=1)
     model = models.make_model("forward")
-    with caplog.at_level(logging.ERROR, logger="trainguard.capture"):
+    with caplog.at_level(logging.ERROR, logger="trainguard.step.capturer"):
         guard = models.train(model, models.ce_loss, data, tmp_path)
     assert guard.state.step == 5 and guard.state.total_nonfinite == 1
     assert guard.state.last_good_step == 4
@@ -313,7 +314,7 @@ def test_sync_free_step_captures_the_pre_update_state(tmp_path: Path) -> None:
 def test_equal_content_gives_equal_checksums(tmp_path: Path) -> None:
     """torch.save writes a random id into every file; the record-table checksum leaves it
     out, so DDP ranks with identical weights get identical checksums (inspect relies on it)."""
-    from trainguard.bundle import verify_file, write_torch
+    from trainguard.capture.bundle import verify_file, write_torch
 
     weights = {"w": torch.arange(1000, dtype=torch.float32)}
     first = write_torch(tmp_path / "a" / "model.pt", weights)

@@ -11,8 +11,8 @@ import torch
 from torch import Tensor, nn
 
 import trainguard as tg
-from trainguard.bisect import find_culprits
-from trainguard.replay import KEYS, resolve_factory
+from trainguard.replay.bisect import find_culprits
+from trainguard.replay.runner import KEYS, resolve_factory
 from trainguard.testing import Fault, FaultPlan
 
 pytestmark = pytest.mark.timeout(60)
@@ -187,7 +187,7 @@ def test_bisection_claims_nothing_when_its_budget_runs_out() -> None:
 
 def test_tracer_ignores_masked_nan_and_names_softmax_of_masked_row(tmp_path: Path) -> None:
     """A NaN made and masked away is not the origin; softmax of an all -inf row is."""
-    from trainguard.localize import ModuleStack, NonFiniteTracer
+    from trainguard.replay.localize import ModuleStack, NonFiniteTracer
 
     model = nn.Linear(3, 3)
     modules = ModuleStack(model)

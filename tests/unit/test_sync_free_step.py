@@ -11,7 +11,7 @@ from tg_models import TinyNet, flat_params, loss_fn, make_batches
 from tg_ops import OpRecorder
 
 import trainguard as tg
-from trainguard.deferred import PendingStep
+from trainguard.step.deferred import PendingStep
 from trainguard.testing import Fault, FaultPlan
 
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 import trainguard as tg
-from trainguard.channel import StoreChannel
 from trainguard.events import EventLog, read_events
-from trainguard.hang_timeout import TimeoutLearner
+from trainguard.hang.channel import StoreChannel
+from trainguard.hang.timeout import TimeoutLearner
+from trainguard.hang.watchdog import Watchdog, store_prefix
 from trainguard.progress import Progress
-from trainguard.watchdog import Watchdog, store_prefix
 
 
 class FakeStore:

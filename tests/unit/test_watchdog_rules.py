@@ -7,8 +7,9 @@ import pytest
 import torch.distributed as dist
 
 import trainguard as tg
-from trainguard import hang_timeout as timing
-from trainguard.hang_rules import (
+from trainguard.hang import timeout as timing
+from trainguard.hang.heartbeat import Heartbeat, PeerTracker, RankView
+from trainguard.hang.rules import (
     HANG,
     PEER_FAILURE,
     Verdict,
@@ -20,8 +21,7 @@ from trainguard.hang_rules import (
     pick_culprits,
     should_publish,
 )
-from trainguard.hang_timeout import TimeoutLearner
-from trainguard.heartbeat import Heartbeat, PeerTracker, RankView
+from trainguard.hang.timeout import TimeoutLearner
 
 
 def view(

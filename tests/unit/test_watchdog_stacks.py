@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.hang_report import build_report, format_report, write_report
-from trainguard.hang_rules import HANG, Verdict
-from trainguard.heartbeat import RankView
-from trainguard.stacks import FrozenDump, py_spy_stacks, python_stacks, write_stack_dump
+from trainguard.hang.heartbeat import RankView
+from trainguard.hang.report import build_report, format_report, write_report
+from trainguard.hang.rules import HANG, Verdict
+from trainguard.hang.stacks import FrozenDump, py_spy_stacks, python_stacks, write_stack_dump
 
 
 def parked_in_a_named_function(release: threading.Event) -> None:
@@ -52,7 +52,7 @@ def test_a_frozen_interpreter_still_dumps_through_faulthandler(tmp_path: Path) -
         f"""
         import ctypes
         from pathlib import Path
-        from trainguard.stacks import FrozenDump
+        from trainguard.hang.stacks import FrozenDump
 
         def stuck_holding_the_gil():
             ctypes.PyDLL(None).sleep(30)  # a C call that keeps the GIL

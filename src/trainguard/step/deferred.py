@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainguard.consensus import Reduced
-from trainguard.detect import GradStats
+from trainguard.step.consensus import Reduced
+from trainguard.step.detect import GradStats
 
 
 def uses_fused(optimizer: torch.optim.Optimizer) -> bool:

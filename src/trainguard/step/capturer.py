@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from trainguard import batchtree
-from trainguard.bundle import (
+from trainguard.capture import batchtree
+from trainguard.capture.bundle import (
     DCP_DIR,
     FORMAT,
     MANIFEST,
@@ -49,10 +49,11 @@ from trainguard.bundle import (
     write_json,
     write_torch,
 )
-from trainguard.consensus import Agreement, Consensus
-from trainguard.detect import GradStats, norm_or_inf
 from trainguard.events import EventLog
-from trainguard.policy import Decision
+from trainguard.numerics import norm_or_inf
+from trainguard.step.consensus import Agreement, Consensus
+from trainguard.step.detect import GradStats
+from trainguard.step.policy import Decision
 
 logger = logging.getLogger(__name__)
 

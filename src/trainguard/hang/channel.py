@@ -13,8 +13,8 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Protocol
 
-from trainguard.hang_rules import Verdict
-from trainguard.heartbeat import Heartbeat
+from trainguard.hang.heartbeat import Heartbeat
+from trainguard.hang.rules import Verdict
 
 
 class KeyValueStore(Protocol):

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trainguard.hang_rules import Verdict
-from trainguard.heartbeat import RankView
+from trainguard.hang.heartbeat import RankView
+from trainguard.hang.rules import Verdict
 
 
 def stack_file(rank: int) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 from trainguard.config import GuardConfig
-from trainguard.consensus import Agreement
+from trainguard.step.consensus import Agreement
 
 
 class Decision(enum.Enum):

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from trainguard.detect import norm_or_inf
+from trainguard.numerics import norm_or_inf
 
 COLUMNS = ("loss", "loss_check", "grad_norm", "exhausted", "batches")
 DEVICE_COLUMNS = 3

@@ -44,12 +44,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainguard import hang_timeout as timing
-from trainguard.channel import StoreChannel, own_connection
 from trainguard.events import EventLog
 from trainguard.exitcodes import EXIT_HANG, EXIT_PEER_FAILURE
-from trainguard.hang_report import build_report, stack_file, write_report
-from trainguard.hang_rules import (
+from trainguard.hang import timeout as timing
+from trainguard.hang.channel import StoreChannel, own_connection
+from trainguard.hang.heartbeat import Heartbeat, PeerTracker
+from trainguard.hang.report import build_report, stack_file, write_report
+from trainguard.hang.rules import (
     HANG,
     PEER_FAILURE,
     Verdict,
@@ -59,10 +60,9 @@ from trainguard.hang_rules import (
     is_comm_error,
     should_publish,
 )
-from trainguard.hang_timeout import TimeoutLearner
-from trainguard.heartbeat import Heartbeat, PeerTracker
+from trainguard.hang.stacks import FrozenDump, write_stack_dump
+from trainguard.hang.timeout import TimeoutLearner
 from trainguard.progress import Progress
-from trainguard.stacks import FrozenDump, write_stack_dump
 
 logger = logging.getLogger(__name__)
 

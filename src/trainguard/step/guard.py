@@ -21,12 +21,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from trainguard import amp
-from trainguard.capture import Capturer, step_evidence
 from trainguard.config import GuardConfig, NonFiniteAction
-from trainguard.consensus import Agreement, Consensus, LocalReport
-from trainguard.data import BatchStream
-from trainguard.deferred import (
+from trainguard.errors import ConfigError, LossScaleCollapseError, NonFiniteError
+from trainguard.events import EventLog
+from trainguard.hang.watchdog import Watchdog, start_watchdog
+from trainguard.progress import Progress
+from trainguard.step import amp
+from trainguard.step.capturer import Capturer, step_evidence
+from trainguard.step.consensus import Agreement, Consensus, LocalReport
+from trainguard.step.data import BatchStream
+from trainguard.step.deferred import (
     FoundInf,
     HostStager,
     PendingStep,
@@ -34,7 +38,7 @@ from trainguard.deferred import (
     set_found_inf,
     uses_fused,
 )
-from trainguard.detect import (
+from trainguard.step.detect import (
     GradStats,
     clip_,
     clip_on_device_,
@@ -42,12 +46,8 @@ from trainguard.detect import (
     is_sharded,
     loss_value,
 )
-from trainguard.errors import ConfigError, LossScaleCollapseError, NonFiniteError
-from trainguard.events import EventLog
-from trainguard.policy import Decision, decide
-from trainguard.progress import Progress
-from trainguard.state import GuardState
-from trainguard.watchdog import Watchdog, start_watchdog
+from trainguard.step.policy import Decision, decide
+from trainguard.step.state import GuardState
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from torch import Tensor
 
-from trainguard import batchtree
-from trainguard.localize import (
+from trainguard.capture import batchtree
+from trainguard.replay.localize import (
     ModuleStack,
     NonFiniteTracer,
     OpSite,
@@ -18,7 +18,7 @@ from trainguard.localize import (
     seed_inputs,
     seed_parameters,
 )
-from trainguard.stepper import RunResult, StepRunner
+from trainguard.replay.stepper import RunResult, StepRunner
 
 PHASES = ("inputs", "forward", "loss", "backward")
 VERDICTS = ("bad_input", "numerical", "not_reproduced")

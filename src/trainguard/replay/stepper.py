@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from trainguard import batchtree
-from trainguard.detect import norm_or_inf
+from trainguard.capture import batchtree
+from trainguard.capture.rng import rng_state, set_rng_state
 from trainguard.errors import ReplayError
-from trainguard.localize import NonFiniteTracer
-from trainguard.rng import rng_state, set_rng_state
+from trainguard.numerics import norm_or_inf
+from trainguard.replay.localize import NonFiniteTracer
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 

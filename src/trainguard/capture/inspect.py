@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainguard import batchtree
-from trainguard.bundle import Bundle, load_bundle
+from trainguard.capture import batchtree
+from trainguard.capture.bundle import Bundle, load_bundle
 
 MAX_PARAMS = 20
 

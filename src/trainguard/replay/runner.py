@@ -33,13 +33,13 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from trainguard import batchtree
-from trainguard.bisect import find_culprits
-from trainguard.bundle import Bundle, load_bundle
-from trainguard.diagnosis import Finding, locate, not_reproduced_summary, summarize
+from trainguard.capture import batchtree
+from trainguard.capture.bundle import Bundle, load_bundle
+from trainguard.capture.rng import rng_state, set_rng_state
 from trainguard.errors import BundleError, ReplayError
-from trainguard.rng import rng_state, set_rng_state
-from trainguard.stepper import RunResult, StepRunner
+from trainguard.replay.bisect import find_culprits
+from trainguard.replay.diagnosis import Finding, locate, not_reproduced_summary, summarize
+from trainguard.replay.stepper import RunResult, StepRunner
 
 logger = logging.getLogger(__name__)
 

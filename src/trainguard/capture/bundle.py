@@ -44,7 +44,7 @@ from typing import IO, Any
 import torch
 from torch import Tensor
 
-from trainguard import batchtree
+from trainguard.capture import batchtree
 from trainguard.errors import BundleError
 from trainguard.events import to_jsonable
 

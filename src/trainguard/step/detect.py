@@ -8,7 +8,6 @@ With ``grad_clip`` the same norms give the clip coefficient, so clipping costs n
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -94,12 +93,6 @@ def _norms_on(grads: list[Tensor], device: torch.device) -> list[Tensor]:
         for i, norm in zip(indices, _norms([grads[i] for i in indices]), strict=True):
             norms[i] = norm.to(device, non_blocking=True)
     return norms
-
-
-def norm_or_inf(norm: float) -> float:
-    """A gradient norm as reported: NaN (a NaN gradient) becomes Inf, so a bad norm reads one
-    way in events, bundles and replays."""
-    return norm if math.isfinite(norm) else math.inf
 
 
 def loss_value(loss: Tensor) -> Tensor:

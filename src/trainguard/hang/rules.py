@@ -24,7 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from trainguard.errors import NonFiniteError, PeerFailureError
-from trainguard.heartbeat import RankView
+from trainguard.hang.heartbeat import RankView
 
 HANG = "hang"
 PEER_FAILURE = "peer_failure"

@@ -19,10 +19,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from trainguard.consensus import Agreement, Consensus
+from trainguard.capture.rng import rng_state
 from trainguard.events import EventLog
 from trainguard.progress import Progress
-from trainguard.rng import rng_state
+from trainguard.step.consensus import Agreement, Consensus
 
 logger = logging.getLogger(__name__)
 

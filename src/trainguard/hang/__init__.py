@@ -1,0 +1,17 @@
+"""The watchdog: hung and dead ranks found within a timeout, stacks dumped, every rank exits.
+
+- ``watchdog``  one thread per rank: heartbeats out, verdicts in, the exit path
+- ``heartbeat`` what a rank publishes, and what the others make of it (``PeerTracker``)
+- ``channel``   the job's c10d store as the transport (own connections, one multi_get a tick)
+- ``rules``     culprits of a hang or a dead peer (``assess``), and verdicts
+- ``timeout``   the fixed or learned hang timeout, and the cadences derived from it
+- ``report``    ``run_dir/hangs/<id>/report.json``
+- ``stacks``    stack dumps: every thread, py-spy when installed, faulthandler fallback
+
+Offers: ``Watchdog``, ``start_watchdog``. Imports only the shared base modules
+(``progress``, ``events``, ``exitcodes``, ``errors``).
+"""
+
+from trainguard.hang.watchdog import Watchdog, start_watchdog
+
+__all__ = ["Watchdog", "start_watchdog"]

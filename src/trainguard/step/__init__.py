@@ -1,0 +1,24 @@
+"""The per-step path: what runs inside the training loop on every rank.
+
+``Guard`` composes the parts of a step; each lives in its own module:
+
+- ``data``      ``BatchStream`` behind ``guard.watch()``: prefetch, uneven-data agreement
+- ``detect``    the local checks: the loss and one fused pass over the gradients
+- ``consensus`` the one small all-reduce every rank reads the same way (``Agreement``)
+- ``policy``    the decision for a step (``Decision``), from agreed data only
+- ``deferred``  the sync-free ``guard.step()``: ``found_inf`` on the device, read a step late
+- ``amp``       fp16 with a GradScaler: unscale before the check, equal scales on every rank
+- ``state``     ``GuardState``: the counters every rank keeps identically
+- ``capturer``  the collective write of a capture bundle on a bad step (the format and the
+                reading live in ``trainguard.capture``)
+
+Offers to the rest: ``Guard``, ``GuardState``, ``Decision``, ``named_parameters``.
+The step path may import ``capture``, ``hang`` and the shared base modules; nothing below it
+imports the step path.
+"""
+
+from trainguard.step.guard import Guard, named_parameters
+from trainguard.step.policy import Decision
+from trainguard.step.state import GuardState
+
+__all__ = ["Decision", "Guard", "GuardState", "named_parameters"]

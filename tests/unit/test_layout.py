@@ -1,0 +1,106 @@
+"""The package's parts import in one direction (README "Layout"): a change that makes a part
+import one it must not (e.g. the step path importing replay) fails here, lazy imports
+inside functions included."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import trainguard
+
+PACKAGE = Path(trainguard.__file__).parent
+
+BASE = "base"
+"""Top-level modules below every part (errors, config, events, progress, ...)."""
+TOP = "top"
+"""Top-level modules above the parts: they may import anything."""
+TOP_MODULES = {"__init__", "__main__", "cli", "demo", "testing", "doctor", "report"}
+
+ALLOWED: dict[str, set[str]] = {
+    BASE: {BASE},
+    "capture": {BASE, "capture"},
+    "hang": {BASE, "hang"},
+    "replay": {BASE, "replay", "capture"},
+    "recovery": {BASE, "recovery", "capture"},
+    "step": {BASE, "step", "capture", "hang", "recovery"},
+    "integrations": {BASE, "integrations", "step", "capture", "recovery", "hang"},
+    "doctor": {BASE, "doctor"},
+    "report": {BASE, "report", "capture"},
+}
+
+
+def part_of_file(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    if len(rel.parts) > 1:
+        return rel.parts[0]
+    return TOP if rel.stem in TOP_MODULES else BASE
+
+
+def part_of_module(name: str) -> str | None:
+    """The part a ``trainguard...`` module belongs to (None: not ours)."""
+    parts = name.split(".")
+    if parts[0] != "trainguard":
+        return None
+    if len(parts) == 1:
+        return TOP
+    if (PACKAGE / parts[1]).is_dir():
+        return parts[1]
+    return TOP if parts[1] in TOP_MODULES else BASE
+
+
+def imported_modules(path: Path) -> list[str]:
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+            # ``from trainguard import capture``: the names may be subpackages/modules
+            if node.module == "trainguard":
+                names.extend(f"trainguard.{alias.name}" for alias in node.names)
+    return names
+
+
+def violations() -> list[str]:
+    found: list[str] = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        mine = part_of_file(path)
+        if mine == TOP:
+            continue
+        allowed = ALLOWED.get(mine, {BASE, mine})
+        for name in imported_modules(path):
+            theirs = part_of_module(name)
+            if theirs is not None and theirs not in allowed:
+                found.append(f"{path.relative_to(PACKAGE)} ({mine}) imports {name} ({theirs})")
+    return found
+
+
+def test_parts_import_in_one_direction() -> None:
+    assert violations() == []
+
+
+def test_every_subpackage_says_what_it_offers() -> None:
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and "Offers" in doc, f"{init.parent.name}/__init__.py: docstring names no offers"
+
+
+def test_the_checker_sees_a_backward_import(tmp_path: Path) -> None:
+    """The rule itself: a base module importing the step path would be reported."""
+    assert part_of_module("trainguard.step.guard") == "step"
+    assert part_of_module("trainguard.events") == BASE
+    assert part_of_module("trainguard.cli") == TOP
+    assert "step" not in ALLOWED["replay"] and "hang" not in ALLOWED["replay"]
+    assert "replay" not in ALLOWED["step"]
+    fake = tmp_path / "m.py"
+    fake.write_text("def f():\n    from trainguard.step.guard import Guard\n")
+    assert "trainguard.step.guard" in imported_modules(fake)
+
+
+def test_replay_name_is_the_function() -> None:
+    """``tg.replay`` is the public function even though ``trainguard/replay/`` is a package."""
+    import trainguard.replay.stepper  # a submodule import must not rebind the name
+
+    assert callable(trainguard.replay)
+    assert trainguard.replay.__module__ == "trainguard.replay.runner"
