@@ -36,3 +36,23 @@ def test_unknown_command_is_one_line_exit_2() -> None:
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("trainguard: ")
     assert "Traceback" not in out.stderr
+
+
+def test_python_dash_m_trainguard_is_the_console_script() -> None:
+    """``python -m trainguard`` (not only ``python -m trainguard.cli``) runs the CLI."""
+    out = subprocess.run(
+        [sys.executable, "-m", "trainguard", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("trainguard ")
+    bad = subprocess.run(
+        [sys.executable, "-m", "trainguard", "no-such-command"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2
+    assert len(bad.stderr.strip().splitlines()) == 1
