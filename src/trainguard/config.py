@@ -45,6 +45,10 @@ class GuardConfig:
     max_recorded_steps: int = 100
     """How many bad step numbers ``guard.state.nonfinite_steps`` keeps (the most recent)."""
 
+    history_steps: int = 256
+    """How many recent step records (losses, gradient norm, decision, lr) the guard keeps in
+    memory and writes into a capture bundle as ``history.json``."""
+
     extra: dict[str, object] = field(default_factory=dict)
     """Free-form metadata written into the ``start`` event (experiment name, git sha...)."""
 
@@ -72,3 +76,5 @@ class GuardConfig:
             raise ConfigError("min_loss_scale", f"got {self.min_loss_scale!r}; use a number > 0")
         if self.max_recorded_steps < 1:
             raise ConfigError("max_recorded_steps", "use an integer >= 1")
+        if not isinstance(self.history_steps, int) or self.history_steps < 1:
+            raise ConfigError("history_steps", f"got {self.history_steps!r}; use an integer >= 1")

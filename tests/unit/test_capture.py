@@ -68,7 +68,7 @@ def test_manifest_and_rank_files(escalated: tuple[Path, tg.NonFiniteError]) -> N
     assert manifest["torch"] == torch.__version__ and manifest["python"]
     assert isinstance(manifest["time"], float) and not bundle.sharded
     names = {"meta.json", "batch.pt", "rng.pt", "model.pt", "optimizer.pt"}
-    assert set(manifest["files"]) == {f"rank-0/{n}" for n in names}
+    assert set(manifest["files"]) == {f"rank-0/{n}" for n in names} | {"history.json"}
     assert all(len(r["crc32"]) == 8 and r["bytes"] > 0 for r in manifest["files"].values())
     meta = bundle.meta(0)
     assert meta["loss"] == "nan" and meta["loss_finite"] is False

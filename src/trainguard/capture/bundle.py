@@ -4,6 +4,9 @@ A bundle is a folder ``run_dir/captures/step-{step:08d}/``::
 
     manifest.json       format, version, step, world size, trigger, ranks, time, versions,
                         and {"crc32", "bytes"} for every other file in the bundle
+    history.json        the last steps before the bad one, the bad step last (written by rank 0):
+                        {"format": 1, "records": [{"step", "losses" (per rank), "grad_norm",
+                        "decision", "lr"}, ...]}, non-finite floats as "nan"/"inf" strings
     rank-{r}/meta.json  loss, micro-batch losses, gradient norms, non-finite parameters,
                         environment, dataset indices, model mode
     rank-{r}/batch.pt   the step's micro-batches on CPU (see batchtree: loads weights_only)
@@ -51,6 +54,7 @@ from trainguard.events import to_jsonable
 FORMAT = "trainguard-capture"
 VERSION = 1
 MANIFEST = "manifest.json"
+HISTORY = "history.json"
 CHUNK = 1 << 22
 
 logger = logging.getLogger(__name__)

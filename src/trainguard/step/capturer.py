@@ -39,6 +39,7 @@ from trainguard.capture import batchtree
 from trainguard.capture.bundle import (
     DCP_DIR,
     FORMAT,
+    HISTORY,
     MANIFEST,
     TMP_PREFIX,
     VERSION,
@@ -76,6 +77,8 @@ class StepEvidence:
     """RNG states taken before the step's first micro-batch."""
     reason: str = "first_bad_step"
     extra: dict[str, Any] = field(default_factory=dict)
+    history: dict[str, Any] | None = None
+    """The recent steps (``StepHistory.bundle_history``): rank 0 writes it as history.json."""
 
 
 def step_evidence(
@@ -259,6 +262,8 @@ class Capturer:
             shutil.rmtree(tmp, ignore_errors=True)
             return None, "; ".join(errors)
         try:
+            if evidence.history is not None:  # the same on every rank: rank 0 writes it
+                files[HISTORY] = write_json(tmp / HISTORY, evidence.history)
             manifest = build_manifest(evidence, sharded, self._consensus.world_size, files)
             write_json(tmp / MANIFEST, manifest)
             final = self._final_path(evidence.step)

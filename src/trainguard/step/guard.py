@@ -46,6 +46,8 @@ from trainguard.step.detect import (
     is_sharded,
     loss_value,
 )
+from trainguard.step.history import StepHistory
+from trainguard.step.metrics import MetricsLog, metrics_path
 from trainguard.step.policy import Decision, decide
 from trainguard.step.state import GuardState
 
@@ -120,6 +122,8 @@ class Guard:
         self._stream: BatchStream | None = None
         self._micro_losses: list[Tensor] = []
         self._capturer = Capturer(self.run_dir, self._consensus, self.events)
+        metrics = MetricsLog(metrics_path(self.run_dir)) if self.rank == 0 else None
+        self.history = StepHistory(self.config.history_steps, metrics)
         self._deferred = uses_fused(optimizer) and scaler is None
         self._pending: PendingStep | None = None
         self._stager = HostStager()
@@ -182,6 +186,7 @@ class Guard:
         if self._stream is not None:
             self._stream.agreed(agreement)
         decision = self._decide(agreement)
+        self.history.record(step, agreement, decision, self.optimizer)
         self.state.step = step + 1
         try:
             return self._apply(decision, agreement, stats, step)
@@ -267,6 +272,7 @@ class Guard:
         if self._stream is not None:
             self._stream.agreed(agreement, steps_ago=self.state.step - 1 - pending.step)
         decision = self._decide(agreement)
+        self.history.record(pending.step, agreement, decision, self.optimizer)
         pending.ok = decision is Decision.OK
         if pending.ok:
             self.state.record_good(pending.step, agreement.mean_loss)
@@ -376,6 +382,7 @@ class Guard:
             rng = stream.current_rng if stream is not None else None
             losses = self._micro_losses
         evidence = step_evidence(step, decision, agreement, stats, batches, rng, losses)
+        evidence.history = self.history.bundle_history()
         with self.phase("capture"):
             return self._capturer.capture(self.model, self.optimizer, evidence)
 
@@ -472,6 +479,7 @@ class Guard:
                 self._watchdog.stop()
             self.events.write("close", self.state.step, total_nonfinite=self.state.total_nonfinite)
             self.events.close()
+            self.history.close()
 
     def __enter__(self) -> Guard:
         return self

@@ -1,0 +1,120 @@
+"""The per-step record and the bounded ring of recent steps (written into capture bundles).
+
+After each step's decision is read on the host, the guard makes one small record from values
+it already holds: the step, every rank's loss and the global gradient norm before clipping
+(both from the agreement, so identical on every rank), the decision, the learning rate of
+``param_groups[0]`` and the host time since the previous record. No device sync and no
+collective: with the sync-free ``step()`` a step's record is made when its flags are read,
+one step later. The ring keeps the last ``GuardConfig.history_steps`` records; a capture
+writes them as the bundle's ``history.json`` (``bundle_history``), the bad step last.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trainguard.step.consensus import Agreement
+from trainguard.step.metrics import MetricsLog
+from trainguard.step.policy import Decision
+
+HISTORY_FORMAT = 1
+"""Version of ``history.json``: ``{"format": 1, "records": [{step, losses, grad_norm,
+decision, lr}, ...]}``, oldest first."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One checked step as the guard saw it."""
+
+    step: int
+    losses: list[float]
+    """Every rank's loss (agreed: the same list on every rank)."""
+    grad_norm: float
+    """The global gradient norm before clipping (``inf`` when a gradient is not finite)."""
+    decision: str
+    lr: float | None
+    """``param_groups[0]["lr"]`` when the record was made (None when not a plain number)."""
+    step_seconds: float | None
+    """Host seconds since the previous record (None for the first)."""
+    time: float
+    """Unix time of the record."""
+
+    def bundle_fields(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "losses": list(self.losses),
+            "grad_norm": self.grad_norm,
+            "decision": self.decision,
+            "lr": self.lr,
+        }
+
+    def log_fields(self) -> dict[str, Any]:
+        return {**self.bundle_fields(), "step_seconds": self.step_seconds, "time": self.time}
+
+
+def learning_rate(optimizer: torch.optim.Optimizer) -> float | None:
+    """The first param group's learning rate as a host float, without a device sync."""
+    if not optimizer.param_groups:
+        return None
+    lr = optimizer.param_groups[0].get("lr")
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+        return float(lr)
+    if isinstance(lr, Tensor) and lr.device.type == "cpu" and lr.numel() == 1:
+        return float(lr.item())
+    return None  # a device tensor (capturable optimizers): reading it would sync
+
+
+class StepHistory:
+    """The ring of the last ``capacity`` step records; forwards each to the metrics log."""
+
+    def __init__(self, capacity: int, metrics: MetricsLog | None = None) -> None:
+        self._ring: deque[StepRecord] = deque(maxlen=capacity)
+        self._metrics = metrics
+        self._last_clock: float | None = None
+
+    def record(
+        self,
+        step: int,
+        agreement: Agreement,
+        decision: Decision,
+        optimizer: torch.optim.Optimizer,
+    ) -> StepRecord:
+        """Record a step whose decision was just read (host values only)."""
+        now = time.perf_counter()
+        elapsed = None if self._last_clock is None else now - self._last_clock
+        self._last_clock = now
+        rec = StepRecord(
+            step=step,
+            losses=list(agreement.losses),
+            grad_norm=agreement.grad_norm(),
+            decision=decision.value,
+            lr=learning_rate(optimizer),
+            step_seconds=elapsed,
+            time=time.time(),
+        )
+        self._ring.append(rec)
+        if self._metrics is not None:
+            self._metrics.add(rec.log_fields(), urgent=decision is not Decision.OK)
+        return rec
+
+    def records(self) -> list[StepRecord]:
+        """The ring, oldest first."""
+        return list(self._ring)
+
+    def bundle_history(self) -> dict[str, Any]:
+        """The content of a bundle's ``history.json`` (before ``to_jsonable``)."""
+        return {"format": HISTORY_FORMAT, "records": [r.bundle_fields() for r in self._ring]}
+
+    def flush(self) -> None:
+        if self._metrics is not None:
+            self._metrics.flush()
+
+    def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()

@@ -1,0 +1,90 @@
+"""The per-step metrics log: ``run_dir/metrics/rank-0.jsonl``.
+
+One JSON line per recorded step: ``step``, ``losses`` (every rank's), ``grad_norm`` (global,
+before clipping), ``decision``, ``lr``, ``step_seconds`` and ``time``. The values are agreed
+across ranks, so rank 0 alone writes the file (the other ranks keep only the in-memory ring).
+
+Writes are batched: lines are buffered and appended every ``flush_every`` lines or
+``flush_seconds`` seconds (checked when a step is recorded), at once after a step that is not
+``ok``, and on close. A killed process loses at most the buffered lines.
+
+The size is bounded by thinning: every step is written up to ``dense_steps``, then every
+10th step up to ``10 * dense_steps``, every 100th up to ``100 * dense_steps``, and so on
+(about ``dense_steps`` lines per decade of steps), plus every step whose decision is not
+``ok``. With the default 10,000, a run of a million steps writes about 30,000 lines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from trainguard.events import to_jsonable
+
+logger = logging.getLogger(__name__)
+
+METRICS_DIR = "metrics"
+
+
+def metrics_path(run_dir: Path | str) -> Path:
+    """Where the metrics log of a run lives."""
+    return Path(run_dir) / METRICS_DIR / "rank-0.jsonl"
+
+
+def stride_at(step: int, dense_steps: int) -> int:
+    """Write every ``stride_at(step)``-th step: 1 below ``dense_steps``, then x10 per decade."""
+    stride, limit = 1, dense_steps
+    while step >= limit:
+        stride, limit = stride * 10, limit * 10
+    return stride
+
+
+class MetricsLog:
+    """Buffered, thinned JSONL writer for the per-step records (rank 0 only)."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        flush_every: int = 100,
+        flush_seconds: float = 30.0,
+        dense_steps: int = 10_000,
+    ) -> None:
+        self.path = path
+        self.flush_every = flush_every
+        self.flush_seconds = flush_seconds
+        self.dense_steps = dense_steps
+        self._lines: list[str] = []
+        self._last_flush = time.monotonic()
+        self._failed = False
+
+    def add(self, fields: dict[str, Any], urgent: bool = False) -> None:
+        """Buffer one step's record (``urgent``: a bad step, written out at once)."""
+        step = int(fields["step"])
+        if not urgent and step % stride_at(step, self.dense_steps) != 0:
+            return
+        self._lines.append(json.dumps(to_jsonable(fields), allow_nan=False))
+        due = len(self._lines) >= self.flush_every
+        if urgent or due or time.monotonic() - self._last_flush >= self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        """Append the buffered lines to the file (never raises: the run goes on)."""
+        self._last_flush = time.monotonic()
+        if not self._lines:
+            return
+        lines, self._lines = self._lines, []
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a", encoding="utf-8") as fh:
+                fh.write("\n".join(lines) + "\n")
+        except OSError as exc:
+            if not self._failed:
+                logger.error("trainguard: cannot write the metrics log %s: %s", self.path, exc)
+            self._failed = True
+
+    def close(self) -> None:
+        self.flush()

@@ -1,0 +1,133 @@
+"""The per-step history: the bounded ring, the metrics log and history.json in a bundle."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tg_models import TinyNet, loss_fn, make_batches
+
+import trainguard as tg
+from trainguard.step.consensus import Agreement
+from trainguard.step.history import StepHistory, learning_rate
+from trainguard.step.metrics import MetricsLog, metrics_path, stride_at
+from trainguard.step.policy import Decision
+from trainguard.testing import Fault, FaultPlan
+
+
+def _agreement(loss: float, norm: float = 1.0) -> Agreement:
+    return Agreement([], [], [], [0], [loss], norm)
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    lines = metrics_path(run_dir).read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def _run(tmp_path: Path, plan: FaultPlan, n: int, fused: bool = False, **kw: Any) -> tg.Guard:
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused or None)
+    config = tg.GuardConfig(run_dir=tmp_path, **kw)
+    with tg.Guard(model, opt, config=config) as guard:
+        for batch in guard.watch(make_batches(n, seed=1)):
+            step = guard.state.step
+            loss = plan.loss(loss_fn(model, batch), step)
+            loss.backward()
+            plan.grads(model, step)
+            guard.step(loss)
+    return guard
+
+
+def test_ring_keeps_the_last_records_in_order() -> None:
+    opt = torch.optim.SGD(TinyNet().parameters(), lr=0.5)
+    history = StepHistory(capacity=3)
+    for step in range(7):
+        history.record(step, _agreement(float(step)), Decision.OK, opt)
+    records = history.records()
+    assert [r.step for r in records] == [4, 5, 6]
+    assert [r.losses for r in records] == [[4.0], [5.0], [6.0]]
+    assert records[0].lr == 0.5 and records[-1].step_seconds is not None
+    assert history.bundle_history()["records"][-1] == {
+        "step": 6,
+        "losses": [6.0],
+        "grad_norm": 1.0,
+        "decision": "ok",
+        "lr": 0.5,
+    }
+
+
+def test_history_steps_is_validated() -> None:
+    with pytest.raises(tg.ConfigError, match="history_steps"):
+        tg.GuardConfig(history_steps=0)
+
+
+def test_learning_rate_of_a_device_tensor_is_not_read() -> None:
+    opt = torch.optim.SGD(TinyNet().parameters(), lr=torch.tensor(0.25))
+    assert learning_rate(opt) == 0.25
+    opt.param_groups[0]["lr"] = torch.tensor(0.25, device="meta")
+    assert learning_rate(opt) is None
+
+
+def test_metrics_log_of_a_short_run(tmp_path: Path) -> None:
+    plan = FaultPlan([Fault(step=3, where="grad", param="head.weight")])
+    guard = _run(tmp_path, plan, 6)
+    lines = _metrics(tmp_path)
+    assert [line["step"] for line in lines] == [0, 1, 2, 3, 4, 5]
+    assert [line["decision"] for line in lines] == ["ok"] * 3 + ["skip"] + ["ok"] * 2
+    assert lines[3]["grad_norm"] == "inf" and math.isfinite(lines[2]["grad_norm"])
+    assert set(lines[0]) == {
+        "step",
+        "losses",
+        "grad_norm",
+        "decision",
+        "lr",
+        "step_seconds",
+        "time",
+    }
+    assert lines[0]["lr"] == 1e-2 and lines[0]["step_seconds"] is None
+    assert lines[1]["step_seconds"] > 0
+    ring = guard.history.records()
+    assert [r.losses for r in ring] == [line["losses"] for line in lines]
+
+
+def test_sync_free_step_records_every_step_when_read(tmp_path: Path) -> None:
+    plan = FaultPlan([Fault(step=2)])
+    guard = _run(tmp_path, plan, 5, fused=True)
+    assert guard._deferred
+    decisions = [line["decision"] for line in _metrics(tmp_path)]
+    assert decisions == ["ok", "ok", "skip", "ok", "ok"]  # the last one read at close()
+    assert math.isnan(guard.history.records()[2].losses[0])
+
+
+def test_bundle_history_ends_with_the_bad_step(tmp_path: Path) -> None:
+    plan = FaultPlan([Fault(step=5)])
+    _run(tmp_path, plan, 7, history_steps=4)
+    bundle = tg.load_bundle(tmp_path / "captures" / "step-00000005")
+    assert "history.json" in bundle.files  # listed with its checksum, verified on load
+    history = json.loads((bundle.path / "history.json").read_text(encoding="utf-8"))
+    assert history["format"] == 1
+    assert [r["step"] for r in history["records"]] == [2, 3, 4, 5]
+    last = history["records"][-1]
+    assert last["losses"] == ["nan"] and last["decision"] == "skip"
+    assert set(last) == {"step", "losses", "grad_norm", "decision", "lr"}
+
+
+def test_metrics_batching_and_thinning(tmp_path: Path) -> None:
+    log = MetricsLog(tmp_path / "m.jsonl", flush_every=3, flush_seconds=1e9, dense_steps=10)
+    assert [stride_at(s, 10) for s in (0, 9, 10, 99, 100)] == [1, 1, 10, 10, 100]
+    for step in range(2):
+        log.add({"step": step})
+    assert not log.path.exists()  # buffered
+    log.add({"step": 2})
+    assert len(log.path.read_text().splitlines()) == 3
+    for step in range(3, 40):
+        log.add({"step": step}, urgent=step == 33)  # a bad step is written at once
+    assert json.loads(log.path.read_text().splitlines()[-1])["step"] == 33
+    log.close()
+    steps = [json.loads(line)["step"] for line in log.path.read_text().splitlines()]
+    assert steps == [*range(10), 10, 20, 30, 33]
