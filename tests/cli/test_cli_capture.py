@@ -191,6 +191,6 @@ def test_demo_prints_the_diagnosis(tmp_path: Path) -> None:
     out = result.stdout
     assert "step   6: non-finite loss on rank(s) [1] -> every rank skips it" in out
     assert "phase          loss" in out and "op             aten.div" in out
-    assert "verdict        numerical" in out and "no single sample is to blame" in out
+    assert "verdict        batch_statistics" in out and "no single sample is to blame" in out
     assert "no sample of class 3" in out
     assert list((tmp_path / "demo" / "captures").glob("step-00000006"))

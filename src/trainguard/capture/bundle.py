@@ -290,6 +290,22 @@ class Bundle:
     def dcp_path(self) -> Path:
         return self.path / DCP_DIR
 
+    @property
+    def history(self) -> list[dict[str, Any]] | None:
+        """The recent steps' records from ``history.json``, oldest first, the bad step last
+        (``{"step", "losses", "grad_norm", "decision", "lr"}``); None when not captured."""
+        if HISTORY not in self.files:
+            return None
+        path = self.path / HISTORY
+        try:
+            stored = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BundleError(path, f"cannot read: {exc}") from exc
+        records = stored.get("records") if isinstance(stored, dict) else None
+        if not isinstance(records, list):
+            raise BundleError(path, "holds no records list")
+        return [r for r in records if isinstance(r, dict)]
+
 
 def load_bundle(path: Path | str, verify: bool = True) -> Bundle:
     """Open and validate a capture bundle (``verify``: check every file's checksum).

@@ -10,18 +10,12 @@ from typing import Any
 from torch import Tensor
 
 from trainguard.capture import batchtree
-from trainguard.replay.localize import (
-    ModuleStack,
-    NonFiniteTracer,
-    OpSite,
-    Origin,
-    seed_inputs,
-    seed_parameters,
-)
+from trainguard.replay.localize import Hop, NonFiniteTracer, Origin
+from trainguard.replay.seeds import seed_inputs, seed_parameters
+from trainguard.replay.sites import ModuleStack, OpSite
 from trainguard.replay.stepper import RunResult, StepRunner
 
 PHASES = ("inputs", "forward", "loss", "backward")
-VERDICTS = ("bad_input", "numerical", "not_reproduced")
 
 
 @dataclass
@@ -30,13 +24,26 @@ class Finding:
 
     phase: str | None
     origin: Origin | None
+    """The root: the op that made the first non-finite value from finite inputs."""
     result: RunResult
     input_origins: list[Origin] = field(default_factory=list)
     parameter_origins: list[Origin] = field(default_factory=list)
+    hop: Hop | None = None
+    """The non-finite value that made the step bad (its chain leads back to the root)."""
 
     @property
     def op(self) -> str | None:
         return self.origin.site.op if self.origin and self.origin.site else None
+
+    @property
+    def nan_maker(self) -> Origin | None:
+        """The op that turned the root's ±inf into NaN (None: the root made NaN itself)."""
+        return self.hop.nan_maker if self.hop is not None else None
+
+    @property
+    def nan_op(self) -> str | None:
+        maker = self.nan_maker
+        return maker.site.op if maker and maker.site else None
 
     @property
     def module(self) -> str | None:
@@ -51,10 +58,6 @@ class Finding:
     def source(self) -> str | None:
         return self.origin.site.source if self.origin and self.origin.site else None
 
-    @property
-    def verdict(self) -> str:
-        return "bad_input" if self.phase == "inputs" else "numerical"
-
 
 def locate(runner: StepRunner, micro: int) -> Finding:
     """Re-run micro-batch ``micro`` under the tracer and name the origin of the bad values."""
@@ -65,27 +68,55 @@ def locate(runner: StepRunner, micro: int) -> Finding:
     params = seed_parameters(tracer, runner.model)
     with modules, tracer:
         result = runner.run(micro=micro, tracer=tracer, keep_loss=True)
-    phase, origin = _phase_and_origin(result, tracer, inputs, params)
-    return Finding(phase, origin, result, inputs, params)
+    return finding_of(result, tracer, inputs, params, [p for _, p in runner.params])
 
 
-def _phase_and_origin(
-    result: RunResult, tracer: NonFiniteTracer, inputs: list[Origin], params: list[Origin]
-) -> tuple[str | None, Origin | None]:
+def finding_of(
+    result: RunResult,
+    tracer: NonFiniteTracer,
+    inputs: list[Origin],
+    params: list[Origin],
+    parameters: list[Tensor],
+) -> Finding:
+    """The phase, root and path of a traced run (the bundle replay's and the live trace's)."""
     if not result.loss_finite:
         loss = result.loss_tensor
-        origin = tracer.origin_of(loss) if isinstance(loss, Tensor) else None
+        hop = tracer.hop_of(loss) if isinstance(loss, Tensor) else None
+        origin = hop.origin if hop else None
         origin = origin or tracer.first("forward") or next(iter(inputs + params), None)
+        hop = hop or _latest(tracer, origin)
         if origin is None:
-            return ("inputs" if inputs else "forward"), None
+            return Finding("inputs" if inputs else "forward", None, result, inputs, params)
         if origin.kind == "input":
-            return "inputs", origin
-        if origin.kind == "parameter" or origin.site is None:
-            return "forward", origin
-        return ("forward" if origin.site.in_model else "loss"), origin
+            phase = "inputs"
+        elif origin.kind == "parameter" or origin.site is None:
+            phase = "forward"
+        else:
+            phase = "forward" if origin.site.in_model else "loss"
+        return Finding(phase, origin, result, inputs, params, hop)
     if not result.grads_finite:
-        return "backward", tracer.first("backward")
-    return None, None
+        hop = _bad_grad_hop(tracer, parameters)
+        origin = tracer.first("backward")
+        if hop is None or (origin is not None and hop.origin is not origin):
+            hop = _latest(tracer, origin)
+        return Finding("backward", origin, result, inputs, params, hop)
+    return Finding(None, None, result, inputs, params)
+
+
+def _latest(tracer: NonFiniteTracer, origin: Origin | None) -> Hop | None:
+    if origin is None:
+        return None
+    return tracer.latest.get(id(origin)) or tracer.root_hops.get(id(origin))
+
+
+def _bad_grad_hop(tracer: NonFiniteTracer, parameters: list[Tensor]) -> Hop | None:
+    for param in parameters:
+        grad = param.grad
+        if grad is not None:
+            hop = tracer.hop_of(grad)
+            if hop is not None:
+                return hop
+    return None
 
 
 # -- the sentence --------------------------------------------------------------------------
@@ -156,17 +187,28 @@ def summarize(
     if origin.kind == "constant":
         action = f"brought a non-finite constant ({made})"
         return f"{site.op} in {_where(site)} ({_file_line(site.source)}) {action}{detail}; {who}."
+    then = _nan_text(finding.nan_maker)
     if phase == "backward":
         forward = site.forward
         of = f"{forward.op} in {_where(site)} ({_file_line(forward.source)})" if forward else "?"
         return (
             f"The forward pass was finite; in the backward pass {site.op} ({site.grad_fn}, the "
-            f"gradient of {of}) turned finite gradients into {made}{detail}; {who}."
+            f"gradient of {of}) turned finite gradients into {made}{detail}{then}; {who}."
         )
     return (
         f"{site.op} in {_where(site)} ({_file_line(site.source)}) turned {inputs} into "
-        f"{made}{detail}; {who}."
+        f"{made}{detail}{then}; {who}."
     )
+
+
+def _nan_text(maker: Origin | None) -> str:
+    if maker is None or maker.site is None:
+        return ""
+    site = maker.site
+    where = f"{_where(site)}, {_file_line(site.source)}"
+    if site.phase == "backward" and site.grad_fn:
+        where = f"{site.grad_fn}, {where}"
+    return f", and {site.op} ({where}) then turned that into NaN"
 
 
 def not_reproduced_summary(

@@ -1,74 +1,40 @@
-"""Find where a step first turns non-finite: the aten op, the module it ran in, the user's line.
+"""Find where a step first turns non-finite: the root op, the path, the module, the line.
 
 ``NonFiniteTracer`` is a ``TorchDispatchMode``: it sees every aten op of the forward pass, of
 the loss and of the backward pass, below autograd. After each op it checks the floating-point
-outputs. An op is an *origin* when its output holds NaN while no input holds NaN, or holds
-±Inf while every input is finite (so ``softmax`` of a fully masked row, whose inputs hold
--inf but no NaN, is an origin, while ``masked_fill(mask, -inf)`` is not: its non-finite value
-is a constant argument). Every non-finite output is tagged with the origin it came from, so
-the origin of the *loss* is known even when earlier, harmless non-finite values were masked.
+outputs. An op is a *root* when it makes a non-finite value from finite inputs (the op that
+first overflowed or divided by zero). An op that turns a root's ±inf into NaN (``0 * -inf``
+after ``log(0)``) is that root's *NaN-maker*, not a root of its own; but an op that makes NaN
+from a deliberate constant -inf (``softmax`` of a row filled by ``masked_fill(mask, -inf)``)
+is a root. Every non-finite output is tagged with a :class:`Hop` (its op, shape, dtype, the
+value it came from), so the roots and the path of the *loss* are known even when earlier,
+harmless non-finite values were masked.
 
-Module paths come from global forward pre/post hooks (a stack of running modules, named by
-``model.named_modules()``). The user's ``file:line`` is the innermost Python frame outside
-torch, the standard library and trainguard's own machinery.
-
-Backward ops are traced to the forward op they came from: while the forward runs, every op's
-output is mapped (through its ``grad_fn``'s sequence number) to that op's site; during the
-backward, ``torch._C._current_autograd_node()`` names the node being executed, and its
-sequence number gives the forward op, module and line.
+Where an op ran comes from ``sites`` (module stack, user's line). Backward ops are traced to
+the forward op they came from: while the forward runs, every op's output is mapped (through
+its ``grad_fn``'s sequence number) to that op's site; during the backward,
+``torch._C._current_autograd_node()`` names the node being executed, and its sequence number
+gives the forward op, module and line.
 """
 
 from __future__ import annotations
 
-import linecache
 import logging
 import math
-import os
 import sys
-import sysconfig
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
-from types import FrameType, TracebackType
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from trainguard.replay.sites import ModuleStack, OpSite, user_frame
+
 logger = logging.getLogger(__name__)
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
-_SITE_DIRS = tuple({sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib")})
-_OWN_DIR = os.path.dirname(__file__) + os.sep
-_OWN_USER_FILES = ("demo.py",)  # trainguard files that hold user-level model code
-
-
-@dataclass
-class OpSite:
-    """Where an op ran."""
-
-    op: str
-    """The op, e.g. ``aten.div``."""
-    overload: str
-    """The exact overload, e.g. ``aten.div.Tensor``."""
-    phase: str
-    """``forward`` (forward pass and loss) or ``backward``."""
-    module: str | None
-    """The module path (``encoder.layers.3.attn``), or None outside every module."""
-    in_model: bool
-    """The module belongs to the replayed model (False: outside it, e.g. in loss_fn)."""
-    source: str | None
-    """The user's ``file:line``."""
-    code: str | None
-    """That line's text."""
-    grad_fn: str | None = None
-    """Backward ops: the autograd node that ran them (e.g. ``DivBackward0``)."""
-    forward: OpSite | None = None
-    """Backward ops: the forward op whose gradient they compute."""
 
 
 @dataclass
@@ -130,88 +96,6 @@ def _format_number(value: Any) -> str:
     return repr(value)
 
 
-class ModuleStack:
-    """The modules running now, from global forward hooks, named by the model."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self._names = {id(m): name for name, m in model.named_modules()}
-        self._root = type(model).__name__
-        self._stack: list[nn.Module] = []
-        self._handles: list[Any] = []
-
-    def __enter__(self) -> ModuleStack:
-        from torch.nn.modules import module as nn_module
-
-        self._handles = [
-            nn_module.register_module_forward_pre_hook(self._push),
-            nn_module.register_module_forward_hook(self._pop, always_call=True),
-        ]
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._stack = []
-
-    def _push(self, module: nn.Module, args: Any) -> None:
-        self._stack.append(module)
-
-    def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
-        while self._stack:
-            if self._stack.pop() is module:
-                break
-
-    def current(self) -> tuple[str | None, bool]:
-        """``(path, in_model)`` of the innermost running module; ``(None, False)`` outside."""
-        for module in reversed(self._stack):
-            name = self._names.get(id(module))
-            if name is not None:
-                return (name or self._root), True
-        if self._stack:
-            return type(self._stack[-1]).__name__, False
-        return None, False
-
-    def path_of_parameter(self, name: str) -> str:
-        owner = name.rpartition(".")[0]
-        return owner or self._root
-
-
-def user_frame(start: FrameType | None) -> tuple[str | None, str | None]:
-    """``(file:line, code)`` of the innermost frame outside torch/stdlib/trainguard."""
-    frame = start
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not _is_internal(filename):
-            code = linecache.getline(filename, frame.f_lineno).strip() or None
-            return f"{_short_path(filename)}:{frame.f_lineno}", code
-        frame = frame.f_back
-    return None, None
-
-
-def _is_internal(filename: str) -> bool:
-    if filename.startswith("<"):
-        return filename not in ("<stdin>", "<string>")  # <frozen ...> is internal
-    if filename.startswith(_TORCH_DIR):
-        return True
-    if filename.startswith(_STDLIB_DIR) and not filename.startswith(_SITE_DIRS):
-        return True
-    return filename.startswith(_OWN_DIR) and os.path.basename(filename) not in _OWN_USER_FILES
-
-
-def _short_path(filename: str) -> str:
-    try:
-        rel = os.path.relpath(filename)
-    except ValueError:
-        return filename
-    return rel if not rel.startswith("..") else filename
-
-
 def _mutated_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
     schema = getattr(func, "_schema", None)
     if schema is None:
@@ -225,16 +109,71 @@ def _mutated_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> l
     return out
 
 
+@dataclass(eq=False)
+class Hop:
+    """One non-finite value on its way from a root to the step's output: the op that made
+    it and the non-finite value it was computed from (``parent``; None at a root)."""
+
+    origin: Origin
+    """The root this value comes from (through ``parent``)."""
+    site: OpSite | None
+    value: str
+    shape: list[int]
+    dtype: str
+    parent: Hop | None = None
+    roots: tuple[Origin, ...] = ()
+    """Every root whose non-finite values reached this value."""
+    nan_maker: Origin | None = None
+    """The op on the way that turned ±inf into NaN (None: the root made NaN itself)."""
+
+    def chain(self) -> list[Hop]:
+        """The hops from the root to this value, root first."""
+        out: list[Hop] = []
+        hop: Hop | None = self
+        while hop is not None and len(out) < 10_000:
+            out.append(hop)
+            hop = hop.parent
+        return out[::-1]
+
+
+def _hop_for(origin: Origin, tensor: Tensor | None, site: OpSite | None) -> Hop:
+    shape = list(tensor.shape) if tensor is not None else []
+    dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else "?"
+    return Hop(origin, site, origin.value, shape, dtype, roots=(origin,))
+
+
+def _union(parents: list[Hop], limit: int = 16) -> tuple[Origin, ...]:
+    seen: dict[int, Origin] = {}
+    for parent in parents:
+        for root in parent.roots:
+            seen.setdefault(id(root), root)
+    return tuple(list(seen.values())[:limit])
+
+
+_NOT_ROOTS = ("constant", "untracked")
+"""Roots that are no cause of their own: ``masked_fill(mask, -inf)`` is deliberate."""
+
+
 class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Records the origins of non-finite values while a step runs (see the module docstring).
 
-    Set ``phase`` to ``"backward"`` before calling ``backward()``.
+    Set ``phase`` to ``"backward"`` before calling ``backward()``, or pass
+    ``auto_phase=True`` (live tracing): an op run by the autograd engine is a backward op.
     """
 
-    def __init__(self, modules: ModuleStack, max_origins: int = 64) -> None:
+    def __init__(self, modules: ModuleStack, max_origins: int = 64, auto_phase: bool = False):
         super().__init__()  # type: ignore[no-untyped-call]
         self.modules = modules
         self.origins: list[Origin] = []
+        """The roots, in the order they were made."""
+        self.nan_makers: list[Origin] = []
+        self.root_hops: dict[int, Hop] = {}
+        self.latest: dict[int, Hop] = {}
+        """Per root (by id): the last hop that carried its values."""
+        self.auto_phase = auto_phase
+        self.last_forward: weakref.ref[Tensor] | None = None
+        """The output of the last forward op before the backward began (the loss)."""
+        self._last_out: weakref.ref[Tensor] | None = None
         self._phase = "forward"
         self._max = max_origins
         self._taint: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
@@ -249,15 +188,23 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
     @phase.setter
     def phase(self, value: str) -> None:
         self._flush()
+        if value == "backward" and self._phase != "backward":
+            self.last_forward = self._last_out
         self._phase = value
 
     def seed(self, tensor: Tensor, origin: Origin) -> None:
         """Mark a tensor that is non-finite before the step (batch input, weight)."""
-        self._taint[tensor] = origin
+        hop = _hop_for(origin, tensor, None)
+        self.root_hops[id(origin)] = hop
+        self._taint[tensor] = hop
+
+    def hop_of(self, tensor: Tensor) -> Hop | None:
+        hop: Hop | None = self._taint.get(tensor)  # type: ignore[no-untyped-call]
+        return hop
 
     def origin_of(self, tensor: Tensor) -> Origin | None:
-        origin: Origin | None = self._taint.get(tensor)  # type: ignore[no-untyped-call]
-        return origin
+        hop = self.hop_of(tensor)
+        return hop.origin if hop is not None else None
 
     def first(self, phase: str) -> Origin | None:
         return next((o for o in self.origins if o.site and o.site.phase == phase), None)
@@ -270,6 +217,10 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if self.auto_phase:
+            running = torch._C._current_autograd_node() is not None
+            if running != (self._phase == "backward"):
+                self.phase = "backward" if running else "forward"
         self._flush()
         before: dict[int, tuple[bool, bool]] = {}
         for t in _mutated_args(func, args, kwargs):
@@ -325,28 +276,30 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if self._phase == "forward" and outs:
             site = self._site(func)
             self._pending.extend((weakref.ref(t), site) for t in outs)
+            self._last_out = weakref.ref(outs[-1])
         bad = [t for t in outs if not _finite(t)]
         if not bad:
             for t in outs:  # an in-place op may have made a tainted tensor finite again
                 self._taint.pop(t, None)  # type: ignore[no-untyped-call]
             return
-        origin = self._origin(func, args, kwargs, bad, before, site)
+        hop = self._hop(func, (args, kwargs), bad, before, site)
         for t in bad:
-            self._taint[t] = origin
+            self._taint[t] = hop
 
-    def _origin(
+    def _hop(
         self,
         func: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        operands: Any,
         bad: list[Tensor],
         before: dict[int, tuple[bool, bool]],
         site: OpSite | None,
-    ) -> Origin:
+    ) -> Hop:
+        """The hop of this op's non-finite outputs: a new root, a NaN-maker or a carrier."""
         out_nan = any(_has_nan(t) for t in bad)
         nan_in, nonfinite_in = False, False
-        carrier: Origin | None = None
-        for t in _float_tensors((args, kwargs)):
+        parents: list[Hop] = []
+        carrier: Hop | None = None
+        for t in _float_tensors(operands):
             if id(t) in before:
                 t_nonfinite, t_nan = before[id(t)]
             else:
@@ -354,17 +307,32 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 t_nan = t_nonfinite and _has_nan(t)
             nan_in |= t_nan
             nonfinite_in |= t_nonfinite
-            known = self._taint.get(t) if t_nonfinite else None  # type: ignore[no-untyped-call]
-            if known is not None and (carrier is None or (out_nan and t_nan)):
-                carrier = known
-        flat, _ = tree_flatten((args, kwargs))
+            known = self.hop_of(t) if t_nonfinite else None
+            if known is not None:
+                parents.append(known)
+                if carrier is None or (out_nan and t_nan and carrier.value != "nan"):
+                    carrier = known
+        flat, _ = tree_flatten(operands)
         constant = any(isinstance(a, float) and not math.isfinite(a) for a in flat)
-        new = (out_nan and not nan_in and not constant) or not (nonfinite_in or constant)
-        if not new and carrier is not None:
-            return carrier
+        makes_nan = out_nan and not nan_in and not constant
+        causes = [r for r in _union(parents) if r.kind not in _NOT_ROOTS]
+        if carrier is not None and (not makes_nan or causes):
+            site = site or self._site(func)
+            index, value, count = first_nonfinite(bad[0])
+            nan_maker = carrier.nan_maker
+            if makes_nan:
+                detail = self._detail(func, flat, bad[0], index, value, count)
+                nan_maker = Origin("op", "nan", site, detail=detail, inputs_finite=False)
+                self.nan_makers.append(nan_maker)
+            hop = _hop_for(carrier.origin, bad[0], site)
+            hop.value, hop.parent, hop.roots = _value_name(value), carrier, _union(parents)
+            hop.nan_maker = nan_maker
+            self.latest[id(carrier.origin)] = hop
+            return hop
+        new = makes_nan or not (nonfinite_in or constant)
+        kind = "op" if new else ("constant" if constant else "untracked")
         site = site or self._site(func)
         index, value, count = first_nonfinite(bad[0])
-        kind = "op" if new else ("constant" if constant else "untracked")
         origin = Origin(
             kind,
             _value_name(value),
@@ -374,7 +342,9 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         )
         if len(self.origins) < self._max:
             self.origins.append(origin)
-        return origin
+        hop = _hop_for(origin, bad[0], site)
+        self.root_hops[id(origin)] = hop
+        return hop
 
     def _detail(
         self,
@@ -404,43 +374,3 @@ def _operand_at(arg: Any, shape: torch.Size, index: list[int]) -> str | None:
     if isinstance(arg, (int, float)) and not isinstance(arg, bool):
         return _format_number(arg)
     return None
-
-
-def seed_inputs(
-    tracer: NonFiniteTracer, batch: Any, leaves: Callable[[Any], Any], size: int | None
-) -> list[Origin]:
-    """Tag the batch's non-finite tensors as ``input`` origins; returns them."""
-    found: list[Origin] = []
-    for path, leaf in leaves(batch):
-        if not isinstance(leaf, Tensor) or not (leaf.is_floating_point() or leaf.is_complex()):
-            continue
-        if not leaf.numel() or _finite(leaf):
-            continue
-        index, value, count = first_nonfinite(leaf)
-        label = f"batch{path}"
-        sample = f", sample {index[0]}" if size and leaf.dim() and leaf.shape[0] == size else ""
-        detail = (
-            f"{label} holds {_plural(count, 'non-finite value')} (first: {_value_name(value)} "
-            f"at {index}{sample})"
-        )
-        origin = Origin(
-            "input", _value_name(value), label=label, detail=detail, inputs_finite=False
-        )
-        tracer.seed(leaf, origin)
-        found.append(origin)
-    return found
-
-
-def seed_parameters(tracer: NonFiniteTracer, model: nn.Module) -> list[Origin]:
-    """Tag non-finite weights and buffers as ``parameter`` origins; returns them."""
-    found: list[Origin] = []
-    named = list(model.named_parameters()) + list(model.named_buffers())
-    for name, tensor in named:
-        if not (tensor.is_floating_point() or tensor.is_complex()) or _finite(tensor):
-            continue
-        _, value, count = first_nonfinite(tensor)
-        detail = f"{name} holds {_plural(count, 'non-finite value')} before the step"
-        origin = Origin("parameter", _value_name(value), label=name, detail=detail)
-        tracer.seed(tensor, origin)
-        found.append(origin)
-    return found

@@ -119,9 +119,15 @@ def replay_text(report: dict[str, Any]) -> str:
     if report.get("op_detail") and report["op"]:
         op += f"   {report['op_detail']}"
     backward = report.get("backward")
+    if report.get("bundle"):
+        head = (
+            f"replay    {report.get('bundle')} (step {report.get('step')}, rank "
+            f"{report.get('rank')} of {report.get('world_size')}, on {report.get('device')})"
+        )
+    else:
+        head = f"diagnose  a live step (on {report.get('device')})"
     lines = [
-        f"replay    {report.get('bundle')} (step {report.get('step')}, rank {report.get('rank')} "
-        f"of {report.get('world_size')}, on {report.get('device')})",
+        head,
         f"reproduced     {yes(report['reproduced'])} ({runs})",
         f"deterministic  {yes(report['deterministic'])}",
         f"phase          {report['phase'] or '-'}",
@@ -135,12 +141,35 @@ def replay_text(report: dict[str, Any]) -> str:
         f"module         {module}",
         f"source         {report['source'] or '-'}"
         + (f"   {report['code']}" if report.get("code") else ""),
-        f"culprits       {shown}",
-        f"verdict        {report['verdict']}",
-        "",
-        report["summary"],
     ]
+    if report.get("nan_op"):
+        lines.append(
+            f"nan_op         {report['nan_op']}   {report.get('nan_op_detail') or ''}".rstrip()
+        )
+    lines += [f"culprits       {shown}", f"verdict        {report['verdict']}"]
+    lines += _path_lines(report.get("path") or [], report.get("roots") or [])
+    lines += ["", report["summary"]]
+    if report.get("advice"):
+        lines += ["", f"advice: {report['advice']}"]
     return "\n".join(lines)
+
+
+def _path_lines(path: list[dict[str, Any]], roots: list[dict[str, Any]]) -> list[str]:
+    from trainguard.replay.chain import hop_text
+
+    lines = []
+    if len(path) > 1:
+        lines.append("path           (root first)")
+        lines.extend(f"  {hop_text(hop)}" for hop in path)
+    if len(roots) > 1:
+        lines.append(f"roots          {len(roots)} independent roots")
+        for root in roots:
+            what = root.get("op") or root.get("label") or root.get("kind")
+            where = root.get("module") or "-"
+            lines.append(
+                f"  {what:<22} {root.get('value', ''):<5} {where}  {root.get('source') or ''}"
+            )
+    return lines
 
 
 def demo_event_line(event: dict[str, Any], every: int = 5) -> str | None:

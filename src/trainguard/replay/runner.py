@@ -20,41 +20,30 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
-from trainguard.capture import batchtree
 from trainguard.capture.bundle import Bundle, load_bundle
 from trainguard.capture.rng import rng_state, set_rng_state
 from trainguard.errors import BundleError, ReplayError
-from trainguard.replay.bisect import find_culprits
-from trainguard.replay.diagnosis import Finding, locate, not_reproduced_summary, summarize
-from trainguard.replay.stepper import RunResult, StepRunner
+from trainguard.replay.engine import diagnose_runs
+from trainguard.replay.report import KEYS, ReplayReport
+from trainguard.replay.stepper import StepRunner
 
 logger = logging.getLogger(__name__)
 
-KEYS = (
-    "reproduced",
-    "deterministic",
-    "phase",
-    "op",
-    "module",
-    "source",
-    "culprit_samples",
-    "verdict",
-    "summary",
-)
-"""The keys every replay report has, in this order (``--json`` prints more after them)."""
+__all__ = ["KEYS", "ReplayReport", "ReplaySpec", "load_weights", "replay", "resolve_factory"]
 
 
 @dataclass
@@ -67,27 +56,6 @@ class ReplaySpec:
 
 
 Factory = Callable[[], Any]
-
-
-@dataclass
-class ReplayReport:
-    """The diagnosis of one captured step. ``to_dict()`` is what ``--json`` prints."""
-
-    reproduced: bool
-    deterministic: bool
-    phase: str | None
-    op: str | None
-    module: str | None
-    source: str | None
-    culprit_samples: list[dict[str, Any]]
-    verdict: str
-    summary: str
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {key: getattr(self, key) for key in KEYS}
-        out.update(self.details)
-        return out
 
 
 # -- factory ---------------------------------------------------------------------------------
@@ -313,7 +281,9 @@ def replay(
     _check_rng(rng, opened, who)
     runner = StepRunner(model, spec.loss_fn, opened.batches(who), rng, target)
     runs = [runner.run(strict=True) for _ in range(repeats)]
-    report = _diagnose(runner, runs, meta, str(target), bisect)
+    report = diagnose_runs(runner, runs, meta, str(target), bisect, opened.history)
+    if not report.reproduced:
+        report.summary += recurrence_note(opened, who)
     report.details.update(
         bundle=str(opened.path),
         step=opened.step,
@@ -333,104 +303,22 @@ def replay(
     return report
 
 
-def _diagnose(
-    runner: StepRunner, runs: list[RunResult], meta: dict[str, Any], device: str, bisect: bool
-) -> ReplayReport:
-    bad = [r for r in runs if r.bad]
-    deterministic = len({r.bits for r in runs}) == 1
-    replayed = {
-        "nonfinite_runs": len(bad),
-        "replayed": {
-            "losses": runs[0].losses,
-            "grad_norm": runs[0].grad_norm,
-            "nonfinite_params": runs[0].bad_params,
-        },
-    }
-    if not bad:
-        summary = not_reproduced_summary(runs, deterministic, device, meta)
-        report = ReplayReport(
-            False, deterministic, None, None, None, None, [], "not_reproduced", summary
-        )
-        report.details.update(replayed, **_finding_details(None), bisection_runs=0)
-        return report
-    micro = bad[0].first_bad_micro or 0
-    finding = locate(runner, micro)
-    culprits = _culprits(runner, finding) if bisect else Culprits(complete=False)
-    summary = summarize(finding, culprits.samples, culprits.batch_level, culprits.complete)
-    if len(bad) < len(runs):
-        summary += f" (Non-finite in {len(bad)} of {len(runs)} replays: nondeterministic.)"
-    report = ReplayReport(
-        True,
-        deterministic,
-        finding.phase,
-        finding.op,
-        finding.module,
-        finding.source,
-        culprits.samples,
-        finding.verdict,
-        summary,
-    )
-    report.details.update(replayed, **_finding_details(finding), bisection_runs=culprits.runs)
-    return report
-
-
-def _finding_details(finding: Finding | None) -> dict[str, Any]:
-    origin = finding.origin if finding is not None else None
-    site = origin.site if origin else None
-    backward = None
-    if site is not None and site.phase == "backward":
-        forward = site.forward
-        backward = {
-            "op": site.op,
-            "grad_fn": site.grad_fn,
-            "forward_op": forward.op if forward else None,
-            "forward_module": forward.module if forward else None,
-            "forward_source": forward.source if forward else None,
-        }
-    return {
-        "op_detail": origin.detail if origin else None,
-        "origin": origin.kind if origin else None,
-        "code": site.code if site else None,
-        "backward": backward,
-        "batch_nonfinite": [o.detail for o in finding.input_origins] if finding else [],
-        "weights_nonfinite": [o.label for o in finding.parameter_origins] if finding else [],
-    }
-
-
-@dataclass
-class Culprits:
-    samples: list[dict[str, Any]] = field(default_factory=list)
-    """``{"micro_batch", "position", "index"}`` per culprit (index: dataset index or None)."""
-    batch_level: bool = False
-    complete: bool = True
-    runs: int = 0
-
-
-def _culprits(runner: StepRunner, finding: Finding) -> Culprits:
-    """Bisect every micro-batch that is bad on its own; positions plus dataset indices."""
-    backward = finding.phase == "backward"
-    micros = range(len(runner.micro_batches))
-    bad_micros = [
-        m for m in micros if len(micros) == 1 or runner.run(micro=m, backward=backward).bad
-    ]
-    out = Culprits(runs=len(micros) if len(micros) > 1 else 0)
-    for m in bad_micros:
-        batch = runner.micro_batches[m]
-        size = batchtree.batch_size(batch)
-        if not size:
-            out.batch_level = True
+def recurrence_note(bundle: Bundle, rank: int) -> str:
+    """For a step that did not reproduce: how often this rank and its host went bad in the
+    run's other captures (a fault that keeps hitting one GPU or node points at hardware)."""
+    host = (bundle.meta(rank).get("env") or {}).get("host")
+    captures = sorted(p for p in bundle.path.parent.glob("step-*") if p.is_dir())
+    same_rank = 0
+    for folder in captures:
+        try:
+            manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
             continue
-        indices = batchtree.dataset_indices(batch)
-
-        def bad(positions: Any, m: int = m) -> bool:
-            return runner.run(micro=m, positions=positions, backward=backward).bad
-
-        found = find_culprits(bad, size)
-        out.runs += found.runs
-        out.batch_level |= found.batch_level
-        out.complete &= found.complete
-        for position in found.culprits:
-            index = indices[position] if indices is not None and position < len(indices) else None
-            out.samples.append({"micro_batch": m, "position": position, "index": index})
-    out.batch_level &= not out.samples
-    return out
+        same_rank += rank in manifest.get("ranks", [])
+    where = f"rank {rank}" + (f" on host {host}" if host else "")
+    if len(captures) > 1 and same_rank > 1:
+        return (
+            f" It went bad on {where} in {same_rank} of the run's {len(captures)} captures: "
+            f"suspect that GPU or node (test it, or exclude {host or 'it'} and rerun)."
+        )
+    return f" It went bad on {where}: if it happens there again, suspect that GPU or node."

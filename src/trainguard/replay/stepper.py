@@ -76,6 +76,11 @@ class StepRunner:
         self._buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
         self._params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
+    @property
+    def params(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters that get gradients, by name."""
+        return self._params
+
     def _reset(self, rng: dict[str, Any] | None) -> None:
         if rng is not None:
             set_rng_state(rng)

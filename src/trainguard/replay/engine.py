@@ -1,0 +1,150 @@
+"""The diagnosis engine shared by the bundle replay (runner.py) and the live trace (trace.py).
+
+From the runs of a step to a :class:`ReplayReport`: is it reproduced and deterministic, the
+traced finding (phase, root op, NaN-maker, path, roots), the culprit samples by bisection,
+the verdict with its advice, and one summary sentence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainguard.capture import batchtree
+from trainguard.replay.bisect import find_culprits
+from trainguard.replay.chain import path_of, roots_of
+from trainguard.replay.diagnosis import Finding, locate, not_reproduced_summary, summarize
+from trainguard.replay.report import ReplayReport
+from trainguard.replay.stepper import RunResult, StepRunner
+from trainguard.replay.verdicts import ADVICE, Growth, classify, growth, verdict_sentence
+
+
+@dataclass
+class Culprits:
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    """``{"micro_batch", "position", "index"}`` per culprit (index: dataset index or None)."""
+    batch_level: bool = False
+    complete: bool = True
+    runs: int = 0
+
+
+def diagnose_runs(
+    runner: StepRunner,
+    runs: list[RunResult],
+    meta: dict[str, Any],
+    device: str,
+    bisect: bool,
+    history: list[dict[str, Any]] | None = None,
+) -> ReplayReport:
+    """Diagnose a step from ``runs`` (repeats of it) and further runs of ``runner``."""
+    bad = [r for r in runs if r.bad]
+    deterministic = len({r.bits for r in runs}) == 1
+    replayed = {
+        "nonfinite_runs": len(bad),
+        "replayed": {
+            "losses": runs[0].losses,
+            "grad_norm": runs[0].grad_norm,
+            "nonfinite_params": runs[0].bad_params,
+        },
+    }
+    if not bad:
+        summary = not_reproduced_summary(runs, deterministic, device, meta)
+        report = ReplayReport(
+            False, deterministic, None, None, None, None, [], "not_reproduced", summary
+        )
+        report.advice = ADVICE["not_reproduced"]
+        report.details.update(replayed, **finding_details(None), bisection_runs=0)
+        return report
+    micro = bad[0].first_bad_micro or 0
+    finding = locate(runner, micro)
+    culprits = _culprits(runner, finding) if bisect else Culprits(complete=False)
+    report = report_of(finding, culprits, deterministic, growth(history))
+    if len(bad) < len(runs):
+        report.summary += f" (Non-finite in {len(bad)} of {len(runs)} replays: nondeterministic.)"
+    report.details.update(replayed, bisection_runs=culprits.runs)
+    return report
+
+
+def report_of(
+    finding: Finding, culprits: Culprits, deterministic: bool, grew: Growth | None
+) -> ReplayReport:
+    """The report of a reproduced, traced step."""
+    verdict = classify(finding, culprits.batch_level and not culprits.samples, grew)
+    lead = verdict_sentence(verdict, finding, grew)
+    summary = summarize(finding, culprits.samples, culprits.batch_level, culprits.complete)
+    report = ReplayReport(
+        True,
+        deterministic,
+        finding.phase,
+        finding.op,
+        finding.module,
+        finding.source,
+        culprits.samples,
+        verdict,
+        f"{lead} {summary}" if lead else summary,
+        nan_op=finding.nan_op,
+        advice=ADVICE[verdict],
+        path=path_of(finding.hop),
+        roots=roots_of(finding.hop, finding.origin),
+    )
+    report.details.update(finding_details(finding))
+    if grew is not None:
+        report.details["growth"] = grew.to_dict()
+    return report
+
+
+def finding_details(finding: Finding | None) -> dict[str, Any]:
+    origin = finding.origin if finding is not None else None
+    site = origin.site if origin else None
+    maker = finding.nan_maker if finding is not None else None
+    backward = None
+    if site is not None and site.phase == "backward":
+        forward = site.forward
+        backward = {
+            "op": site.op,
+            "grad_fn": site.grad_fn,
+            "forward_op": forward.op if forward else None,
+            "forward_module": forward.module if forward else None,
+            "forward_source": forward.source if forward else None,
+        }
+    return {
+        "op_detail": origin.detail if origin else None,
+        "origin": origin.kind if origin else None,
+        "code": site.code if site else None,
+        "backward": backward,
+        "nan_op_detail": maker.detail if maker else None,
+        "nan_op_module": maker.site.module if maker and maker.site else None,
+        "nan_op_source": maker.site.source if maker and maker.site else None,
+        "batch_nonfinite": [o.detail for o in finding.input_origins] if finding else [],
+        "weights_nonfinite": [o.label for o in finding.parameter_origins] if finding else [],
+    }
+
+
+def _culprits(runner: StepRunner, finding: Finding) -> Culprits:
+    """Bisect every micro-batch that is bad on its own; positions plus dataset indices."""
+    backward = finding.phase == "backward"
+    micros = range(len(runner.micro_batches))
+    bad_micros = [
+        m for m in micros if len(micros) == 1 or runner.run(micro=m, backward=backward).bad
+    ]
+    out = Culprits(runs=len(micros) if len(micros) > 1 else 0)
+    for m in bad_micros:
+        batch = runner.micro_batches[m]
+        size = batchtree.batch_size(batch)
+        if not size:
+            out.batch_level = True
+            continue
+        indices = batchtree.dataset_indices(batch)
+
+        def bad(positions: Any, m: int = m) -> bool:
+            return runner.run(micro=m, positions=positions, backward=backward).bad
+
+        found = find_culprits(bad, size)
+        out.runs += found.runs
+        out.batch_level |= found.batch_level
+        out.complete &= found.complete
+        for position in found.culprits:
+            index = indices[position] if indices is not None and position < len(indices) else None
+            out.samples.append({"micro_batch": m, "position": position, "index": index})
+    out.batch_level &= not out.samples
+    return out

@@ -1,0 +1,57 @@
+"""Tag the values that are non-finite before the step: the batch's and the weights'."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor, nn
+
+from trainguard.replay.localize import (
+    NonFiniteTracer,
+    Origin,
+    _finite,
+    _plural,
+    _value_name,
+    first_nonfinite,
+)
+
+
+def seed_inputs(
+    tracer: NonFiniteTracer, batch: Any, leaves: Callable[[Any], Any], size: int | None
+) -> list[Origin]:
+    """Tag the batch's non-finite tensors as ``input`` origins; returns them."""
+    found: list[Origin] = []
+    for path, leaf in leaves(batch):
+        if not isinstance(leaf, Tensor) or not (leaf.is_floating_point() or leaf.is_complex()):
+            continue
+        if not leaf.numel() or _finite(leaf):
+            continue
+        index, value, count = first_nonfinite(leaf)
+        label = f"batch{path}"
+        sample = f", sample {index[0]}" if size and leaf.dim() and leaf.shape[0] == size else ""
+        detail = (
+            f"{label} holds {_plural(count, 'non-finite value')} (first: {_value_name(value)} "
+            f"at {index}{sample})"
+        )
+        origin = Origin(
+            "input", _value_name(value), label=label, detail=detail, inputs_finite=False
+        )
+        tracer.seed(leaf, origin)
+        found.append(origin)
+    return found
+
+
+def seed_parameters(tracer: NonFiniteTracer, model: nn.Module) -> list[Origin]:
+    """Tag non-finite weights and buffers as ``parameter`` origins; returns them."""
+    found: list[Origin] = []
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    for name, tensor in named:
+        if not (tensor.is_floating_point() or tensor.is_complex()) or _finite(tensor):
+            continue
+        _, value, count = first_nonfinite(tensor)
+        detail = f"{name} holds {_plural(count, 'non-finite value')} before the step"
+        origin = Origin("parameter", _value_name(value), label=name, detail=detail)
+        tracer.seed(tensor, origin)
+        found.append(origin)
+    return found

@@ -1,0 +1,216 @@
+"""What kind of problem a step had (its ``verdict``) and what to do about it (``advice``).
+
+The classes, checked in this order:
+
+- ``bad_input``: the batch itself holds non-finite values.
+- ``nonfinite_weights``: weights or buffers were non-finite before the step.
+- ``divergence``: the loss or the gradient norm grew over the recent steps (the bundle's
+  history) until it overflowed.
+- ``overflow_fp16`` / ``overflow_bf16``: the root op's output is half / bfloat16 and it
+  overflowed the dtype's range (not a domain edge such as ``log(0)``).
+- ``batch_statistics``: no single sample is to blame: a statistic over a batch too small
+  for it (an empty class, the variance of one sample).
+- ``numerical``: an op at a domain edge (log, div, sqrt, acos, pow, std...).
+- ``not_reproduced``: the replay was finite: a transient fault.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from trainguard.replay.diagnosis import Finding
+
+VERDICTS = (
+    "bad_input",
+    "nonfinite_weights",
+    "divergence",
+    "overflow_fp16",
+    "overflow_bf16",
+    "batch_statistics",
+    "numerical",
+    "not_reproduced",
+)
+
+ADVICE = {
+    "bad_input": "Fix or filter the data: check the sample named above at its source, and "
+    "validate batches before the forward pass.",
+    "nonfinite_weights": "The weights were corrupted before this step (a bad checkpoint or an "
+    "earlier silent update): resume from the last good checkpoint and find the step that "
+    "wrote them.",
+    "divergence": "Training diverged: lower the learning rate, add or lengthen the warm-up, "
+    "and clip the gradient norm.",
+    "overflow_fp16": "A float16 value exceeded 65504: compute this op in float32 (autocast "
+    "exclusion or .float()), scale the values down, or train in bfloat16.",
+    "overflow_bf16": "A bfloat16 value exceeded its range (about 3.4e38): compute this op in "
+    "float32 and look for the unbounded value that feeds it.",
+    "batch_statistics": "A statistic over the batch is undefined for this batch (an empty "
+    "class, a variance of one sample): guard the denominator (clamp the count, add eps) or "
+    "use larger batches.",
+    "numerical": "An op was evaluated at the edge of its domain: clamp its input (log(x + "
+    "eps), x.clamp_min(eps) before sqrt/div/pow, acos of clamp(-1 + eps, 1 - eps)) or use "
+    "the stable form (log_softmax, logsumexp, softplus).",
+    "not_reproduced": "The step is finite when re-run: a transient fault. If it keeps "
+    "happening on the same rank or host, test that GPU or node (memory test, DCGM "
+    "diagnostics) and take it out of the pool.",
+}
+
+DOMAIN_OPS = frozenset(
+    f"aten.{name}"
+    for name in [
+        "log",
+        "log2",
+        "log10",
+        "log1p",
+        "div",
+        "reciprocal",
+        "rsqrt",
+        "sqrt",
+        "pow",
+        "acos",
+        "asin",
+        "atanh",
+        "acosh",
+        "xlogy",
+        "lgamma",
+        "digamma",
+        "polygamma",
+        "erfinv",
+        "std",
+        "var",
+        "std_mean",
+        "var_mean",
+        "linalg_vector_norm",
+        "norm",
+        "remainder",
+        "fmod",
+        "_softmax",
+        "_log_softmax",
+        "special_xlog1py",
+    ]
+)
+HALF_DTYPES = {"float16": "overflow_fp16", "bfloat16": "overflow_bf16"}
+GROWTH = 10.0
+"""How much the loss or gradient norm must have grown over the history to call it divergence."""
+
+
+@dataclass
+class Growth:
+    """How a metric grew over the recent steps before the bad one."""
+
+    metric: str
+    """``grad_norm`` or ``loss``."""
+    start: float
+    end: float
+    steps: int
+    first_step: int | None
+    last_step: int | None
+
+    @property
+    def factor(self) -> float:
+        return self.end / self.start if self.start > 0 else math.inf
+
+    def text(self) -> str:
+        name = "gradient norm" if self.metric == "grad_norm" else "loss"
+        return (
+            f"the {name} grew {self.factor:.3g}x over the last {self.steps} steps (from "
+            f"{self.start:.4g} at step {self.first_step} to {self.end:.4g} at step "
+            f"{self.last_step}) before it overflowed"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "metric": self.metric,
+            "start": self.start,
+            "end": self.end,
+            "factor": self.factor,
+            "steps": self.steps,
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+        }
+
+
+def _number(value: Any) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _series(records: list[dict[str, Any]], metric: str) -> list[tuple[int | None, float]]:
+    out = []
+    for record in records:
+        if metric == "grad_norm":
+            value = _number(record.get("grad_norm"))
+        else:
+            losses = [_number(v) for v in record.get("losses") or []]
+            finite = [abs(v) for v in losses if v is not None]
+            value = max(finite) if finite and len(finite) == len(losses) else None
+        if value is not None:
+            out.append((record.get("step"), value))
+    return out
+
+
+def growth(history: list[dict[str, Any]] | None, window: int = 64) -> Growth | None:
+    """The loss's or the gradient norm's growth before the bad step, when it diverged: it
+    grew at least ``GROWTH`` times from the window's low to its last finite value, the last
+    value being the window's highest."""
+    if not history or len(history) < 3:
+        return None
+    before = history[:-1][-window:]
+    best: Growth | None = None
+    for metric in ("grad_norm", "loss"):
+        series = _series(before, metric)
+        if len(series) < 3:
+            continue
+        low = min(range(len(series)), key=lambda i: series[i][1])
+        (first, start), (last, end) = series[low], series[-1]
+        if end < max(v for _, v in series) or low == len(series) - 1:
+            continue
+        found = Growth(metric, start, end, len(series) - low, first, last)
+        if found.factor >= GROWTH and (best is None or found.factor > best.factor):
+            best = found
+    return best
+
+
+def classify(finding: Finding, batch_level: bool, grew: Growth | None) -> str:
+    """The verdict of a reproduced step."""
+    if finding.phase == "inputs":
+        return "bad_input"
+    if finding.parameter_origins:
+        return "nonfinite_weights"
+    if grew is not None:
+        return "divergence"
+    overflow = _overflow(finding)
+    if overflow is not None:
+        return overflow
+    if batch_level:
+        return "batch_statistics"
+    return "numerical"
+
+
+def _overflow(finding: Finding) -> str | None:
+    hop, origin = finding.hop, finding.origin
+    if origin is None or origin.kind != "op" or not origin.inputs_finite:
+        return None
+    if origin.value == "nan" or finding.op in DOMAIN_OPS:
+        return None
+    root = hop.chain()[0] if hop is not None else None
+    dtype = root.dtype if root is not None and root.origin is origin else None
+    return HALF_DTYPES.get(dtype or "")
+
+
+def verdict_sentence(verdict: str, finding: Finding | None, grew: Growth | None) -> str:
+    """A sentence that leads the summary for the classes whose cause is not the op itself."""
+    if verdict == "divergence" and grew is not None:
+        return f"The run diverged: {grew.text()}."
+    if verdict == "nonfinite_weights" and finding is not None:
+        names = [o.label for o in finding.parameter_origins if o.label]
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        return f"Non-finite weights before the step: {shown}."
+    if verdict in HALF_DTYPES.values() and finding is not None:
+        dtype = "float16" if verdict == "overflow_fp16" else "bfloat16"
+        return f"{finding.op} overflowed the range of {dtype}."
+    return ""
