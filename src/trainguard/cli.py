@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"trainguard {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_capture_commands(commands)
+    _add_report_command(commands)
     return parser
 
 
@@ -144,6 +145,29 @@ def _demo(args: argparse.Namespace) -> int:
     print()
     print(demo_text(dataclasses.asdict(result)))
     return EXIT_OK
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def _add_report_command(commands: Any) -> None:
+    report = commands.add_parser(
+        "report",
+        help="a run at a glance: text summary and RUN_DIR/report.html",
+        description="Summarize a run directory (events, metrics, captures, hangs), print it "
+        "and write RUN_DIR/report.html. Exit 2 when there is nothing to report.",
+    )
+    report.add_argument("run_dir", type=Path, help="the Guard's run_dir")
+    report.add_argument("--json", action="store_true", help="print one JSON object")
+    report.add_argument("--png", type=Path, default=None, help="also write the timeline here")
+    report.add_argument("--no-html", action="store_true", help="do not write report.html")
+    report.set_defaults(handler=_report)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from trainguard.report.command import run_report
+
+    return run_report(args.run_dir, as_json=args.json, png=args.png, html=not args.no_html)
 
 
 if __name__ == "__main__":

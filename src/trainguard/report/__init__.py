@@ -1,0 +1,16 @@
+"""``trainguard report RUN_DIR``: a run at a glance (text, JSON, a self-contained HTML page).
+
+- ``readers``  tolerant JSONL/JSON reading: torn or garbage lines are counted, not fatal
+- ``summary``  events, the metrics log, capture bundles and hang reports into a RunSummary
+- ``text``     the printed summary
+- ``plot``     the timeline picture (matplotlib, the ``plot`` extra, imported lazily)
+- ``html``     ``RUN_DIR/report.html``, the picture inlined (no network)
+- ``command``  what the CLI command does
+
+A top-level tool: it reads what a run left on disk. Offers: ``summarize``, ``RunSummary``,
+``REPLAY_RESULT``. Imports only the shared base modules (and matplotlib, lazily).
+"""
+
+from trainguard.report.summary import REPLAY_RESULT, RunSummary, summarize
+
+__all__ = ["REPLAY_RESULT", "RunSummary", "summarize"]

@@ -1,0 +1,120 @@
+"""The run summary behind ``trainguard report``: read from a real run, damaged files skipped."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from tg_models import TinyNet, loss_fn, make_batches
+
+import trainguard as tg
+from trainguard.report.html import report_html
+from trainguard.report.summary import REPLAY_RESULT, summarize
+from trainguard.report.text import report_text
+from trainguard.testing import Fault, FaultPlan
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 12-step run with a NaN loss at step 4 and an Inf gradient at step 8 (both skipped)."""
+    folder = tmp_path_factory.mktemp("run")
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    inf = float("inf")
+    plan = FaultPlan([Fault(step=4), Fault(step=8, where="grad", param="head.weight", value=inf)])
+    with tg.Guard(model, opt, run_dir=folder) as guard:
+        for batch in guard.watch(make_batches(12, seed=1)):
+            step = guard.state.step
+            loss = plan.loss(loss_fn(model, batch), step)
+            loss.backward()
+            plan.grads(model, step)
+            guard.step(loss)
+    return folder
+
+
+def test_summary_of_a_run(run_dir: Path) -> None:
+    summary = summarize(run_dir)
+    assert (summary.steps, summary.world_size) == (12, 1)
+    assert summary.decisions == {"ok": 10, "skip": 2}
+    assert summary.first_bad is not None and summary.first_bad["step"] == 4
+    assert [(e["step"], e["where"]) for e in summary.nonfinite] == [(4, "loss"), (8, "grad")]
+    assert [c["step"] for c in summary.captures] == [4] and summary.captures[0]["history"]
+    assert [p.step for p in summary.points] == list(range(12))
+    assert summary.nonfinite_cells() == [(0, 4), (0, 8)]
+    assert not summary.skipped.lines and not summary.skipped.files
+    text = report_text(summary)
+    assert "decisions   ok 10, skip 2" in text
+    assert "step 4: non-finite loss on ranks [0] (skip)" in text
+
+
+def test_a_replay_result_in_the_bundle_is_the_diagnosis(run_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    bundle = copy / "captures" / "step-00000004"
+    result = {"reproduced": True, "summary": "NaN first in forward at log (model.py:12)"}
+    (bundle / REPLAY_RESULT).write_text(json.dumps(result))
+    summary = summarize(copy)
+    assert summary.captures[0]["diagnosis"] == result["summary"]
+    assert "diagnosis: NaN first in forward at log (model.py:12)" in report_text(summary)
+
+
+def test_torn_and_garbage_lines_are_skipped_and_counted(run_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    events = copy / "events" / "rank-0.jsonl"
+    lines = events.read_text().splitlines()
+    lines.insert(3, "garbage \x00 not json")
+    events.write_text("\n".join(lines) + '\n{"time": 1.0, "rank": 0, "ste')  # a kill mid-write
+    metrics = copy / "metrics" / "rank-0.jsonl"
+    metrics.write_text(metrics.read_text() + "[1, 2]\n")
+    summary = summarize(copy)
+    assert summary.skipped.lines == {"events/rank-0.jsonl": 2, "metrics/rank-0.jsonl": 1}
+    assert summary.decisions == {"ok": 10, "skip": 2}  # the rest was still read
+    text = report_text(summary)
+    assert "events/rank-0.jsonl: 2 unreadable lines" in text
+    assert "metrics/rank-0.jsonl: 1 unreadable line" in text
+
+
+def test_empty_or_foreign_directory_is_empty(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("hello")
+    assert summarize(tmp_path).empty
+    assert summarize(tmp_path / "missing").empty
+
+
+def test_events_written_by_every_rank_are_merged(tmp_path: Path) -> None:
+    folder = tmp_path / "events"
+    folder.mkdir()
+    for rank in (0, 1):
+        lines = [
+            {"time": 1.0, "rank": rank, "step": 0, "kind": "start", "world_size": 2},
+            {"time": 2.0, "rank": rank, "step": 3, "kind": "nonfinite", "where": "loss",
+             "ranks": [1], "action": "skip"},
+            {"time": 2.1, "rank": rank, "step": 3, "kind": "spike", "metric": "loss"},
+            {"time": 2.1, "rank": rank, "step": 3, "kind": "spike", "metric": "grad_norm"},
+            {"time": 3.0, "rank": rank, "step": 5, "kind": "close"},
+        ]  # fmt: skip
+        (folder / f"rank-{rank}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary = summarize(tmp_path)
+    assert summary.world_size == 2 and summary.steps == 5
+    assert len(summary.nonfinite) == 1 and len(summary.spikes) == 2
+    assert summary.decisions == {"ok": 4, "skip": 1}
+    assert summary.nonfinite_cells() == [(1, 3)]
+
+
+def test_page_is_self_contained_with_the_picture(run_dir: Path) -> None:
+    page = report_html(summarize(run_dir))
+    assert "http://" not in page and "https://" not in page
+    assert '<img alt="timeline' in page and "data:image/png;base64," in page
+
+
+def test_page_without_matplotlib_says_so(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainguard.report.html as html
+
+    monkeypatch.setattr(html, "plot_available", lambda: False)
+    page = report_html(summarize(run_dir))
+    assert "matplotlib is not installed" in page and "<img" not in page
+    assert "decisions   ok 10, skip 2" in page  # the summary is still there
