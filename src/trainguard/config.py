@@ -10,6 +10,8 @@ from trainguard.errors import ConfigError
 
 NonFiniteAction = Literal["skip", "warn", "raise"]
 _ACTIONS = ("skip", "warn", "raise")
+SpikeAction = Literal["warn", "skip", "rollback", "off"]
+_SPIKE_ACTIONS = ("warn", "skip", "rollback", "off")
 
 
 @dataclass
@@ -49,6 +51,35 @@ class GuardConfig:
     """How many recent step records (losses, gradient norm, decision, lr) the guard keeps in
     memory and writes into a capture bundle as ``history.json``."""
 
+    on_spike: SpikeAction = "warn"
+    """What a loss or gradient-norm spike does (docs/spikes.md): ``"warn"`` writes a ``spike``
+    event and lets the step through; ``"skip"`` skips the update like a non-finite step
+    (gradients cleared, ``check()`` False), escalating after ``spike_max_consecutive`` in a
+    row; ``"rollback"`` escalates at once (as repeated non-finite steps do, see
+    ``on_escalation``); ``"off"`` does not judge spikes."""
+
+    spike_z: float = 6.0
+    """z-score (log space, against the running EMA) above which a value may be a spike."""
+
+    spike_ratio: float = 2.0
+    """...and the value must also exceed this factor times the running (geometric) mean."""
+
+    spike_beta: float = 0.98
+    """EMA weight of the running statistics (memory of about ``1 / (1 - beta)`` steps)."""
+
+    spike_warmup: int = 100
+    """Steps of statistics gathered before any spike is judged."""
+
+    spike_grace: int = 50
+    """Steps not judged after the learning rate (as the host sees it) jumps by over 10%."""
+
+    spike_max_consecutive: int = 3
+    """With ``on_spike="skip"``: spikes in a row that escalate instead of being skipped."""
+
+    check_inputs: bool = True
+    """Check each floating-point tensor of every batch from ``watch()`` for NaN/Inf (on the
+    device, no sync): a non-finite input marks the step bad on every rank (``bad_input``)."""
+
     extra: dict[str, object] = field(default_factory=dict)
     """Free-form metadata written into the ``start`` event (experiment name, git sha...)."""
 
@@ -76,5 +107,25 @@ class GuardConfig:
             raise ConfigError("min_loss_scale", f"got {self.min_loss_scale!r}; use a number > 0")
         if self.max_recorded_steps < 1:
             raise ConfigError("max_recorded_steps", "use an integer >= 1")
+        _check_spikes(self)
         if not isinstance(self.history_steps, int) or self.history_steps < 1:
             raise ConfigError("history_steps", f"got {self.history_steps!r}; use an integer >= 1")
+
+def _check_spikes(config: GuardConfig) -> None:
+    if config.on_spike not in _SPIKE_ACTIONS:
+        choices = ", ".join(_SPIKE_ACTIONS)
+        raise ConfigError("on_spike", f"got {config.on_spike!r}; use one of {choices}")
+    if not config.spike_z > 0:
+        raise ConfigError("spike_z", f"got {config.spike_z!r}; use a number > 0 (e.g. 6)")
+    if not config.spike_ratio >= 1:
+        raise ConfigError("spike_ratio", f"got {config.spike_ratio!r}; use a number >= 1")
+    if not 0 < config.spike_beta < 1:
+        raise ConfigError("spike_beta", f"got {config.spike_beta!r}; use 0 < beta < 1")
+    for name in ("spike_warmup", "spike_grace"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 0:
+            raise ConfigError(name, f"got {value!r}; use an integer >= 0")
+    if not isinstance(config.spike_max_consecutive, int) or config.spike_max_consecutive < 1:
+        raise ConfigError(
+            "spike_max_consecutive", f"got {config.spike_max_consecutive!r}; use an integer >= 1"
+        )

@@ -149,6 +149,15 @@ class Consensus:
             return norm
         return buf[_NORM]  # one rank, or replicated gradients: rank 0's norm
 
+    def agreed_metrics(self, reduced: Reduced) -> Tensor:
+        """On the device: float64 ``[mean loss over ranks, global grad norm]``; no sync."""
+        buf = reduced.buf
+        if buf.numel() == DEVICE_COLUMNS:  # a world of one
+            losses = buf[:1]
+        else:
+            losses = buf.view(self.world_size, _NCOL)[:, 0]
+        return torch.stack([losses.mean(), self.global_grad_norm(reduced)])
+
     def read(self, values: list[float], reduced: Reduced) -> Agreement:
         """Turn the reduced buffer, read back as host values, into the agreement."""
         if len(values) == DEVICE_COLUMNS:  # a world of one: the host columns are local

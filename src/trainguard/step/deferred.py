@@ -43,6 +43,8 @@ class PendingStep:
     losses: list[Tensor] = field(default_factory=list)
     ok: bool | None = None
     """Set when read: the step was applied (finite on every rank)."""
+    spike: tuple[Tensor, torch.cuda.Event | None] | None = None
+    """The spike verdict staged to the host (``SpikeWatch.on_device``), or None."""
 
     def values(self) -> list[float]:
         if self.ready is not None:

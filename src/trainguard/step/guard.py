@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from trainguard.config import GuardConfig, NonFiniteAction
+from trainguard.config import GuardConfig, NonFiniteAction, SpikeAction
 from trainguard.errors import ConfigError, LossScaleCollapseError, NonFiniteError
 from trainguard.events import EventLog
 from trainguard.hang.watchdog import Watchdog, start_watchdog
@@ -49,6 +49,7 @@ from trainguard.step.detect import (
 from trainguard.step.history import StepHistory
 from trainguard.step.metrics import MetricsLog, metrics_path
 from trainguard.step.policy import Decision, decide
+from trainguard.step.spikewatch import SpikeWatch
 from trainguard.step.state import GuardState
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class Guard:
         *,
         accumulation_steps: int = 1,
         min_loss_scale: float = 1.0,
+        on_spike: SpikeAction = "warn",
         process_group: dist.ProcessGroup | None = None,
         config: GuardConfig | None = None,
     ) -> None:
@@ -106,6 +108,7 @@ class Guard:
             hang_timeout=hang_timeout,
             accumulation_steps=accumulation_steps,
             min_loss_scale=min_loss_scale,
+            on_spike=on_spike,
         )
         self.model = model
         self.optimizer = optimizer
@@ -122,6 +125,7 @@ class Guard:
         self._stream: BatchStream | None = None
         self._micro_losses: list[Tensor] = []
         self._capturer = Capturer(self.run_dir, self._consensus, self.events)
+        self.spikes = SpikeWatch(self.config, self.events, self.rank)
         metrics = MetricsLog(metrics_path(self.run_dir)) if self.rank == 0 else None
         self.history = StepHistory(self.config.history_steps, metrics)
         self._deferred = uses_fused(optimizer) and scaler is None
@@ -224,6 +228,7 @@ class Guard:
         stats = grad_stats(self._params, self._consensus.device, sharded)
         reduced = self._consensus.reduce(self._report(stats, loss), sharded)
         found_inf = self._found_inf.of(reduced.buf, self._optimizer_device(stats))
+        spike = self.spikes.on_device(self._consensus, reduced, self.optimizer, found_inf)
         if self.config.grad_clip is not None:
             norm = self._consensus.global_grad_norm(reduced)
             clip_on_device_(stats.grads, norm, self.config.grad_clip)
@@ -238,6 +243,7 @@ class Guard:
             batches=list(stream.current) if stream is not None else [],
             rng=stream.current_rng if stream is not None else None,
             losses=self._micro_losses,
+            spike=spike,
         )
         self._micro_losses = []
         self.state.step = step + 1
@@ -276,6 +282,10 @@ class Guard:
         pending.ok = decision is Decision.OK
         if pending.ok:
             self.state.record_good(pending.step, agreement.mean_loss)
+            spike = self._late_spike(agreement, pending)
+            if spike is not None:
+                pending.ok = False  # skipped on the device (found_inf)
+                self._resolve_spike(spike, agreement, pending, raise_errors)
             return
         self.state.record_bad(pending.step)
         self._log_nonfinite(decision, agreement, pending.stats, pending.step)
@@ -338,6 +348,9 @@ class Guard:
     def _apply(self, decision: Decision, agreement: Agreement, stats: GradStats, step: int) -> bool:
         if decision is Decision.OK:
             self.state.record_good(step, agreement.mean_loss)
+            spike = self.spikes.judge(agreement, self.optimizer, step)
+            if spike is not None:
+                return self._apply_spike(spike, agreement, stats, step)
             if self.config.grad_clip is not None:
                 clip_(stats.grads, agreement.grad_norm(), self.config.grad_clip)
             return True
@@ -358,6 +371,38 @@ class Guard:
             self._clear_grads()
             raise self._stop_error(decision, agreement, step, bundle)
         return False
+
+    def _apply_spike(
+        self, decision: Decision, agreement: Agreement, stats: GradStats, step: int
+    ) -> bool:
+        """A spike skipped (``SPIKE``) or escalated: no update, as for a non-finite step."""
+        bundle = self._capture(decision, agreement, stats, step)
+        self._clear_grads()
+        if decision is Decision.ESCALATE:
+            raise self.spikes.error(step, bundle)
+        self.events.write("skip", step, reason="spike", consecutive=self.spikes.consecutive)
+        return False
+
+    def _late_spike(self, agreement: Agreement, pending: PendingStep) -> Decision | None:
+        """The sync-free step's spike verdict: judged on the device when a spike must skip
+        the update (``found_inf``), else judged now on the host from the agreed values."""
+        if pending.spike is not None:
+            return self.spikes.read_staged(pending.spike, pending.step)
+        self.spikes.judge(agreement, self.optimizer, pending.step)  # "warn": events only
+        return None
+
+    def _resolve_spike(
+        self, decision: Decision, agreement: Agreement, pending: PendingStep, raise_errors: bool
+    ) -> None:
+        """A spike the sync-free step skipped on the device, read a step late."""
+        bundle = None
+        if raise_errors:  # weights and moments are as before the skipped step
+            bundle = self._capture(decision, agreement, pending.stats, pending.step, pending)
+        if decision is Decision.ESCALATE:
+            if raise_errors:
+                raise self.spikes.error(pending.step, bundle)
+            return
+        self.events.write("skip", pending.step, reason="spike", consecutive=self.spikes.consecutive)
 
     # -- capture: a replay bundle of the bad step; the logic is in capture.py ------------------
 

@@ -23,6 +23,8 @@ class Decision(enum.Enum):
     """Too many bad steps in a row (or a collapsed loss scale): stop every rank."""
     OVERFLOW = "overflow"
     """fp16 gradient overflow that the GradScaler handles: skip, scale goes down."""
+    SPIKE = "spike"
+    """Finite, but a loss or gradient-norm spike and ``on_spike="skip"``: skipped like "skip"."""
 
 
 _ACTION = {"skip": Decision.SKIP, "warn": Decision.WARN, "raise": Decision.RAISE}

@@ -1,0 +1,230 @@
+"""Loss and gradient-norm spikes, judged from the values the step's all-reduce already carries.
+
+Two metrics per step, both agreed by every rank: the loss (the mean over ranks of each
+rank's reported loss) and the global gradient norm *before* clipping. Every rank runs the
+same deterministic update on the same agreed values, so every rank decides the same; no
+extra collective.
+
+The rule, per metric, on ``x = log(value)`` (a spike is multiplicative: grad norms move
+10-1000x over a run, so absolute thresholds fail both early and late):
+
+* running statistics: an exponential moving mean ``m`` and variance ``v`` with weight
+  ``a_n = max(1 - beta, 1 / n)`` for the n-th value. ``1 / n`` is the exact running mean
+  and variance, so the first values are not biased towards the zero start (the bias
+  correction); after ``1 / (1 - beta)`` values it is an EMA of memory ``1 / (1 - beta)``.
+* the score: ``z = (x - m) / max(sqrt(v), SIGMA_FLOOR)``, one-sided (only upward moves).
+* a spike: ``z > z_threshold`` AND ``value / exp(m) > ratio`` (the ratio floor: a very
+  quiet metric never flags a tiny relative blip) AND at least ``warmup`` values seen AND
+  not within ``grace`` steps after the host saw the learning rate jump up.
+* the update (every finite step, spikes included) is winsorised: the residual ``r = x - m``
+  is clamped to ``+-CLAMP_SIGMAS * sigma`` before ``m += a r`` and ``v = (1 - a)(v + a r^2)``.
+  A single spike therefore moves ``m`` and ``v`` no more than a 3-sigma value does, so it
+  cannot inflate sigma and hide the next spikes (the failure of windowed z-scores that take
+  the spike in); a real level change still moves ``m`` and grows ``sigma`` geometrically (by
+  ``sqrt(beta + (1 - beta) CLAMP_SIGMAS^2)`` per step) until it is absorbed (the failure of
+  rules that only learn from non-spike steps, which lock out a new level forever).
+
+State: three numbers per metric (O(1)). The sync-free ``guard.step()`` runs the same rule on
+the device (``DeviceSpikeDetector``, float64 tensors, no host read); ``check()`` uses host
+floats, since it reads the agreement anyway.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+CLAMP_SIGMAS = 3.0
+"""Residuals are clamped to this many sigmas before they update the statistics."""
+SIGMA_FLOOR = 0.01
+"""The smallest sigma (in log space, ~1%) a value is judged against and clamped by."""
+LR_JUMP = 1.1
+"""A learning rate above this factor times the last one starts the grace period."""
+METRICS = ("loss", "grad_norm")
+
+
+@dataclass(frozen=True)
+class SpikeRule:
+    """The knobs (``GuardConfig.spike_*``)."""
+
+    z_threshold: float = 6.0
+    ratio: float = 2.0
+    beta: float = 0.98
+    warmup: int = 100
+    grace: int = 50
+
+
+@dataclass(frozen=True)
+class Spike:
+    """One metric judged a spike at one step."""
+
+    metric: str
+    value: float
+    baseline: float
+    """``exp(m)``: the running (geometric) mean the value was judged against."""
+    score: float
+    """The z-score in log space."""
+    threshold: float
+    ratio: float
+    """``value / baseline``."""
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "metric": self.metric,
+            "value": self.value,
+            "baseline": self.baseline,
+            "score": self.score,
+            "threshold": self.threshold,
+            "ratio": self.ratio,
+        }
+
+
+@dataclass
+class LogEma:
+    """Bias-corrected, winsorised EMA mean and variance of log-values (host floats)."""
+
+    count: int = 0
+    mean: float = 0.0
+    var: float = 0.0
+
+    @property
+    def sigma(self) -> float:
+        return max(math.sqrt(self.var), SIGMA_FLOOR)
+
+    def update(self, x: float, rule: SpikeRule) -> None:
+        if self.count == 0:
+            self.count, self.mean, self.var = 1, x, 0.0
+            return
+        alpha = max(1.0 - rule.beta, 1.0 / (self.count + 1))
+        r = x - self.mean
+        if self.count >= rule.warmup:
+            bound = CLAMP_SIGMAS * self.sigma
+            r = min(max(r, -bound), bound)
+        self.mean += alpha * r
+        self.var = (1.0 - alpha) * (self.var + alpha * r * r)
+        self.count += 1
+
+
+class LrGrace:
+    """No judging for ``steps`` steps after the learning rate jumps up (a warm restart)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.lr: float | None = None
+        self.left = 0
+
+    def judging(self, lr: float | None) -> bool:
+        """Note this step's learning rate; False while in the grace period after a jump."""
+        if lr is not None:
+            if self.lr is not None and lr > self.lr * LR_JUMP:
+                self.left = self.steps
+            self.lr = lr
+        if self.left > 0:
+            self.left -= 1
+            return False
+        return True
+
+
+class SpikeDetector:
+    """Judges each step's agreed loss and gradient norm; the same answer on every rank."""
+
+    def __init__(self, rule: SpikeRule | None = None) -> None:
+        self.rule = rule or SpikeRule()
+        self.stats = {metric: LogEma() for metric in METRICS}
+        self.grace = LrGrace(self.rule.grace)
+
+    def observe(self, values: dict[str, float], lr: float | None = None) -> list[Spike]:
+        """Judge then learn one step's values (``{"loss": ..., "grad_norm": ...}``).
+
+        ``lr``: the learning rate the host sees (None: unknown). Non-finite or non-positive
+        values are neither judged nor learned (the non-finite guard owns those steps)."""
+        judging = self.grace.judging(lr)
+        spikes: list[Spike] = []
+        for metric in METRICS:
+            value = values.get(metric)
+            if value is None or not math.isfinite(value) or value <= 0.0:
+                continue
+            ema = self.stats[metric]
+            x = math.log(value)
+            if judging and ema.count >= self.rule.warmup:
+                spike = self._judge(metric, value, x, ema)
+                if spike is not None:
+                    spikes.append(spike)
+            ema.update(x, self.rule)
+        return spikes
+
+    def _judge(self, metric: str, value: float, x: float, ema: LogEma) -> Spike | None:
+        score = (x - ema.mean) / ema.sigma
+        if score <= self.rule.z_threshold or x - ema.mean <= math.log(self.rule.ratio):
+            return None
+        baseline = math.exp(ema.mean)
+        return Spike(metric, value, baseline, score, self.rule.z_threshold, value / baseline)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "stats": {m: [e.count, e.mean, e.var] for m, e in self.stats.items()},
+            "lr": self.grace.lr,
+            "grace_left": self.grace.left,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for metric, (count, mean, var) in state["stats"].items():
+            self.stats[metric] = LogEma(int(count), float(mean), float(var))
+        self.grace.lr = state["lr"]
+        self.grace.left = int(state["grace_left"])
+
+
+def host_lr(optimizer: torch.optim.Optimizer) -> float | None:
+    """The largest learning rate of the optimizer's groups, when it is a host number."""
+    rates = [g.get("lr") for g in optimizer.param_groups]
+    numbers = [float(r) for r in rates if isinstance(r, int | float)]
+    return max(numbers) if numbers else None
+
+
+class DeviceSpikeDetector:
+    """The same rule on the device (sync-free ``guard.step()``): float64 tensors, no host read.
+
+    ``stats`` is ``[2, 3]``: per metric (loss, grad_norm) the count, mean and variance. The
+    LR grace period is decided on the host (the LR is a host number) and passed in.
+    """
+
+    def __init__(self, rule: SpikeRule, device: torch.device) -> None:
+        self.rule = rule
+        self.stats = torch.zeros(len(METRICS), 3, dtype=torch.float64, device=device)
+
+    def observe(self, values: Tensor, judging: bool) -> Tensor:
+        """Judge then learn ``values`` (float64 ``[loss, grad_norm]`` on the device).
+
+        Returns float64 ``[2, 4]``: per metric ``[spike, value, baseline, score]`` (spike is
+        1.0 or 0.0). Non-finite or non-positive values are neither judged nor learned."""
+        rule = self.rule
+        count, mean, var = self.stats.unbind(1)
+        usable = torch.isfinite(values) & (values > 0)
+        x = torch.where(usable, values, torch.ones_like(values)).log()
+        sigma = var.sqrt().clamp(min=SIGMA_FLOOR)
+        score = (x - mean) / sigma
+        ready = usable & (count >= rule.warmup)
+        spike = ready & (score > rule.z_threshold) & (x - mean > math.log(rule.ratio))
+        if not judging:
+            spike = torch.zeros_like(spike)
+        verdict = torch.stack([spike.double(), values, mean.exp(), score], dim=1)
+        self._update(x, usable, count, mean, var, sigma)
+        return verdict
+
+    def _update(
+        self, x: Tensor, usable: Tensor, count: Tensor, mean: Tensor, var: Tensor, sigma: Tensor
+    ) -> None:
+        rule = self.rule
+        first = count == 0
+        alpha = torch.maximum(torch.full_like(count, 1.0 - rule.beta), 1.0 / (count + 1))
+        r = x - mean
+        bound = torch.where(count >= rule.warmup, CLAMP_SIGMAS * sigma, math.inf)
+        r = torch.maximum(torch.minimum(r, bound), -bound)
+        new_mean = torch.where(first, x, mean + alpha * r)
+        new_var = torch.where(first, torch.zeros_like(var), (1 - alpha) * (var + alpha * r * r))
+        new = torch.stack([count + 1, new_mean, new_var], dim=1)
+        self.stats.copy_(torch.where(usable.unsqueeze(1), new, self.stats))

@@ -1,0 +1,181 @@
+"""The spike policy of a Guard: judge each agreed step, write ``spike`` events, decide.
+
+``on_spike``: ``"warn"`` lets the step through with an event; ``"skip"`` skips the update
+(like a non-finite step) and escalates after ``spike_max_consecutive`` spikes in a row;
+``"rollback"`` escalates at once (the guard then does what ``on_escalation`` says);
+``"off"`` judges nothing. The rule itself is in ``spikes.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from trainguard.config import GuardConfig
+from trainguard.errors import NonFiniteError
+from trainguard.events import EventLog
+from trainguard.step.consensus import Agreement, Consensus, Reduced
+from trainguard.step.deferred import HostStager
+from trainguard.step.policy import Decision
+from trainguard.step.spikes import (
+    METRICS,
+    DeviceSpikeDetector,
+    LrGrace,
+    Spike,
+    SpikeDetector,
+    SpikeRule,
+    host_lr,
+)
+
+logger = logging.getLogger(__name__)
+
+Staged = tuple[Tensor, "torch.cuda.Event | None"]
+"""A verdict copied (or being copied) to the host, and the event that says it is there."""
+
+
+class SpikeError(NonFiniteError):
+    """Loss or gradient-norm spikes escalated (``on_spike``): raised on every rank."""
+
+
+def rule_of(config: GuardConfig) -> SpikeRule:
+    return SpikeRule(
+        z_threshold=config.spike_z,
+        ratio=config.spike_ratio,
+        beta=config.spike_beta,
+        warmup=config.spike_warmup,
+        grace=config.spike_grace,
+    )
+
+
+class SpikeWatch:
+    """Judges spikes for one Guard; the same verdicts on every rank (agreed values only)."""
+
+    def __init__(self, config: GuardConfig, events: EventLog, rank: int) -> None:
+        self.action = config.on_spike
+        self.max_consecutive = config.spike_max_consecutive
+        self.rule = rule_of(config)
+        self.detector = SpikeDetector(self.rule)
+        self._device: DeviceSpikeDetector | None = None
+        self._device_grace = LrGrace(self.rule.grace)
+        self._stager = HostStager()
+        self._events = events
+        self._rank = rank
+        self.consecutive = 0
+        """Spikes in a row ending at the last judged step."""
+        self.total = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.action != "off"
+
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether a spike must stop the update (folded into ``found_inf``)."""
+        return self.action in ("skip", "rollback")
+
+    # -- check(): host floats ------------------------------------------------------------
+
+    def judge(
+        self, agreement: Agreement, optimizer: torch.optim.Optimizer, step: int
+    ) -> Decision | None:
+        """A finite, agreed step: None (go on), ``SPIKE`` (skip it) or ``ESCALATE``."""
+        if not self.enabled:
+            return None
+        values = {"loss": agreement.mean_loss, "grad_norm": agreement.grad_norm()}
+        spikes = self.detector.observe(values, host_lr(optimizer))
+        return self._decide(spikes, step)
+
+    # -- the sync-free step: device tensors ------------------------------------------------
+
+    def on_device(
+        self,
+        consensus: Consensus,
+        reduced: Reduced,
+        optimizer: torch.optim.Optimizer,
+        found_inf: Tensor,
+    ) -> Staged | None:
+        """Judge the step on the device, fold a skipping spike into ``found_inf`` (in place)
+        and start copying the verdict to the host; no host read.
+
+        Only when a spike must stop the update (``"skip"``, ``"rollback"``): the device rule
+        costs some 60 small ops a step. Otherwise (None) the host judges the agreed values
+        when it reads them, a step late, at no device cost."""
+        if not self.skips_on_device:
+            return None
+        values = consensus.agreed_metrics(reduced)
+        bad = found_inf.to(values.device, non_blocking=True) > 0  # a bad step is not learned
+        values = torch.where(bad, torch.full_like(values, math.nan), values)
+        if self._device is None:
+            self._device = DeviceSpikeDetector(self.rule, values.device)
+        judging = self._device_grace.judging(host_lr(optimizer))
+        verdict = self._device.observe(values, judging)
+        if self.skips_on_device:
+            spike = verdict[:, 0].amax().to(found_inf.device, found_inf.dtype, non_blocking=True)
+            torch.maximum(found_inf, spike, out=found_inf)
+        return self._stager.stage(verdict)
+
+    def read_staged(self, staged: Staged, step: int) -> Decision | None:
+        """The device verdict of ``step``, read on the host a step late: events, decision."""
+        host, ready = staged
+        if ready is not None:
+            ready.synchronize()
+        return self.read(host.tolist(), step)
+
+    def read(self, verdict: list[list[float]], step: int) -> Decision | None:
+        """The device verdict read on the host (a step late): events and the decision."""
+        spikes = [
+            Spike(metric, value, baseline, score, self.rule.z_threshold, value / baseline)
+            for metric, (flag, value, baseline, score) in zip(METRICS, verdict, strict=True)
+            if flag > 0.5
+        ]
+        return self._decide(spikes, step)
+
+    # -- the policy -------------------------------------------------------------------------
+
+    def _decide(self, spikes: list[Spike], step: int) -> Decision | None:
+        if not spikes:
+            self.consecutive = 0
+            return None
+        self.consecutive += 1
+        self.total += 1
+        decision = self._action()
+        for spike in spikes:
+            self._events.write(
+                "spike",
+                step,
+                **spike.fields(),
+                action=decision.value if decision is not None else "warn",
+                consecutive=self.consecutive,
+            )
+        log = logger.warning if self._rank == 0 else logger.debug
+        for spike in spikes:
+            log(
+                "trainguard: step %d %s spike: %.4g vs baseline %.4g (x%.1f, z=%.1f)",
+                step,
+                spike.metric,
+                spike.value,
+                spike.baseline,
+                spike.ratio,
+                spike.score,
+            )
+        return decision
+
+    def _action(self) -> Decision | None:
+        if self.action == "warn":
+            return None
+        if self.action == "rollback" or self.consecutive >= self.max_consecutive:
+            return Decision.ESCALATE
+        return Decision.SPIKE
+
+    def error(self, step: int, bundle: Path | None = None) -> SpikeError:
+        """The error of an escalation (on every rank)."""
+        message = (
+            f"step {step}: {self.consecutive} loss/gradient-norm spike(s) in a row "
+            f"(on_spike={self.action!r}, spike_max_consecutive={self.max_consecutive})"
+        )
+        self._events.write("escalate", step, reason="spike", consecutive=self.consecutive)
+        return SpikeError(message, step=step, ranks=[], bundle=bundle)

@@ -1,0 +1,212 @@
+"""The spike rule (step/spikes.py) and its policy in a single-process Guard."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tg_models import TinyNet
+
+import trainguard as tg
+from trainguard.step.spikes import DeviceSpikeDetector, SpikeDetector, SpikeRule
+from trainguard.step.spikewatch import SpikeError
+
+RULE = SpikeRule(z_threshold=6.0, ratio=2.0, beta=0.98, warmup=100, grace=50)
+
+
+def _noisy(i: int, rng: random.Random, level: float = 1.0) -> float:
+    return level * math.exp(rng.gauss(0.0, 0.05))
+
+
+def _feed(det: SpikeDetector, values: list[float], lr: float | None = None) -> list[int]:
+    return [i for i, v in enumerate(values) if det.observe({"loss": v}, lr)]
+
+
+def test_no_decision_during_warmup() -> None:
+    det = SpikeDetector(RULE)
+    rng = random.Random(0)
+    values = [_noisy(i, rng) for i in range(RULE.warmup)]
+    values[50] = 1000.0  # a huge jump inside the warm-up is not judged
+    assert _feed(det, values) == []
+    assert det.observe({"loss": 1000.0})  # the same jump once warm is a spike
+
+
+def test_isolated_spike_is_flagged_and_does_not_hide_the_next() -> None:
+    det = SpikeDetector(RULE)
+    rng = random.Random(1)
+    values = [_noisy(i, rng) for i in range(400)]
+    for at in (200, 210, 220):  # a window rule that took 200 in would miss 210 and 220
+        values[at] *= 20.0
+    assert _feed(det, values) == [200, 210, 220]
+    spike = SpikeDetector(RULE)
+    for v in values[:200]:
+        spike.observe({"loss": v})
+    [judged] = spike.observe({"loss": values[200]})
+    assert judged.metric == "loss" and judged.value == values[200]
+    assert judged.ratio > 10 and judged.score > RULE.z_threshold
+    assert judged.baseline == pytest.approx(1.0, rel=0.1)
+
+
+def test_winsorised_update_absorbs_a_level_change() -> None:
+    det = SpikeDetector(RULE)
+    rng = random.Random(2)
+    values = [_noisy(i, rng) for i in range(200)] + [_noisy(i, rng, 5.0) for i in range(300)]
+    flagged = _feed(det, values)
+    assert flagged and flagged[0] == 200  # the jump itself is seen...
+    assert max(flagged) < 260  # ...and the new level is learned, not flagged forever
+    assert det.stats["loss"].mean == pytest.approx(math.log(5.0), abs=0.1)
+
+
+def test_ratio_floor_ignores_small_moves_of_a_quiet_metric() -> None:
+    det = SpikeDetector(RULE)
+    values = [1.0 + 1e-6 * (i % 2) for i in range(200)] + [1.5]  # z huge, ratio 1.5 < 2
+    assert _feed(det, values) == []
+    assert det.observe({"loss": 2.5})  # beyond the ratio floor
+
+
+def test_lr_jump_starts_a_grace_period() -> None:
+    rng = random.Random(3)
+    det = SpikeDetector(RULE)
+    for i in range(150):
+        det.observe({"grad_norm": _noisy(i, rng)}, lr=1e-3)
+    assert det.observe({"grad_norm": 30.0}, lr=1e-2) == []  # the LR jumped: grace
+    for i in range(RULE.grace - 1):
+        det.observe({"grad_norm": _noisy(i, rng)}, lr=1e-2)
+    assert det.observe({"grad_norm": 30.0}, lr=1e-2)  # grace over
+
+
+def test_device_detector_matches_host() -> None:
+    rng = random.Random(4)
+    host = SpikeDetector(RULE)
+    device = DeviceSpikeDetector(RULE, torch.device("cpu"))
+    for i in range(400):
+        loss, norm = _noisy(i, rng, 2.0 * math.exp(-i / 300)), _noisy(i, rng)
+        if i in (150, 300):
+            loss *= 20.0
+        if i == 250:
+            norm = float("nan")  # neither judged nor learned, on both
+        flagged = {s.metric for s in host.observe({"loss": loss, "grad_norm": norm})}
+        verdict = device.observe(torch.tensor([loss, norm], dtype=torch.float64), True).tolist()
+        on_device = {
+            m for m, row in zip(("loss", "grad_norm"), verdict, strict=True) if row[0] > 0.5
+        }
+        assert flagged == on_device, i
+    for row, metric in zip(device.stats.tolist(), ("loss", "grad_norm"), strict=True):
+        stats = host.stats[metric]
+        assert row == pytest.approx([stats.count, stats.mean, stats.var])
+
+
+def test_config_rejects_bad_spike_options() -> None:
+    for option, value in [("on_spike", "explode"), ("spike_z", 0.0), ("spike_beta", 1.0)]:
+        with pytest.raises(tg.ConfigError) as info:
+            tg.GuardConfig(**{option: value})  # type: ignore[arg-type]
+        assert info.value.option == option
+
+
+# -- the policy in a Guard -------------------------------------------------------------------
+
+
+def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    lines = (run_dir / "events" / "rank-0.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["kind"] == kind]
+
+
+def _run(tmp_path: Path, on_spike: str, spikes: set[int], steps: int = 130) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    config = tg.GuardConfig(run_dir=tmp_path, on_spike=on_spike, spike_warmup=100)  # type: ignore[arg-type]
+    guard = tg.Guard(model, opt, config=config)
+    gen = torch.Generator().manual_seed(1)
+    results: dict[str, Any] = {"ok": [], "params": {}}
+    try:
+        batches = [torch.randn(6, 8, generator=gen) for _ in range(steps)]
+        for step, x in enumerate(guard.watch(batches)):
+            target = torch.ones(6, 4) * (20.0 if step in spikes else 1.0)
+            loss = (model(x) - target).pow(2).mean()
+            loss.backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            ok = guard.check(loss)
+            results["ok"].append(ok)
+            opt.step()
+            opt.zero_grad()
+            results["params"][step] = (before, [p.detach().clone() for p in model.parameters()])
+    except SpikeError as exc:
+        results["error"] = exc
+    guard.close()
+    return results
+
+
+def test_skip_leaves_weights_alone_and_writes_the_event(tmp_path: Path) -> None:
+    out = _run(tmp_path, "skip", {110})
+    assert [i for i, ok in enumerate(out["ok"]) if not ok] == [110]
+    before, after = out["params"][110]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    [event] = [e for e in _events(tmp_path, "spike") if e["metric"] == "loss"]
+    assert event["step"] == 110 and event["action"] == "spike" and event["score"] > 6
+    assert {"value", "baseline", "threshold", "ratio"} <= set(event)
+    assert list((tmp_path / "captures").glob("step-00000110"))  # the first spike is captured
+
+
+def test_warn_lets_the_step_through(tmp_path: Path) -> None:
+    out = _run(tmp_path, "warn", {110})
+    assert all(out["ok"])
+    assert [e["step"] for e in _events(tmp_path, "spike") if e["metric"] == "loss"] == [110]
+
+
+def test_consecutive_spikes_escalate(tmp_path: Path) -> None:
+    out = _run(tmp_path, "skip", {110, 111, 112})
+    assert isinstance(out.get("error"), SpikeError) and out["error"].step == 112
+    assert _events(tmp_path, "escalate")[0]["reason"] == "spike"
+
+
+def test_rollback_escalates_at_once(tmp_path: Path) -> None:
+    out = _run(tmp_path, "rollback", {110})
+    assert isinstance(out.get("error"), SpikeError) and out["error"].step == 110
+
+
+def test_off_judges_nothing(tmp_path: Path) -> None:
+    out = _run(tmp_path, "off", {110})
+    assert all(out["ok"]) and _events(tmp_path, "spike") == []
+
+
+def _fused_run(tmp_path: Path, on_spike: str, spikes: set[int], sync_free: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=sync_free)
+    config = tg.GuardConfig(run_dir=tmp_path, on_spike=on_spike)  # type: ignore[arg-type]
+    guard = tg.Guard(model, opt, config=config)
+    gen = torch.Generator().manual_seed(1)
+    snapshots = []
+    for step, x in enumerate(guard.watch([torch.randn(6, 8, generator=gen) for _ in range(125)])):
+        target = torch.ones(6, 4) * (20.0 if step in spikes else 1.0)
+        loss = (model(x) - target).pow(2).mean()
+        loss.backward()
+        guard.step(loss)
+        snapshots.append([p.detach().clone() for p in model.parameters()])
+    guard.close()
+    steps = [e["step"] for e in _events(tmp_path, "spike") if e["metric"] == "loss"]
+    return {"snapshots": snapshots, "steps": steps, "skips": _events(tmp_path, "skip")}
+
+
+def test_sync_free_step_skips_a_spike_on_the_device(tmp_path: Path) -> None:
+    fused = _fused_run(tmp_path / "fused", "skip", {110}, sync_free=True)
+    assert fused["steps"] == [110]
+    assert [e["step"] for e in fused["skips"]] == [110]
+    before, after = fused["snapshots"][109], fused["snapshots"][110]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # weights untouched
+    assert not all(torch.equal(a, b) for a, b in zip(after, fused["snapshots"][111], strict=True))
+    plain = _fused_run(tmp_path / "plain", "skip", {110}, sync_free=False)
+    assert plain["steps"] == [110]  # the device rule decides as the host rule does
+
+
+def test_sync_free_warn_is_judged_on_the_host_a_step_late(tmp_path: Path) -> None:
+    warned = _fused_run(tmp_path, "warn", {110}, sync_free=True)
+    assert warned["steps"] == [110] and warned["skips"] == []
+    before, after = warned["snapshots"][109], warned["snapshots"][110]
+    assert not all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # applied
