@@ -110,11 +110,13 @@ def _inspect(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     from trainguard.replay.render import replay_text
     from trainguard.replay.runner import replay
+    from trainguard.report.replays import save_replay_result
 
     with contextlib.redirect_stdout(sys.stderr):  # the user's prints must not mix with ours
         report = replay(
             args.bundle, args.factory, rank=args.rank, repeats=args.repeats, device=args.device
         ).to_dict()
+    save_replay_result(args.bundle, report)  # for `trainguard report`
     if args.json:
         _print_json(report)
     else:

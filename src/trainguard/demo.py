@@ -184,6 +184,7 @@ def run_demo(
     events as they are written (for a progress display)."""
     from trainguard.events import read_events
     from trainguard.replay.runner import replay
+    from trainguard.report.replays import save_replay_result
 
     if ranks < 1 or steps < 5:
         raise DemoError(f"use --ranks >= 1 and --steps >= 5 (got {ranks} and {steps})")
@@ -206,6 +207,7 @@ def run_demo(
         raise DemoError(f"the training run left no capture under {folder / 'captures'}; see {log}")
     start = time.monotonic()
     report = replay(bundles[0], make_replay).to_dict()
+    save_replay_result(bundles[0], report)  # for `trainguard report`
     replay_seconds = time.monotonic() - start
     events = read_events(folder, rank=0)
     progress = [e for e in events if e.get("kind") == "demo_progress"]

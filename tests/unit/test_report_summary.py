@@ -12,6 +12,7 @@ from tg_models import TinyNet, loss_fn, make_batches
 
 import trainguard as tg
 from trainguard.report.html import report_html
+from trainguard.report.replays import save_replay_result
 from trainguard.report.summary import REPLAY_RESULT, summarize
 from trainguard.report.text import report_text
 from trainguard.testing import Fault, FaultPlan
@@ -56,7 +57,9 @@ def test_a_replay_result_in_the_bundle_is_the_diagnosis(run_dir: Path, tmp_path:
     shutil.copytree(run_dir, copy)
     bundle = copy / "captures" / "step-00000004"
     result = {"reproduced": True, "summary": "NaN first in forward at log (model.py:12)"}
-    (bundle / REPLAY_RESULT).write_text(json.dumps(result))
+    assert save_replay_result(bundle, result) == bundle / REPLAY_RESULT
+    assert tg.load_bundle(bundle).step == 4  # the bundle itself is unchanged (not in manifest)
+    assert save_replay_result(tmp_path / "missing", result) is None  # best effort
     summary = summarize(copy)
     assert summary.captures[0]["diagnosis"] == result["summary"]
     assert "diagnosis: NaN first in forward at log (model.py:12)" in report_text(summary)

@@ -68,7 +68,7 @@ def write_png(summary: RunSummary, path: Path) -> Path:
 def _series(
     ax: Axes, steps: list[int], values: list[float | None], label: str, colour: str
 ) -> None:
-    ys = [v if _finite(v) else math.nan for v in values]  # a gap where the value is not finite
+    ys = [v if v is not None and math.isfinite(v) else math.nan for v in values]  # gaps
     finite = [y for y in ys if not math.isnan(y)]
     if finite:
         ax.plot(steps, ys, color=colour, linewidth=1.2, marker=".", markersize=3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from trainguard.report.summary import RunSummary
@@ -20,7 +21,7 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
         ("decisions", [_decisions(summary.decisions)]),
         ("first bad", [_first_bad(summary.first_bad)]),
         ("non-finite", _listed(summary.nonfinite, _nonfinite)),
-        ("captures", _captures(summary.captures)),
+        ("captures", _captures(summary.captures, summary.run_dir)),
         ("spikes", _listed(summary.spikes, _spike)),
         ("rollbacks", _listed(summary.rollbacks, _rollback)),
         ("checkpoints", _listed(summary.checkpoints, _checkpoint)),
@@ -62,14 +63,15 @@ def _nonfinite(e: dict[str, Any]) -> str:
     return f"step {e.get('step')}: {e.get('where')} on ranks {e.get('ranks')} -> {e.get('action')}"
 
 
-def _captures(captures: list[dict[str, Any]]) -> list[str]:
+def _captures(captures: list[dict[str, Any]], run_dir: str) -> list[str]:
     lines = []
     for c in captures:
         lines.append(f"step {c.get('step')} ({c.get('reason')}): {c.get('path')}")
         if c.get("diagnosis"):
             lines.append(f"  diagnosis: {c['diagnosis']}")
         else:
-            lines.append(f"  not replayed yet: trainguard replay {c.get('path')} --factory ...")
+            bundle = Path(run_dir) / str(c.get("path"))
+            lines.append(f"  not replayed yet: trainguard replay {bundle} --factory MODULE:FUNC")
     return lines
 
 
