@@ -47,6 +47,7 @@ from trainguard.step.detect import (
     loss_value,
 )
 from trainguard.step.history import StepHistory
+from trainguard.step.manual import RecordedBatches
 from trainguard.step.metrics import MetricsLog, metrics_path
 from trainguard.step.policy import Decision, decide
 from trainguard.step.spikewatch import SpikeWatch
@@ -123,6 +124,7 @@ class Guard:
         self.state = GuardState(nonfinite_steps=deque(maxlen=self.config.max_recorded_steps))
         self.progress = Progress()
         self._stream: BatchStream | None = None
+        self._recorded = RecordedBatches()  # record_batch(): loops without watch()
         self._micro_losses: list[Tensor] = []
         self._capturer = Capturer(self.run_dir, self._consensus, self.events)
         self.spikes = SpikeWatch(self.config, self.events, self.rank)
@@ -174,6 +176,11 @@ class Guard:
     def record_loss(self, loss: Tensor) -> None:
         """Record a micro-batch's loss (gradient accumulation); no host sync."""
         self._micro_losses.append(loss.detach())
+
+    def record_batch(self, batch: Any) -> None:
+        """For loops that do not iterate ``watch()``: hand each micro-batch over before its
+        forward, so that a bad step's capture holds its batches and RNG (references only)."""
+        self._recorded.record(batch, self.state.step)
 
     def check(self, loss: Tensor) -> bool:
         """After backward, before the optimizer step. True only when the loss and every
@@ -422,7 +429,7 @@ class Guard:
         if pending is not None:
             batches, rng, losses = pending.batches, pending.rng, pending.losses
         else:
-            stream = self._stream
+            stream = self._stream or self._recorded
             batches = list(stream.current) if stream is not None else []
             rng = stream.current_rng if stream is not None else None
             losses = self._micro_losses

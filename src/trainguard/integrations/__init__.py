@@ -1,0 +1,15 @@
+"""Guards for loops a framework owns: PyTorch Lightning and the Hugging Face Trainer.
+
+Offers (each imported lazily: ``import trainguard`` never imports lightning/transformers):
+
+- ``trainguard.integrations.lightning.TrainGuard``: a ``lightning.pytorch.Callback``, and
+  ``replay_spec(module)`` for ``trainguard replay --factory`` (extra ``trainguard[lightning]``);
+- ``trainguard.integrations.transformers.TrainGuardCallback`` with ``TrainGuardMixin`` (the
+  Trainer hooks that see the loss and the batches), and ``replay_spec(model)`` (extra
+  ``trainguard[transformers]``).
+
+Both run the same ``Guard`` as a hand-written loop: the loss and the batches are handed over
+with ``guard.record_loss`` / ``guard.record_batch``, and ``guard.check()`` runs once per
+optimizer step on the accumulated, reduced, unscaled gradients (one fused pass, one
+all-reduce). The integrations import ``step`` and the shared base only.
+"""

@@ -1,0 +1,28 @@
+"""The Guard's options as an integration takes them: every ``GuardConfig`` field by name."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from trainguard.config import GuardConfig
+from trainguard.errors import ConfigError
+
+OWNED_BY_FRAMEWORK = ("accumulation_steps",)
+"""Options the integration reads from the framework instead (e.g. accumulate_grad_batches)."""
+
+
+def guard_config(options: dict[str, Any], where: str) -> GuardConfig:
+    """A validated GuardConfig from keyword options (ConfigError for an unknown one)."""
+    known = {f.name for f in dataclasses.fields(GuardConfig)} - set(OWNED_BY_FRAMEWORK)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(
+            unknown[0], f"{where} got an unknown option; use one of {', '.join(sorted(known))}"
+        )
+    return GuardConfig(**options)
+
+
+def with_accumulation(config: GuardConfig, steps: int) -> GuardConfig:
+    """The config with the framework's gradient accumulation (validated again)."""
+    return dataclasses.replace(config, accumulation_steps=int(steps))

@@ -1,0 +1,94 @@
+"""The Lightning callback in one process: a skipped step, what it refuses, lazy imports."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+L = pytest.importorskip("lightning.pytorch")
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from trainguard.errors import ConfigError  # noqa: E402
+from trainguard.integrations.lightning import TrainGuard, training_step_loss  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_ddp.py"
+
+
+def _example() -> Any:
+    spec = importlib.util.spec_from_file_location("tg_lightning_example_unit", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _trainer(callback: TrainGuard, **kwargs: Any) -> Any:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def test_importing_trainguard_imports_no_framework() -> None:
+    code = (
+        "import sys, trainguard, trainguard.integrations; "
+        "assert not {'lightning', 'transformers'} & set(sys.modules), sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_unknown_option_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="grad_clipping"):
+        TrainGuard(grad_clipping=1.0)
+    with pytest.raises(ConfigError, match="on_nonfinite"):
+        TrainGuard(on_nonfinite="ignore")
+
+
+def test_one_process_skips_the_poisoned_batch(tmp_path: Path) -> None:
+    ex = _example()
+    L.seed_everything(0, verbose=False)
+    model = ex.Regressor()
+    callback = TrainGuard(run_dir=tmp_path, hang_timeout=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(callback).fit(model, DataLoader(ex.Points(), batch_size=8))
+    state = callback.state_dict()["state"]
+    assert state["nonfinite_steps"] == [ex.POISONED // 8]  # one process: sample 27 in batch 3
+    assert state["step"] == 8
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert len(list((tmp_path / "captures").glob("step-*"))) == 1
+    fresh = ex.Regressor()  # as a replay factory builds it: no Trainer attached
+    fresh.load_state_dict(model.state_dict())
+    batch = ex.Points()[ex.POISONED]
+    loss = training_step_loss(fresh, (batch[0][None], batch[1][None]))
+    assert not math.isfinite(float(loss))
+
+
+def test_manual_optimization_is_refused(tmp_path: Path) -> None:
+    ex = _example()
+
+    class Manual(ex.Regressor):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(ConfigError, match="manual optimization"):
+        _trainer(TrainGuard(run_dir=tmp_path, hang_timeout=0)).fit(
+            Manual(), DataLoader(ex.Points(), batch_size=8)
+        )
