@@ -1,10 +1,13 @@
 """The watchdog: hung and dead ranks found within a timeout, stacks dumped, every rank exits.
 
-- ``watchdog``  one thread per rank: heartbeats out, verdicts in, the exit path
+- ``watchdog``  one thread per rank: heartbeats out, verdicts in (the tick), start and stop
+- ``exit_path`` acting on a verdict: stack dump, report, await the others' dumps, exit code
+- ``failure``   this rank's own exception, published from the main thread (and excepthook)
 - ``heartbeat`` what a rank publishes, and what the others make of it (``PeerTracker``)
 - ``channel``   the job's c10d store as the transport (own connections, one multi_get a tick)
 - ``rules``     culprits of a hang or a dead peer (``assess``), and verdicts
-- ``timeout``   the fixed or learned hang timeout, and the cadences derived from it
+- ``timeout``   the fixed or learned hang timeout (``StallMeter`` measures what it learns
+  from), and the cadences derived from it
 - ``report``    ``run_dir/hangs/<id>/report.json``
 - ``stacks``    stack dumps: every thread, py-spy when installed, faulthandler fallback
 

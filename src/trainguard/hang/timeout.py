@@ -19,11 +19,15 @@ Derived intervals: a rank whose heartbeat counter stops for ``dead_after(timeout
 or frozen (its watchdog thread no longer runs); the watchdog ticks every
 ``tick_interval(timeout)``; a frozen interpreter dumps its stacks after
 ``frozen_after(timeout)`` (faulthandler fallback).
+
+``StallMeter`` measures the stretches without progress that the learner is fed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from trainguard.progress import Progress
 
 GRACE_S = 600.0
 """Timeout while the first ``WARMUP_STEPS`` steps run (compilation and warm-up)."""
@@ -91,3 +95,30 @@ class TimeoutLearner:
         if steps_done < self.warmup_steps:
             return self.grace
         return max(self.floor, self.factor * self.longest_stall)
+
+
+class StallMeter:
+    """Measures the local loop's stretches without progress (``Progress.beats`` unchanged)
+    and feeds each finished one to the learner, unless part of it was spent in a user phase
+    or outside the loop (``init``, ``done``, ``closed``), or it began during the warm-up."""
+
+    def __init__(self, learner: TimeoutLearner, now: float) -> None:
+        self.learner = learner
+        self._last_beats = -1
+        self._last_change = now
+        self._from_steps = 0
+        self._excluded = True
+
+    def observe(self, progress: Progress, steps_done: int, now: float) -> None:
+        """One look at the loop (every watchdog tick)."""
+        excluded = progress.in_user_phase or progress.phase in ("init", "done", "closed")
+        if progress.beats == self._last_beats:
+            self._excluded = self._excluded or excluded
+            return
+        counted = self._last_beats >= 0 and not self._excluded
+        if counted and self._from_steps >= self.learner.warmup_steps:
+            self.learner.observe(now - self._last_change, steps_done)
+        self._last_beats = progress.beats
+        self._last_change = now
+        self._from_steps = steps_done
+        self._excluded = excluded

@@ -1,0 +1,190 @@
+"""Acting on a verdict: the way every live rank ends once a hang or a dead peer is decided.
+
+``ExitPath.act`` runs once per process, on the watchdog thread. In order, it
+
+1. starts a safety timer (``SAFETY_EXIT_S``) that exits even if a step below hangs, and
+   disarms the faulthandler fallback (``stacks.FrozenDump``),
+2. acknowledges the verdict in the store (``ack``), so the rank serving the store knows it
+   was read,
+3. dumps this process's stacks to ``run_dir/hangs/<id>/rank-<r>.txt`` and counts the dump
+   in the store (``dumped``),
+4. writes ``report.json`` when this rank is the verdict's reporter, and a ``hang`` /
+   ``peer_failure`` event,
+5. waits (at most ``ACK_WAIT_S``) until every live rank has dumped: the first rank to exit
+   makes torchrun terminate the others, which must not cut a dump short,
+6. flushes the event log, the logging handlers and stdout/stderr, and ends the process with
+   ``os._exit(EXIT_HANG)`` or ``os._exit(EXIT_PEER_FAILURE)``: the main thread may be blocked
+   in a collective forever, so exiting the process is the only way out.
+
+An ``offline`` verdict (the store itself stopped answering) skips the store's counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trainguard.events import EventLog
+from trainguard.exitcodes import EXIT_HANG, EXIT_PEER_FAILURE
+from trainguard.hang.channel import StoreChannel
+from trainguard.hang.report import stack_file, write_report
+from trainguard.hang.rules import HANG, Verdict
+from trainguard.hang.stacks import FrozenDump, write_stack_dump
+from trainguard.progress import Progress
+
+logger = logging.getLogger(__name__)
+
+ACK_WAIT_S = 5.0
+"""How long a rank waits for the others to read a verdict, or to dump their stacks."""
+
+SAFETY_EXIT_S = 30.0
+"""A rank acting on a verdict exits after this long even if dumping or writing hangs."""
+
+ReportBuilder = Callable[[Verdict, int], dict[str, Any]]
+"""Builds ``report.json`` for a verdict and its exit code (the watchdog knows the views)."""
+
+
+def exit_code_for(kind: str) -> int:
+    return EXIT_HANG if kind == HANG else EXIT_PEER_FAILURE
+
+
+def attempt(action: Callable[[], Any]) -> Any:
+    """Run ``action``; on an exception log a warning and return None. On the way out nothing
+    may stop the process from exiting."""
+    try:
+        return action()
+    except Exception as exc:
+        logger.warning("trainguard watchdog: %s", exc)
+        return None
+
+
+class ExitPath:
+    """One rank's way out once a verdict holds (see the module docstring).
+
+    ``hang_id`` (the run's id, agreed in the store) and ``fallback`` (the faulthandler
+    fallback, when armed) are set by the watchdog when it starts."""
+
+    def __init__(
+        self,
+        *,
+        channel: StoreChannel,
+        progress: Progress,
+        events: EventLog,
+        run_dir: Path,
+        build_report: ReportBuilder,
+        store_host: int | None,
+        exit_fn: Callable[[int], Any],
+        ack_wait_s: float,
+    ) -> None:
+        self.channel = channel
+        self.rank = channel.rank
+        self.members = list(channel.members)
+        self.progress = progress
+        self.events = events
+        self.run_dir = Path(run_dir)
+        self.store_host = store_host
+        self.hang_id = ""
+        self.fallback: FrozenDump | None = None
+        self.verdict: Verdict | None = None
+        self.exiting = threading.Event()
+        """Set once this process has started acting on a verdict."""
+        self._build_report = build_report
+        self._exit_fn = exit_fn
+        self._ack_wait = ack_wait_s
+        self._host = socket.gethostname()
+        self._pid = os.getpid()
+
+    @property
+    def folder(self) -> Path:
+        """``run_dir/hangs/<id>``: stacks and report of this run's hang, if any."""
+        return self.run_dir / "hangs" / self.hang_id
+
+    def act(self, verdict: Verdict, offline: bool = False) -> None:
+        """Dump, report, wait for the others' dumps and end the process (once)."""
+        if self.exiting.is_set():
+            return
+        self.exiting.set()
+        self.verdict = verdict
+        code = exit_code_for(verdict.kind)
+        safety = threading.Timer(SAFETY_EXIT_S, self._exit_fn, args=(code,))
+        safety.name = "trainguard-exit-deadline"
+        safety.daemon = True
+        safety.start()
+        if self.fallback is not None:
+            self.fallback.disarm()
+        if not offline:
+            attempt(self.channel.ack)
+        stacks, native = self._dump_stacks(verdict)
+        if not offline:
+            attempt(self.channel.dumped)
+        if verdict.reporter == self.rank:
+            attempt(lambda: write_report(self.folder, self._build_report(verdict, code)))
+        self._record(verdict, code, stacks, native)
+        if not offline:
+            self._await_dumps(len(self.members) - len(set(verdict.silent)))
+        self._flush()
+        self._exit_fn(code)
+        safety.cancel()
+
+    def _dump_stacks(self, verdict: Verdict) -> tuple[Path, bool]:
+        """This process's stacks under the verdict's header; whether py-spy's are in it."""
+        stacks = self.folder / stack_file(self.rank)
+        header = (
+            f"trainguard stack dump: rank {self.rank} (pid {self._pid} on {self._host}), "
+            f"{verdict.kind} {self.hang_id}, step {self.progress.step}, phase "
+            f"{self.progress.phase!r}\nculprit ranks: {verdict.culprits}\nreason: {verdict.reason}"
+        )
+        native = attempt(lambda: write_stack_dump(stacks, header))
+        return stacks, bool(native)
+
+    def _record(self, verdict: Verdict, code: int, stacks: Path, native: bool) -> None:
+        """The ``hang`` / ``peer_failure`` event and the log line."""
+        report = self.folder / "report.json"
+        self.events.write(
+            verdict.kind,
+            self.progress.step,
+            hang_id=self.hang_id,
+            culprits=verdict.culprits,
+            reason=verdict.reason,
+            decided_by=verdict.by,
+            phase=self.progress.phase,
+            exit_code=code,
+            stacks=str(stacks),
+            native_stacks=native,
+            report=str(report),
+        )
+        logger.error(
+            "trainguard: %s (culprit ranks %s): %s; report %s; rank %d exits with %d",
+            verdict.kind,
+            verdict.culprits,
+            verdict.reason,
+            report,
+            self.rank,
+            code,
+        )
+
+    def _await_dumps(self, expected: int) -> None:
+        """Every rank waits (briefly) until every live rank has dumped its stacks: the first
+        rank to exit makes torchrun terminate the others, which must not cut a dump short."""
+        deadline = time.monotonic() + self._ack_wait
+        while time.monotonic() < deadline:
+            count = attempt(self.channel.dumps)
+            if count is None or count >= expected:
+                break
+            time.sleep(0.05)
+        if self.store_host == self.rank:
+            time.sleep(0.25)  # let the others read the final count before the store goes
+
+    def _flush(self) -> None:
+        self.events.close()
+        for handler in logging.getLogger().handlers:
+            attempt(handler.flush)
+        for stream in (sys.stdout, sys.stderr):
+            attempt(stream.flush)

@@ -1,0 +1,140 @@
+"""Failures of this rank, published from the main thread so the other ranks exit now.
+
+A rank going down with an exception (``Guard.__exit__``, or an exception that escapes a
+plain ``for batch in guard.watch(...)`` loop through the chained ``sys.excepthook``)
+proposes a ``peer_failure`` verdict naming itself; the others' watchdogs read it at their
+next tick and act on it (``exit_path``). This is the only time the main thread touches the
+store, over its own connection (``main_channel``).
+
+Not published: exceptions raised on every rank by design (``NonFiniteError``) and
+``PeerFailureError``. An error from a collective or the store is likely a symptom of
+another rank's death: the watchdog first gets the chance to find that rank (and to end the
+process with ``EXIT_PEER_FAILURE``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+from trainguard.events import EventLog
+from trainguard.hang.channel import StoreChannel
+from trainguard.hang.exit_path import SAFETY_EXIT_S, attempt
+from trainguard.hang.rules import failure_verdict, is_comm_error, should_publish
+from trainguard.progress import Progress
+
+logger = logging.getLogger(__name__)
+
+ExcHook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]
+
+
+class FailurePublisher:
+    """Tells the other ranks that this one failed (see the module docstring).
+
+    ``await_exit(timeout)`` waits until the watchdog thread acts on a verdict (it then ends
+    the process) and says whether it did; ``comm_grace()`` is how long to give it to find a
+    dead peer behind a communication error."""
+
+    def __init__(
+        self,
+        *,
+        channel: StoreChannel,
+        progress: Progress,
+        events: EventLog,
+        exiting: threading.Event,
+        store_host: int | None,
+        ack_wait_s: float,
+        await_exit: Callable[[float], bool],
+        comm_grace: Callable[[], float],
+    ) -> None:
+        self.channel = channel
+        self.rank = channel.rank
+        self.members = list(channel.members)
+        self.progress = progress
+        self.events = events
+        self.store_host = store_host
+        self.failed = False
+        """This rank published its own failure (its final heartbeat says ``failed``)."""
+        self.closed = False
+        self._exiting = exiting
+        self._ack_wait = ack_wait_s
+        self._await_exit = await_exit
+        self._comm_grace = comm_grace
+        self._previous_hook: ExcHook | None = None
+
+    def close(self) -> None:
+        """Publish nothing from now on (the watchdog stopped)."""
+        self.closed = True
+
+    def publish(self, exc: BaseException) -> None:
+        """This rank is going down with ``exc``: tell the other ranks so they exit now."""
+        if self.closed or not should_publish(exc):
+            return
+        if self._exiting.is_set() or self._verdict_published():
+            self._await_exit(SAFETY_EXIT_S)
+            return
+        if is_comm_error(exc) and self._await_exit(self._comm_grace()):
+            return
+        self.failed = True
+        mine = failure_verdict(self.rank, self.members, exc)
+        try:
+            held = self.channel.propose(mine)
+        except Exception as err:
+            logger.warning("trainguard: could not publish this rank's failure: %s", err)
+            return
+        if held != mine:  # another rank's verdict came first: act on it
+            self.failed = False
+            self._await_exit(SAFETY_EXIT_S)
+            return
+        self.events.write("failure_published", self.progress.step, reason=mine.reason)
+        self._await_acks(len(self.members) - 1)
+
+    def _verdict_published(self) -> bool:
+        try:
+            return self.channel.read_verdict() is not None
+        except Exception:
+            return False
+
+    def _await_acks(self, expected: int) -> None:
+        """The rank whose process serves the store waits (briefly) until the others have
+        read the verdict: once it exits, nobody can read anything."""
+        if self.store_host != self.rank:
+            return
+        deadline = time.monotonic() + self._ack_wait
+        while time.monotonic() < deadline:
+            count = attempt(self.channel.acks)
+            if count is None or count >= expected:
+                return
+            time.sleep(0.05)
+
+    # -- the chained sys.excepthook ---------------------------------------------------------
+
+    def install_hook(self) -> None:
+        self._previous_hook = sys.excepthook
+        sys.excepthook = self.excepthook
+
+    def uninstall_hook(self) -> None:
+        """Put the previous hook back, unless another one was chained after this one."""
+        if sys.excepthook == self.excepthook and self._previous_hook is not None:
+            sys.excepthook = self._previous_hook
+
+    def excepthook(
+        self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+    ) -> None:
+        """Publish an exception that escaped a plain ``for batch in guard.watch(...)`` loop.
+        A collective's error while the watchdog ends the process (or finds a dead peer) is
+        a symptom: its traceback is printed only if the process is still alive after that."""
+        previous = self._previous_hook or sys.__excepthook__
+        symptom = is_comm_error(exc) or self._exiting.is_set()
+        if not symptom:
+            previous(exc_type, exc, tb)
+        try:
+            self.publish(exc)
+        finally:
+            if symptom:
+                previous(exc_type, exc, tb)
