@@ -13,7 +13,7 @@ from trainguard.errors import (
 )
 from trainguard.events import read_events
 from trainguard.exitcodes import EXIT_HANG, EXIT_PEER_FAILURE
-from trainguard.replay import ReplayReport, ReplaySpec, replay
+from trainguard.replay import ReplayReport, ReplaySpec, diagnose, replay, trace
 from trainguard.step import Decision, Guard
 
 __version__ = "0.1.0"
@@ -38,4 +38,6 @@ __all__ = [
     "load_bundle",
     "read_events",
     "replay",
+    "diagnose",
+    "trace",
 ]

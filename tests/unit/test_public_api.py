@@ -24,6 +24,8 @@ EXPECTED = {
     "load_bundle",
     "read_events",
     "replay",
+    "diagnose",
+    "trace",
 }
 
 

@@ -35,6 +35,7 @@ def inspect_bundle(path: Path | str | Bundle) -> dict[str, Any]:
         "grad_norm": manifest.get("grad_norm"),
         "bytes": sum(int(rec.get("bytes", 0)) for rec in files.values()),
         "weights_identical_across_ranks": _weights_identical(bundle),
+        "history": history_summary(bundle.history),
         "per_rank": [_rank_summary(bundle, rank) for rank in bundle.saved_ranks],
     }
 
@@ -87,4 +88,24 @@ def _describe(batch: Any) -> dict[str, Any]:
         "type": type(batch).__name__,
         "batch_size": batchtree.batch_size(batch),
         "leaves": leaves,
+    }
+
+
+def history_summary(records: list[dict[str, Any]] | None, last: int = 5) -> dict[str, Any] | None:
+    """The bundle's recent-steps history in short: how many steps, the decisions, the first
+    and last loss and gradient norm, and the last few records (None: no history)."""
+    if records is None:
+        return None
+    decisions: dict[str, int] = {}
+    for record in records:
+        key = str(record.get("decision"))
+        decisions[key] = decisions.get(key, 0) + 1
+    first, final = (records[0], records[-1]) if records else ({}, {})
+    return {
+        "steps": len(records),
+        "first_step": first.get("step"),
+        "last_step": final.get("step"),
+        "decisions": decisions,
+        "first": {"losses": first.get("losses"), "grad_norm": first.get("grad_norm")},
+        "last_records": records[-last:],
     }

@@ -1,13 +1,18 @@
 """Replay: re-run a captured step anywhere and say what went wrong.
 
 - ``runner``    ``replay()``: rebuild the model, load the bundle, re-run, diagnose
+- ``trace``     ``trace()`` / ``diagnose()``: the same diagnosis on live objects
+- ``engine``    runs -> report, shared by both
 - ``stepper``   one forward/loss/backward of the captured micro-batches
-- ``localize``  the tracer: first non-finite op, its module and source line
+- ``localize``  the tracer: root op, NaN-maker, the hops between them and the loss
+- ``sites``     module stack and the user's source line; ``seeds``: pre-step non-finite
+- ``chain``     the path and the roots as plain data
 - ``bisect``    the culprit samples
-- ``diagnosis`` verdict and summary from what the runs found
+- ``diagnosis`` phase, root and summary sentence; ``verdicts``: the class and its advice
+- ``report``    ``ReplayReport`` and its ``KEYS``
 - ``render``    text for the CLI (inspect, replay, demo)
 
-Offers: ``replay``, ``ReplayReport``, ``ReplaySpec``. Reads bundles through
+Offers: ``replay``, ``ReplayReport``, ``ReplaySpec``, ``trace``, ``diagnose``. Reads bundles through
 ``trainguard.capture``; never imports the step path or the watchdog.
 
 Note: ``trainguard.replay`` (the attribute of the top-level package) is the *function*
@@ -16,5 +21,6 @@ Note: ``trainguard.replay`` (the attribute of the top-level package) is the *fun
 """
 
 from trainguard.replay.runner import ReplayReport, ReplaySpec, replay
+from trainguard.replay.trace import Trace, diagnose, trace
 
-__all__ = ["ReplayReport", "ReplaySpec", "replay"]
+__all__ = ["ReplayReport", "ReplaySpec", "Trace", "diagnose", "replay", "trace"]

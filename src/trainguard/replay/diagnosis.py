@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +77,7 @@ def finding_of(
     tracer: NonFiniteTracer,
     inputs: list[Origin],
     params: list[Origin],
-    parameters: list[Tensor],
+    parameters: Sequence[Tensor],
 ) -> Finding:
     """The phase, root and path of a traced run (the bundle replay's and the live trace's)."""
     if not result.loss_finite:
@@ -109,7 +110,7 @@ def _latest(tracer: NonFiniteTracer, origin: Origin | None) -> Hop | None:
     return tracer.latest.get(id(origin)) or tracer.root_hops.get(id(origin))
 
 
-def _bad_grad_hop(tracer: NonFiniteTracer, parameters: list[Tensor]) -> Hop | None:
+def _bad_grad_hop(tracer: NonFiniteTracer, parameters: Sequence[Tensor]) -> Hop | None:
     for param in parameters:
         grad = param.grad
         if grad is not None:
@@ -137,10 +138,20 @@ def _where(site: OpSite) -> str:
     return site.module
 
 
-def culprit_text(culprits: list[dict[str, Any]], batch_level: bool, complete: bool = True) -> str:
+def culprit_text(
+    culprits: list[dict[str, Any]],
+    batch_level: bool,
+    complete: bool | None = True,
+    every: bool = False,
+) -> str:
+    """Who is to blame; ``complete`` None: no bisection ran."""
     if not culprits:
+        if every:
+            return "every sample tried makes the step non-finite on its own"
         if batch_level:
             return "no single sample is to blame: the cause is the batch as a whole"
+        if complete is None:
+            return "the samples to blame were not searched for (no bisection)"
         if not complete:
             return "the samples to blame were not searched for to the end (bisection budget)"
         return "no sample was singled out"
@@ -161,10 +172,14 @@ def culprit_text(culprits: list[dict[str, Any]], batch_level: bool, complete: bo
 
 
 def summarize(
-    finding: Finding, culprits: list[dict[str, Any]], batch_level: bool, complete: bool = True
+    finding: Finding,
+    culprits: list[dict[str, Any]],
+    batch_level: bool,
+    complete: bool | None = True,
+    every: bool = False,
 ) -> str:
     origin, phase = finding.origin, finding.phase
-    who = culprit_text(culprits, batch_level, complete)
+    who = culprit_text(culprits, batch_level, complete, every)
     if origin is None:
         what = {
             "inputs": "the batch holds non-finite values",

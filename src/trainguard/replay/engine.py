@@ -26,6 +26,10 @@ class Culprits:
     batch_level: bool = False
     complete: bool = True
     runs: int = 0
+    batch_size: int | None = None
+    """The size of the (last) bisected micro-batch."""
+    searched: bool = True
+    """False: no bisection ran (``bisect=False``)."""
 
 
 def diagnose_runs(
@@ -57,7 +61,7 @@ def diagnose_runs(
         return report
     micro = bad[0].first_bad_micro or 0
     finding = locate(runner, micro)
-    culprits = _culprits(runner, finding) if bisect else Culprits(complete=False)
+    culprits = _culprits(runner, finding) if bisect else Culprits(searched=False)
     report = report_of(finding, culprits, deterministic, growth(history))
     if len(bad) < len(runs):
         report.summary += f" (Non-finite in {len(bad)} of {len(runs)} replays: nondeterministic.)"
@@ -69,9 +73,12 @@ def report_of(
     finding: Finding, culprits: Culprits, deterministic: bool, grew: Growth | None
 ) -> ReplayReport:
     """The report of a reproduced, traced step."""
-    verdict = classify(finding, culprits.batch_level and not culprits.samples, grew)
+    batch_level = culprits.batch_level and not culprits.samples
+    verdict = classify(finding, batch_level, grew, culprits.batch_size)
     lead = verdict_sentence(verdict, finding, grew)
-    summary = summarize(finding, culprits.samples, culprits.batch_level, culprits.complete)
+    every = batch_level and verdict != "batch_statistics"
+    complete = culprits.complete if culprits.searched else None
+    summary = summarize(finding, culprits.samples, batch_level, complete, every)
     report = ReplayReport(
         True,
         deterministic,
@@ -87,7 +94,9 @@ def report_of(
         path=path_of(finding.hop),
         roots=roots_of(finding.hop, finding.origin),
     )
-    report.details.update(finding_details(finding))
+    report.details.update(
+        finding_details(finding), bisected=culprits.searched, batch_level=batch_level
+    )
     if grew is not None:
         report.details["growth"] = grew.to_dict()
     return report
@@ -131,6 +140,7 @@ def _culprits(runner: StepRunner, finding: Finding) -> Culprits:
     for m in bad_micros:
         batch = runner.micro_batches[m]
         size = batchtree.batch_size(batch)
+        out.batch_size = size
         if not size:
             out.batch_level = True
             continue

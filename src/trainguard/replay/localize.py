@@ -23,6 +23,7 @@ import logging
 import math
 import sys
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,12 +73,14 @@ def _has_nan(t: Tensor) -> bool:
     return bool(torch.isnan(t).any())
 
 
-def first_nonfinite(t: Tensor) -> tuple[list[int], float, int]:
-    """Index and value of the first non-finite element (complex: its modulus), and the count."""
+def first_nonfinite(t: Tensor, nan_first: bool = False) -> tuple[list[int], float, int]:
+    """Index and value of the first non-finite element (complex: its modulus), and the count
+    of non-finite elements. ``nan_first``: the first NaN when there is one."""
     data = t.detach()
     data = data.abs() if data.is_complex() else data
     mask = ~torch.isfinite(data)
-    where = mask.nonzero()
+    nans = torch.isnan(data) if nan_first else mask
+    where = nans.nonzero() if bool(nans.any()) else mask.nonzero()
     index = [int(i) for i in where[0].tolist()] if where.numel() else []
     return index, float(data[tuple(index)].item()), int(mask.sum())
 
@@ -173,7 +176,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.auto_phase = auto_phase
         self.last_forward: weakref.ref[Tensor] | None = None
         """The output of the last forward op before the backward began (the loss)."""
-        self._last_out: weakref.ref[Tensor] | None = None
+        self._recent: deque[weakref.ref[Tensor]] = deque(maxlen=8)
         self._phase = "forward"
         self._max = max_origins
         self._taint: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
@@ -189,8 +192,18 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def phase(self, value: str) -> None:
         self._flush()
         if value == "backward" and self._phase != "backward":
-            self.last_forward = self._last_out
+            self.last_forward = self.last_output
         self._phase = value
+
+    @property
+    def last_output(self) -> weakref.ref[Tensor] | None:
+        """The output of the last forward op traced that autograd records (``backward()``'s
+        own ``ones_like`` is not one)."""
+        for ref in reversed(self._recent):
+            tensor = ref()
+            if tensor is not None and tensor.grad_fn is not None:
+                return ref
+        return self._recent[-1] if self._recent else None
 
     def seed(self, tensor: Tensor, origin: Origin) -> None:
         """Mark a tensor that is non-finite before the step (batch input, weight)."""
@@ -254,8 +267,9 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
             forward = self._node_sites.get(node._sequence_nr()) if node is not None else None
             module = forward.module if forward else None
             in_model = forward.in_model if forward else False
-            if forward is not None:
-                source, code = forward.source, forward.code
+            custom = isinstance(node, torch.autograd.function.BackwardCFunction)
+            if forward is not None and not (custom and source):
+                source, code = forward.source, forward.code  # a custom backward: its own line
             grad_fn = node.name() if node is not None else None
             return OpSite(
                 op, str(func), "backward", module, in_model, source, code, grad_fn, forward
@@ -276,7 +290,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if self._phase == "forward" and outs:
             site = self._site(func)
             self._pending.extend((weakref.ref(t), site) for t in outs)
-            self._last_out = weakref.ref(outs[-1])
+            self._recent.extend(weakref.ref(t) for t in outs)
         bad = [t for t in outs if not _finite(t)]
         if not bad:
             for t in outs:  # an in-place op may have made a tainted tensor finite again
@@ -318,7 +332,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         causes = [r for r in _union(parents) if r.kind not in _NOT_ROOTS]
         if carrier is not None and (not makes_nan or causes):
             site = site or self._site(func)
-            index, value, count = first_nonfinite(bad[0])
+            index, value, count = first_nonfinite(bad[0], nan_first=out_nan)
             nan_maker = carrier.nan_maker
             if makes_nan:
                 detail = self._detail(func, flat, bad[0], index, value, count)
@@ -332,7 +346,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         new = makes_nan or not (nonfinite_in or constant)
         kind = "op" if new else ("constant" if constant else "untracked")
         site = site or self._site(func)
-        index, value, count = first_nonfinite(bad[0])
+        index, value, count = first_nonfinite(bad[0], nan_first=out_nan)
         origin = Origin(
             kind,
             _value_name(value),

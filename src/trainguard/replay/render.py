@@ -48,10 +48,35 @@ def inspect_text(summary: dict[str, Any]) -> str:
         lines.append(
             f"weights   identical across ranks: {'yes' if same else 'NO (ranks diverged)'}"
         )
+    lines.extend(_history_text(summary.get("history")))
     for rank in summary["per_rank"]:
         lines.append("")
         lines.extend(_rank_text(rank))
     return "\n".join(lines)
+
+
+def _losses(values: Any) -> str:
+    if not isinstance(values, list):
+        return str(values)
+    return "/".join(_num(v) for v in values)
+
+
+def _history_text(history: dict[str, Any] | None) -> list[str]:
+    if history is None:
+        return ["history   not captured"]
+    decisions = ", ".join(f"{k} {v}" for k, v in history["decisions"].items())
+    lines = [
+        f"history   {history['steps']} steps ({history['first_step']}..{history['last_step']}): "
+        f"{decisions}; step {history['first_step']}: loss {_losses(history['first']['losses'])}"
+        f", grad norm {_num(history['first']['grad_norm'])}"
+    ]
+    for record in history["last_records"]:
+        lines.append(
+            f"  step {record.get('step')}: loss {_losses(record.get('losses'))}, grad norm "
+            f"{_num(record.get('grad_norm'))}, {record.get('decision')}, "
+            f"lr {_num(record.get('lr'))}"
+        )
+    return lines
 
 
 def _rank_text(rank: dict[str, Any]) -> list[str]:
@@ -112,6 +137,10 @@ def replay_text(report: dict[str, Any]) -> str:
             + (f" in micro-batch {c['micro_batch']}" if c.get("micro_batch") else "")
             for c in culprits
         )
+    elif report["reproduced"] and not report.get("bisected", True):
+        shown = "not searched (no bisection)"
+    elif report.get("batch_level") and report["verdict"] != "batch_statistics":
+        shown = "none: every sample tried is bad on its own"
     else:
         shown = "none" if not report["reproduced"] else "none: no single sample is to blame"
     module = report["module"] or ("- (outside any module)" if report["op"] else "-")

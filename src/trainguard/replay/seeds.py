@@ -18,7 +18,11 @@ from trainguard.replay.localize import (
 
 
 def seed_inputs(
-    tracer: NonFiniteTracer, batch: Any, leaves: Callable[[Any], Any], size: int | None
+    tracer: NonFiniteTracer,
+    batch: Any,
+    leaves: Callable[[Any], Any],
+    size: int | None,
+    name: str = "batch",
 ) -> list[Origin]:
     """Tag the batch's non-finite tensors as ``input`` origins; returns them."""
     found: list[Origin] = []
@@ -28,7 +32,7 @@ def seed_inputs(
         if not leaf.numel() or _finite(leaf):
             continue
         index, value, count = first_nonfinite(leaf)
-        label = f"batch{path}"
+        label = f"{name}{path}"
         sample = f", sample {index[0]}" if size and leaf.dim() and leaf.shape[0] == size else ""
         detail = (
             f"{label} holds {_plural(count, 'non-finite value')} (first: {_value_name(value)} "

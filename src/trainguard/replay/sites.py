@@ -57,7 +57,8 @@ class ModuleStack:
     """The modules running now, from global forward hooks, named by the model.
 
     ``model=None`` (live tracing): each outermost module that runs becomes a model whose
-    submodules are named from it, and ``on_root(module, args)`` is called the first time.
+    submodules are named from it. ``on_root(module, args)`` is called the first time a
+    model's outermost module runs (to tag its non-finite inputs and weights).
     """
 
     def __init__(self, model: nn.Module | None, on_root: RootHook | None = None) -> None:
@@ -66,7 +67,9 @@ class ModuleStack:
         self.roots: list[nn.Module] = []
         if model is not None:
             self._adopt(model)
-        self._on_root = on_root if model is None else None
+        self._on_root = on_root
+        self._learn = model is None
+        self._called: set[int] = set()
         self._stack: list[nn.Module] = []
         self._handles: list[Any] = []
 
@@ -95,10 +98,13 @@ class ModuleStack:
         self._stack = []
 
     def _push(self, module: nn.Module, args: Any) -> None:
-        if self._on_root is not None and not self._stack and id(module) not in self._names:
-            self._root = type(module).__name__
-            self._adopt(module)
-            self._on_root(module, args)
+        if not self._stack and id(module) not in self._called:
+            if self._learn and id(module) not in self._names:
+                self._root = type(module).__name__
+                self._adopt(module)
+            if self._on_root is not None and id(module) in self._names:
+                self._called.add(id(module))
+                self._on_root(module, args)
         self._stack.append(module)
 
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:

@@ -8,8 +8,9 @@ The classes, checked in this order:
   history) until it overflowed.
 - ``overflow_fp16`` / ``overflow_bf16``: the root op's output is half / bfloat16 and it
   overflowed the dtype's range (not a domain edge such as ``log(0)``).
-- ``batch_statistics``: no single sample is to blame: a statistic over a batch too small
-  for it (an empty class, the variance of one sample).
+- ``batch_statistics``: no single sample is to blame (bisection), and the root's value is
+  no per-sample value: a statistic over a batch too small for it (an empty class, the
+  variance of one sample).
 - ``numerical``: an op at a domain edge (log, div, sqrt, acos, pow, std...).
 - ``not_reproduced``: the replay was finite: a transient fault.
 """
@@ -175,8 +176,11 @@ def growth(history: list[dict[str, Any]] | None, window: int = 64) -> Growth | N
     return best
 
 
-def classify(finding: Finding, batch_level: bool, grew: Growth | None) -> str:
-    """The verdict of a reproduced step."""
+def classify(
+    finding: Finding, batch_level: bool, grew: Growth | None, batch_size: int | None = None
+) -> str:
+    """The verdict of a reproduced step. ``batch_level``: bisection found no sample to blame
+    (``batch_size``: the bisected batch's size)."""
     if finding.phase == "inputs":
         return "bad_input"
     if finding.parameter_origins:
@@ -186,9 +190,17 @@ def classify(finding: Finding, batch_level: bool, grew: Growth | None) -> str:
     overflow = _overflow(finding)
     if overflow is not None:
         return overflow
-    if batch_level:
+    if batch_level and not _per_sample(finding, batch_size):
         return "batch_statistics"
     return "numerical"
+
+
+def _per_sample(finding: Finding, batch_size: int | None) -> bool:
+    """The root's non-finite value is in a per-sample tensor (its leading size is the batch
+    size): every sample is bad on its own, which is no statistic over the batch."""
+    root = finding.hop.chain()[0] if finding.hop is not None else None
+    shape = root.shape if root is not None else []
+    return bool(batch_size) and bool(shape) and shape[0] == batch_size
 
 
 def _overflow(finding: Finding) -> str | None:
