@@ -19,7 +19,7 @@ h1 { font-size: 20px; margin: 0 0 4px 0; }
 .card b { display: block; font-size: 20px; }
 .card.bad b { color: #d62728; }
 img { max-width: 100%; border: 1px solid #eee; }
-pre { background: #f6f6f6; padding: 12px; font-size: 12px; overflow-x: auto; }
+pre { background: #f6f6f6; padding: 12px; font-size: 12px; white-space: pre-wrap; }
 .note { background: #fff6e0; border: 1px solid #f0d080; padding: 8px 12px; }
 """
 

@@ -6,7 +6,8 @@ across ranks, so rank 0 alone writes the file (the other ranks keep only the in-
 
 Writes are batched: lines are buffered and appended every ``flush_every`` lines or
 ``flush_seconds`` seconds (checked when a step is recorded), at once after a step that is not
-``ok``, and on close. A killed process loses at most the buffered lines.
+``ok``, and on close. A process killed, or ended by the hang watchdog (``os._exit``), loses
+the lines still buffered: at most ``flush_every`` steps, or the last ``flush_seconds``.
 
 The size is bounded by thinning: every step is written up to ``dense_steps``, then every
 10th step up to ``10 * dense_steps``, every 100th up to ``100 * dense_steps``, and so on
@@ -50,7 +51,7 @@ class MetricsLog:
         path: Path,
         *,
         flush_every: int = 100,
-        flush_seconds: float = 30.0,
+        flush_seconds: float = 5.0,
         dense_steps: int = 10_000,
     ) -> None:
         self.path = path
