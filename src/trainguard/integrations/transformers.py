@@ -1,0 +1,184 @@
+"""The Guard in the Hugging Face Trainer (extra ``trainguard[transformers]``).
+
+    class MyTrainer(TrainGuardMixin, Trainer): ...        # or TrainGuardMixin, SFTTrainer
+    trainer = MyTrainer(..., callbacks=[TrainGuardCallback(run_dir="runs/x")])
+
+A ``TrainerCallback`` sees neither the loss nor the batches, and ``on_pre_optimizer_step``
+comes after the Trainer's ``max_grad_norm`` clip: a non-finite total norm has by then turned
+every gradient into NaN, so the parameters that were bad can no longer be named. Hence the
+mixin, on ``training_step`` (the Trainer's documented override point), per micro-batch:
+
+- before it: the batch reference (and the RNG state before the step's first micro-batch) is
+  kept for the capture: the bundle holds the whole accumulation window;
+- after it: the loss is kept on the device; on the window's last micro-batch (the Trainer's
+  ``sync_gradients``: DDP has reduced the gradients in that backward) ``guard.check`` runs its
+  one fused pass and one all-reduce, before the clip.
+
+A bad step's gradients are cleared on every rank: the clip then sees none (``grad_norm`` 0
+in the logs), ``optimizer.step()`` leaves weights and moments unchanged. The Trainer still
+counts the step: ``global_step`` and the LR scheduler advance on a skipped step, exactly as
+for a step whose update was zero, so the schedule stays aligned with ``global_step`` and
+``max_steps``. ``on_nonfinite="raise"`` and escalation raise on every rank out of
+``trainer.train()``. Evaluation runs under ``guard.phase("evaluation")``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import Tensor, nn
+
+from trainguard.errors import ConfigError
+from trainguard.integrations.options import guard_config, with_accumulation
+from trainguard.step.guard import Guard
+
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "trainguard.integrations.transformers needs transformers: "
+        "pip install 'trainguard[transformers]'"
+    ) from exc
+
+logger = logging.getLogger(__name__)
+
+
+class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
+    """Runs a :class:`trainguard.Guard` in a Trainer that has :class:`TrainGuardMixin`.
+
+    Takes the Guard's options by name (every ``GuardConfig`` field); ``accumulation_steps``
+    comes from ``TrainingArguments.gradient_accumulation_steps``.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        self._config = guard_config(options, "TrainGuardCallback")
+        self.guard: Guard | None = None
+        """The Guard of the running ``train()``."""
+        self.final_state: dict[str, Any] | None = None
+        """The guard's ``state_dict()`` when training ended."""
+        self._checked = False
+
+    # -- TrainerCallback hooks ----------------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if getattr(args, "deepspeed", None):
+            raise ConfigError(
+                "deepspeed",
+                "TrainGuardCallback cannot guard DeepSpeed: it steps the optimizer inside "
+                "backward, so no hook sees the gradients before the update",
+            )
+        model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
+        if not isinstance(model, nn.Module) or optimizer is None:
+            raise ConfigError("model", "the Trainer passed no model/optimizer to on_train_begin")
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+        config = with_accumulation(self._config, args.gradient_accumulation_steps)
+        self.guard = Guard(model, inner, config=config)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.guard is not None and not self._checked:
+            raise ConfigError(
+                "trainer",
+                "TrainGuardCallback needs the Trainer to have TrainGuardMixin (class "
+                "MyTrainer(TrainGuardMixin, Trainer)): a callback sees neither the loss nor "
+                "the batches",
+            )
+        self._checked = False
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.close()
+
+    # -- called by TrainGuardMixin ----------------------------------------------------------
+
+    def before_micro_batch(self, inputs: Any) -> None:
+        if self.guard is not None:
+            self.guard.record_batch(inputs)
+
+    def after_micro_batch(self, loss: Tensor, last_of_step: bool) -> None:
+        """Keep the loss; on the window's last micro-batch check the step (every rank)."""
+        guard = self.guard
+        if guard is None:
+            return
+        if not last_of_step:
+            guard.record_loss(loss)
+            return
+        self._checked = True
+        guard.check(loss)  # skip: gradients cleared on every rank; raise: on every rank
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self.guard is None:
+            yield
+            return
+        with self.guard.phase(name):
+            yield
+
+    def close(self) -> None:
+        guard, self.guard = self.guard, None
+        if guard is not None:
+            self.final_state = guard.state_dict()
+            guard.close()
+
+
+class TrainGuardMixin:
+    """Put it before ``Trainer`` (or any Trainer subclass) in the bases: hands each micro-
+    batch and its loss to the ``TrainGuardCallback`` in ``callbacks``."""
+
+    def _trainguard(self) -> TrainGuardCallback:
+        handler = getattr(self, "callback_handler", None)
+        callbacks = getattr(handler, "callbacks", [])
+        found = next((c for c in callbacks if isinstance(c, TrainGuardCallback)), None)
+        if found is None:
+            raise ConfigError(
+                "callbacks", "TrainGuardMixin needs a TrainGuardCallback(...) in callbacks"
+            )
+        return found
+
+    def training_step(
+        self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None
+    ) -> Tensor:
+        guard = self._trainguard()
+        guard.before_micro_batch(inputs)
+        loss: Tensor = super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
+        accelerator = getattr(self, "accelerator", None)
+        last_of_step = bool(getattr(accelerator, "sync_gradients", True))
+        guard.after_micro_batch(loss, last_of_step)
+        return loss
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        with self._trainguard().phase("evaluation"):
+            return super().evaluate(*args, **kwargs)  # type: ignore[misc]
+
+
+# -- replay ----------------------------------------------------------------------------------
+
+
+def model_loss(model: nn.Module, batch: Any) -> Tensor:
+    """The loss of an HF model on a Trainer batch (a dict with ``labels``).
+
+    When the model has a ``loss_function`` (causal LM, ...) the logits come from the model and
+    the loss is computed outside it, with the model's own loss function (mean over the
+    labelled tokens), so replay tells a bad loss from a bad forward; otherwise ``outputs.loss``.
+    """
+    labels = batch.get("labels") if isinstance(batch, dict) else None
+    loss_function = getattr(model, "loss_function", None)
+    if labels is None or not callable(loss_function):
+        out = model(**batch)
+        return out["loss"] if isinstance(out, dict) else out[0]  # type: ignore[no-any-return]
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits
+    vocab_size = model.config.vocab_size  # type: ignore[union-attr]
+    loss: Tensor = loss_function(logits=logits, labels=labels, vocab_size=vocab_size)
+    return loss
+
+
+def replay_spec(model: nn.Module) -> tuple[nn.Module, Callable[[nn.Module, Any], Tensor]]:
+    """What a ``trainguard replay --factory`` returns for an HF model: the model built from
+    the run's config (its weights come from the bundle) and ``model_loss``::
+
+        def make_replay():
+            return replay_spec(GPT2LMHeadModel(GPT2Config(n_layer=2, ...)))
+    """
+    return model, model_loss

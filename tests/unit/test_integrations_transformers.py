@@ -1,0 +1,141 @@
+"""The HF Trainer integration in one process: bad parameters named before the clip, the
+whole accumulation window captured, and what it refuses."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+import trainguard as tg
+from trainguard.errors import ConfigError
+from trainguard.integrations.transformers import (
+    TrainGuardCallback,
+    model_loss,
+)
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py"
+
+
+def _example() -> Any:
+    spec = importlib.util.spec_from_file_location("tg_hf_example_unit", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _args(tmp_path: Path, **kwargs: Any) -> TrainingArguments:
+    options: dict[str, Any] = dict(
+        output_dir=str(tmp_path / "trainer"),
+        per_device_train_batch_size=1,
+        max_steps=4,
+        learning_rate=1e-3,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    options.update(kwargs)
+    return TrainingArguments(**options)
+
+
+def test_bad_parameter_is_named_before_the_clip(tmp_path: Path) -> None:
+    ex = _example()
+    model = ex.tiny_gpt2()
+    target = model.transformer.ln_f.weight
+    backwards = {"n": 0}
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        backwards["n"] += 1
+        return grad * float("nan") if backwards["n"] == 2 else grad
+
+    target.register_hook(poison)
+    callback = TrainGuardCallback(run_dir=tmp_path, hang_timeout=0, capture=False)
+    trainer = ex.GuardedTrainer(
+        model=model,
+        args=_args(tmp_path, max_grad_norm=1.0),  # the Trainer's clip would spread the NaN
+        train_dataset=ex.Tokens(masked=None),
+        callbacks=[callback],
+    )
+    trainer.train()
+    bad = [e for e in tg.read_events(tmp_path, 0) if e["kind"] == "nonfinite"]
+    assert [e["step"] for e in bad] == [1]
+    assert bad[0]["params"] == ["transformer.ln_f.weight"]  # only it, not every parameter
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_whole_accumulation_window_is_captured(tmp_path: Path) -> None:
+    ex = _example()
+    model = ex.tiny_gpt2()
+    backwards = {"n": 0}
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:  # the 2nd micro-batch of step 1
+        backwards["n"] += 1
+        return grad * float("nan") if backwards["n"] == 4 else grad
+
+    model.transformer.ln_f.bias.register_hook(poison)
+    callback = TrainGuardCallback(run_dir=tmp_path, hang_timeout=0)
+    trainer = ex.GuardedTrainer(
+        model=model,
+        args=_args(tmp_path, gradient_accumulation_steps=2),
+        train_dataset=ex.Tokens(masked=None),
+        callbacks=[callback],
+    )
+    trainer.train()
+    assert callback.final_state is not None
+    assert callback.final_state["state"]["nonfinite_steps"] == [1]
+    bundle = next((tmp_path / "captures").glob("step-*"))
+    meta = json.loads((bundle / "rank-0" / "meta.json").read_text())
+    assert meta["micro_batches"] == 2 and len(meta["micro_losses"]) == 2
+    assert meta["nonfinite_params"] == ["transformer.ln_f.bias"]
+    saved = torch.load(bundle / "rank-0" / "batch.pt", weights_only=False)
+    assert (
+        len(saved["micro_batches"]) == 2
+    )  # both micro-batches of the window, as the Trainer fetched them
+
+
+def test_callback_without_the_mixin_is_refused(tmp_path: Path) -> None:
+    ex = _example()
+    trainer = Trainer(
+        model=ex.tiny_gpt2(),
+        args=_args(tmp_path),
+        train_dataset=ex.Tokens(masked=None),
+        callbacks=[TrainGuardCallback(run_dir=tmp_path, hang_timeout=0)],
+    )
+    with pytest.raises(ConfigError, match="TrainGuardMixin"):
+        trainer.train()
+
+
+def test_mixin_without_the_callback_is_refused(tmp_path: Path) -> None:
+    ex = _example()
+    trainer = ex.GuardedTrainer(
+        model=ex.tiny_gpt2(), args=_args(tmp_path), train_dataset=ex.Tokens(masked=None)
+    )
+    with pytest.raises(ConfigError, match="TrainGuardCallback"):
+        trainer.train()
+
+
+def test_unknown_option_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="max_grad_norm"):
+        TrainGuardCallback(max_grad_norm=1.0)
+
+
+def test_model_loss_is_the_models_own_loss() -> None:
+    ex = _example()
+    model = ex.tiny_gpt2().eval()  # no dropout: the two losses are comparable
+    batch = {k: v[None] for k, v in ex.Tokens(masked=None)[0].items()}
+    assert torch.allclose(model_loss(model, batch), model(**batch).loss)
+    masked = {k: v[None] for k, v in ex.Tokens()[ex.MASKED].items()}
+    assert math.isnan(float(model_loss(model, masked)))
