@@ -121,3 +121,34 @@ def test_page_without_matplotlib_says_so(run_dir: Path, monkeypatch: pytest.Monk
     page = report_html(summarize(run_dir))
     assert "matplotlib is not installed" in page and "<img" not in page
     assert "decisions   ok 10, skip 2" in page  # the summary is still there
+
+
+def test_recovery_spike_and_input_events_are_reported(tmp_path: Path) -> None:
+    folder = tmp_path / "events"
+    folder.mkdir()
+    lines = [
+        {"time": 1.0, "rank": 0, "step": 0, "kind": "start", "world_size": 4},
+        {"time": 2.0, "rank": 0, "step": 10, "kind": "checkpoint", "path": "checkpoints/s10"},
+        {"time": 2.5, "rank": 0, "step": 12, "kind": "checkpoint_good", "path": "checkpoints/s10"},
+        {"time": 3.0, "rank": 0, "step": 14, "kind": "bad_input", "ranks": [2], "tensors": []},
+        {"time": 4.0, "rank": 0, "step": 17, "kind": "spike", "metric": "loss", "value": 9.5,
+         "baseline": 1.25, "ratio": 7.6, "action": "rollback"},
+        {"time": 5.0, "rank": 0, "step": 17, "kind": "rollback", "restored_step": 10,
+         "rung": "rollback", "attempt": 1},
+        {"time": 6.0, "rank": 0, "step": 25, "kind": "close"},
+    ]  # fmt: skip
+    (folder / "rank-0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary = summarize(tmp_path)
+    assert [e["kind"] for e in summary.checkpoints] == ["checkpoint", "checkpoint_good"]
+    assert summary.nonfinite_cells() == [(2, 14)]
+    text = report_text(summary)
+    assert "bad input   step 14: non-finite input on ranks [2]" in text
+    assert (
+        "spikes      step 17: loss spike (value 9.5, baseline 1.25, ratio 7.6) -> rollback" in text
+    )
+    assert "rollbacks   step 17: rollback (restored_step 10, rung rollback, attempt 1)" in text
+    assert "checkpoints step 10: checkpoint checkpoints/s10" in text
+    assert (
+        b"PNG"
+        in __import__("trainguard.report.plot", fromlist=["png_bytes"]).png_bytes(summary)[:8]
+    )

@@ -92,7 +92,9 @@ def _mark_events(ax: Axes, summary: RunSummary) -> None:
         "nonfinite": [e.get("step") for e in summary.nonfinite],
         "spike": [e.get("step") for e in summary.spikes],
         "rollback": [e.get("step") for e in summary.rollbacks],
-        "checkpoint": [e.get("step") for e in summary.checkpoints],
+        "checkpoint": [
+            e.get("step") for e in summary.checkpoints if e.get("kind") in ("checkpoint", "resume")
+        ],
         "hang": [h.get("step") for h in summary.hangs],
     }
     for kind, steps in groups.items():

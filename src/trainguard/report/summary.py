@@ -20,7 +20,7 @@ REPLAY_RESULT = "replay.json"
 """A bundle's replay result, written by ``trainguard replay`` next to the manifest."""
 
 _KEY_FIELDS = ("metric", "hang_id", "path", "reason")
-_CHECKPOINT_KINDS = ("checkpoint", "checkpoint_saved", "checkpoint_good", "resume")
+_CHECKPOINT_KINDS = ("checkpoint", "checkpoint_good", "checkpoint_damaged", "resume")
 
 
 @dataclass
@@ -51,6 +51,7 @@ class RunSummary:
     rollbacks: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     escalations: list[dict[str, Any]] = field(default_factory=list)
+    bad_input: list[dict[str, Any]] = field(default_factory=list)
     hangs: list[dict[str, Any]] = field(default_factory=list)
     uneven_data: list[dict[str, Any]] = field(default_factory=list)
     events: int = 0
@@ -64,7 +65,8 @@ class RunSummary:
 
     def nonfinite_cells(self) -> list[tuple[int, int]]:
         """(rank, step) pairs where a non-finite value appeared (events and metrics)."""
-        cells = {(r, int(e["step"])) for e in self.nonfinite for r in e.get("ranks", [])}
+        flagged = [*self.nonfinite, *self.bad_input]
+        cells = {(r, _int(e.get("step"))) for e in flagged for r in e.get("ranks") or []}
         cells |= {(r, p.step) for p in self.points for r in p.bad_ranks}
         return sorted(cells)
 
@@ -146,6 +148,7 @@ def _fill_from_events(summary: RunSummary, events: list[dict[str, Any]]) -> None
     summary.rollbacks = _merged(events, "rollback", "rollback_refused")
     summary.checkpoints = _merged(events, *_CHECKPOINT_KINDS)
     summary.escalations = _merged(events, "escalate")
+    summary.bad_input = _merged(events, "bad_input")
     summary.uneven_data = _merged(events, "uneven_data")
     overflow = _merged(events, "overflow")
     summary.decisions = {"overflow": len(overflow)} if overflow else {}

@@ -26,6 +26,7 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
         ("rollbacks", _listed(summary.rollbacks, _rollback)),
         ("checkpoints", _listed(summary.checkpoints, _checkpoint)),
         ("escalations", _listed(summary.escalations, _escalation)),
+        ("bad input", _listed(summary.bad_input, _bad_input)),
         ("hangs", _listed(summary.hangs, _hang)),
         ("uneven data", _listed(summary.uneven_data, _uneven)),
         ("skipped", _skipped(summary)),
@@ -85,7 +86,8 @@ def _spike(e: dict[str, Any]) -> str:
 
 
 def _rollback(e: dict[str, Any]) -> str:
-    extra = {k: v for k, v in e.items() if k in ("to_step", "target", "attempt", "reason")}
+    keys = ("restored_step", "rung", "attempt", "reason")
+    extra = {k: e[k] for k in keys if e.get(k) is not None}
     fields = ", ".join(f"{k} {v}" for k, v in extra.items())
     return f"step {e.get('step')}: {e['kind']}" + (f" ({fields})" if fields else "")
 
@@ -93,6 +95,10 @@ def _rollback(e: dict[str, Any]) -> str:
 def _checkpoint(e: dict[str, Any]) -> str:
     where = e.get("path") or e.get("from") or ""
     return f"step {e.get('step')}: {e['kind']}" + (f" {where}" if where else "")
+
+
+def _bad_input(e: dict[str, Any]) -> str:
+    return f"step {e.get('step')}: non-finite input on ranks {e.get('ranks')}"
 
 
 def _escalation(e: dict[str, Any]) -> str:
