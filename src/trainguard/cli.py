@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"trainguard {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_capture_commands(commands)
+    _add_doctor_command(commands)
     _add_report_command(commands)
     return parser
 
@@ -170,6 +171,75 @@ def _report(args: argparse.Namespace) -> int:
     from trainguard.report.command import run_report
 
     return run_report(args.run_dir, as_json=args.json, png=args.png, html=not args.no_html)
+
+
+# -- doctor ----------------------------------------------------------------------------------
+
+
+def _add_doctor_command(commands: Any) -> None:
+    doctor = commands.add_parser(
+        "doctor",
+        help="check this host and, under torchrun, every rank before a long job",
+        description="Check the environment that distributed training needs (versions, GPUs, "
+        "/dev/shm, open files, NCCL/gloo variables, MASTER_ADDR/MASTER_PORT, RANK/WORLD_SIZE). "
+        "Under torchrun every rank runs it: ranks check in, compare versions and variables and "
+        "run a collective smoke test. Exit 0: healthy; 1: a failure or warning; 2: bad usage.",
+    )
+    doctor.add_argument("--json", action="store_true", help="print one JSON object")
+    doctor.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="bound on each wait: name lookup (at most 10 s), store, check-in, collectives "
+        "(default 30)",
+    )
+    doctor.add_argument(
+        "--bandwidth-mb",
+        type=_non_negative_mb,
+        default=64.0,
+        metavar="MB",
+        help="size of the all_reduce whose bandwidth is measured; 0 skips it (default 64)",
+    )
+    doctor.set_defaults(handler=_doctor)
+
+
+def _positive_seconds(text: str) -> float:
+    value = _number(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"got {text}; use a number of seconds > 0")
+    return value
+
+
+def _non_negative_mb(text: str) -> float:
+    value = _number(text)
+    if not 0 <= value <= 16384:
+        raise argparse.ArgumentTypeError(f"got {text}; use 0 (skip) to 16384 MB")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; use a number") from None
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    import os
+
+    from trainguard.doctor import DoctorOptions, report_text, run_doctor
+
+    report = run_doctor(DoctorOptions(timeout_s=args.timeout, bandwidth_mb=args.bandwidth_mb))
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        print(report_text(report))
+    if report.hard_exit:  # a thread is stuck in a collective: it cannot be joined
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(report.exit_code)
+    return report.exit_code
 
 
 if __name__ == "__main__":
