@@ -122,10 +122,16 @@ def _strip(ax: Axes, summary: RunSummary) -> None:
     ax.invert_yaxis()
     ax.set_ylabel("rank", fontsize=9)
     ax.set_xlabel("step", fontsize=9)
-    ax.set_title("where non-finite values appeared (rank x step)", fontsize=9, loc="left")
+    title = "where non-finite values appeared (rank x step; x: a hang's culprit rank)"
+    ax.set_title(title, fontsize=9, loc="left")
     ax.grid(True, axis="x", alpha=0.3)
-    if summary.steps:
-        ax.set_xlim(-0.5, summary.steps - 0.5)
+    hung = [(r, h["step"]) for h in summary.hangs if isinstance(h.get("step"), int)
+            for r in h.get("culprits") or []]  # fmt: skip
+    if hung:
+        ranks, steps = zip(*hung, strict=True)
+        ax.scatter(steps, ranks, marker="x", s=60, color=MARKERS["hang"][0], label="hang culprit")
+    last = max([summary.steps - 1, *(s for _, s in hung)], default=0)
+    ax.set_xlim(-0.5, last + 0.5)
 
 
 def _legend_handles() -> list[Any]:

@@ -11,6 +11,8 @@
 - ``state``     ``GuardState``: the counters every rank keeps identically
 - ``capturer``  the collective write of a capture bundle on a bad step (the format and the
                 reading live in ``trainguard.capture``)
+- ``history``   the per-step record and the ring of recent steps (``history.json`` in bundles)
+- ``metrics``   rank 0's batched, thinned per-step log ``run_dir/metrics/rank-0.jsonl``
 
 Offers to the rest: ``Guard``, ``GuardState``, ``Decision``, ``named_parameters``.
 The step path may import ``capture``, ``hang`` and the shared base modules; nothing below it
