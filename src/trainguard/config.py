@@ -10,6 +10,7 @@ from trainguard.errors import ConfigError
 
 NonFiniteAction = Literal["skip", "warn", "raise"]
 _ACTIONS = ("skip", "warn", "raise")
+EscalationAction = Literal["raise", "rollback"]
 SpikeAction = Literal["warn", "skip", "rollback", "off"]
 _SPIKE_ACTIONS = ("warn", "skip", "rollback", "off")
 
@@ -50,6 +51,45 @@ class GuardConfig:
     history_steps: int = 256
     """How many recent step records (losses, gradient norm, decision, lr) the guard keeps in
     memory and writes into a capture bundle as ``history.json``."""
+
+    on_escalation: EscalationAction = "raise"
+    """When the guard escalates: ``"raise"`` stops every rank with NonFiniteError;
+    ``"rollback"`` restores the newest good snapshot on every rank, skips the batches that led
+    to the failure and goes on (see docs/recovery.md); after ``max_rollbacks`` it raises."""
+
+    checkpoint_every: int = 0
+    """Steps between known-good checkpoints on disk (``run_dir/checkpoints``); 0 = off."""
+
+    keep_checkpoints: int = 3
+    """How many good checkpoints on disk to keep (the newest)."""
+
+    resume: bool = False
+    """Start from the newest good checkpoint in ``run_dir`` (a ``resume`` event says which)."""
+
+    snapshot_every: int = 10
+    """Steps between in-memory (CPU) snapshots, the rollback targets; 0 = off."""
+
+    good_after: int = 2
+    """Healthy steps that must follow a snapshot or checkpoint before it counts as good."""
+
+    max_rollbacks: int = 3
+    """Rollbacks without progress before the guard gives up and raises NonFiniteError."""
+
+    skip_margin: int = 0
+    """Extra batches skipped after a rollback, beyond those from the snapshot to the failure."""
+
+    lr_backoff: float = 0.5
+    """LR factor after the second rollback without progress (lr = schedule(step) x factor)."""
+
+    lr_backoff_steps: int = 20
+    """Steps over which the LR factor ramps back linearly to 1."""
+
+    zero_lr_steps: int = 5
+    """Steps at LR 0 after the optimizer moments are reset (the ladder's last rung)."""
+
+    loss_tolerance: float = 0.5
+    """Relative difference between the first loss after a rollback or resume and the one
+    recorded with the snapshot above which a ``loss_mismatch`` event is written."""
 
     on_spike: SpikeAction = "warn"
     """What a loss or gradient-norm spike does (docs/spikes.md): ``"warn"`` writes a ``spike``
@@ -107,9 +147,33 @@ class GuardConfig:
             raise ConfigError("min_loss_scale", f"got {self.min_loss_scale!r}; use a number > 0")
         if self.max_recorded_steps < 1:
             raise ConfigError("max_recorded_steps", "use an integer >= 1")
-        _check_spikes(self)
         if not isinstance(self.history_steps, int) or self.history_steps < 1:
             raise ConfigError("history_steps", f"got {self.history_steps!r}; use an integer >= 1")
+        _check_recovery(self)
+        _check_spikes(self)
+
+
+def _check_recovery(config: GuardConfig) -> None:
+    if config.on_escalation not in ("raise", "rollback"):
+        raise ConfigError("on_escalation", f"got {config.on_escalation!r}; use raise or rollback")
+    for name in ("checkpoint_every", "snapshot_every", "good_after", "skip_margin"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 0:
+            raise ConfigError(name, f"got {value!r}; use an integer >= 0")
+    if not isinstance(config.zero_lr_steps, int) or config.zero_lr_steps < 0:
+        raise ConfigError("zero_lr_steps", f"got {config.zero_lr_steps!r}; use an integer >= 0")
+    for name in ("keep_checkpoints", "max_rollbacks", "lr_backoff_steps"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(name, f"got {value!r}; use an integer >= 1")
+    if not 0 < config.lr_backoff <= 1:
+        raise ConfigError("lr_backoff", f"got {config.lr_backoff!r}; use a factor in (0, 1]")
+    if config.on_escalation == "rollback" and config.snapshot_every == 0:
+        if config.checkpoint_every == 0:
+            raise ConfigError(
+                "on_escalation", "rollback needs snapshot_every > 0 or checkpoint_every > 0"
+            )
+
 
 def _check_spikes(config: GuardConfig) -> None:
     if config.on_spike not in _SPIKE_ACTIONS:

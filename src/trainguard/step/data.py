@@ -10,6 +10,11 @@ Why the rule is safe: a rank that is not used up when it reports for step ``s`` 
 at least ``(s + 1 + lookahead) * k`` batches. The decision after step ``t`` may use a report
 up to ``lag = lookahead - 1`` steps old (the sync-free ``guard.step()`` reads its flags a step
 late), and still every rank not yet used up is known to hold step ``t + 1``.
+
+Recovery keeps the rule: batches dropped from the stream (skipped after a rollback, or
+consumed before a resume) are never counted in ``batches_seen``, and a drop forgets the last
+agreement so that the next step agrees afresh (every rank drops at the same point: the
+rollback is agreed). ``position`` counts every item taken from the iterable, dropped or not.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ class BatchStream:
         events: EventLog,
         step_of: Callable[[], int],
         lookahead: int = 1,
+        start_position: int = 0,
+        skip_positions: frozenset[int] = frozenset(),
+        on_step_start: Callable[[], None] | None = None,
     ) -> None:
         self._iterable = iterable
         self._k = accumulation_steps
@@ -47,7 +55,14 @@ class BatchStream:
         self._progress = progress
         self._events = events
         self._step_of = step_of
-        self._queue: deque[Any] = deque()
+        self._queue: deque[tuple[int, Any]] = deque()
+        self._taken = 0  # items taken from the iterable, dropped ones included
+        self._start_position = start_position
+        self._skip_positions = skip_positions
+        self._on_step_start = on_step_start
+        self._to_drop = 0
+        self.dropped: list[int] = []
+        """Positions (in the iterable) of the batches dropped so far, in order."""
         self._exhausted = False
         self._yielded = 0
         self._agreement: Agreement | None = None
@@ -64,6 +79,19 @@ class BatchStream:
     @property
     def exhausted(self) -> bool:
         return self._exhausted
+
+    @property
+    def position(self) -> int:
+        """Position in the iterable of the next batch to hand out (dropped ones counted)."""
+        return self._queue[0][0] if self._queue else self._taken
+
+    def drop_next(self, count: int) -> None:
+        """Drop the next ``count`` batches (fetched or not); call on every rank alike."""
+        while count > 0 and self._queue:
+            self.dropped.append(self._queue.popleft()[0])
+            count -= 1
+        self._to_drop += count
+        self._agreement = None  # the counts changed: agree afresh before the next step
 
     @property
     def batches_seen(self) -> int:
@@ -88,9 +116,13 @@ class BatchStream:
             self._in_step = step
             for _ in range(self._k):
                 self._fill(iterator, self._lookahead * self._k + 1)
-                batch = self._queue.popleft()
+                if not self._queue:  # dropped after a rollback: the data ran out
+                    break
                 if not self.current:
+                    if self._on_step_start is not None:
+                        self._on_step_start()  # recovery: snapshot at the step boundary
                     self.current_rng = rng_state()
+                batch = self._queue.popleft()[1]
                 self.current.append(batch)
                 self._yielded += 1
                 self._progress.enter("step")
@@ -108,9 +140,18 @@ class BatchStream:
         while not self._exhausted and len(self._queue) < size:
             self._progress.enter("data")
             try:
-                self._queue.append(next(iterator))
+                item = next(iterator)
             except StopIteration:
                 self._exhausted = True
+                break
+            position, self._taken = self._taken, self._taken + 1
+            if position < self._start_position or position in self._skip_positions:
+                continue
+            if self._to_drop > 0:
+                self._to_drop -= 1
+                self.dropped.append(position)
+                continue
+            self._queue.append((position, item))
 
     def _stop_before(self, step: int) -> bool:
         """Whether every rank stops before ``step``, from an agreement at most a lag old."""

@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from trainguard.config import GuardConfig, NonFiniteAction, SpikeAction
+from trainguard.config import EscalationAction, GuardConfig, NonFiniteAction, SpikeAction
 from trainguard.errors import ConfigError, LossScaleCollapseError, NonFiniteError
 from trainguard.events import EventLog
 from trainguard.hang.watchdog import Watchdog, start_watchdog
 from trainguard.progress import Progress
+from trainguard.recovery import TrainingObjects, build_recovery, recovery_enabled
 from trainguard.step import amp
 from trainguard.step.capturer import Capturer, step_evidence
 from trainguard.step.consensus import Agreement, Consensus, LocalReport
@@ -90,6 +91,11 @@ class Guard:
         *,
         accumulation_steps: int = 1,
         min_loss_scale: float = 1.0,
+        on_escalation: EscalationAction = "raise",
+        checkpoint_every: int = 0,
+        keep_checkpoints: int = 3,
+        scheduler: Any = None,
+        resume: bool = False,
         on_spike: SpikeAction = "warn",
         process_group: dist.ProcessGroup | None = None,
         config: GuardConfig | None = None,
@@ -109,6 +115,10 @@ class Guard:
             hang_timeout=hang_timeout,
             accumulation_steps=accumulation_steps,
             min_loss_scale=min_loss_scale,
+            on_escalation=on_escalation,
+            checkpoint_every=checkpoint_every,
+            keep_checkpoints=keep_checkpoints,
+            resume=resume,
             on_spike=on_spike,
         )
         self.model = model
@@ -130,12 +140,23 @@ class Guard:
         self.spikes = SpikeWatch(self.config, self.events, self.rank)
         metrics = MetricsLog(metrics_path(self.run_dir)) if self.rank == 0 else None
         self.history = StepHistory(self.config.history_steps, metrics)
+        # Recovery restores at step boundaries: it needs the decision before the update.
         self._deferred = uses_fused(optimizer) and scaler is None
+        self._deferred = self._deferred and not recovery_enabled(self.config)
         self._pending: PendingStep | None = None
         self._stager = HostStager()
         self._found_inf = FoundInf()
         self._is_sharded: bool | None = None
         self._closed = False
+        self.recovery = build_recovery(
+            self.config,
+            TrainingObjects(model, optimizer, scheduler, scaler),
+            self.state,
+            self.events,
+            process_group,
+            self._consensus.device,
+            self.rank,
+        )
         self.events.write(
             "start",
             self.state.step,
@@ -153,8 +174,15 @@ class Guard:
 
     # -- the loop -------------------------------------------------------------------------
 
-    def watch(self, iterable: Iterable[Any]) -> Iterator[Any]:
-        """Yield the batches; every rank ends at the same step when any rank runs out."""
+    def watch(self, iterable: Iterable[Any], epoch: int | None = None) -> Iterator[Any]:
+        """Yield the batches; every rank ends at the same step when any rank runs out.
+
+        ``epoch``: with recovery, which epoch this pass is (default: the DistributedSampler's
+        ``epoch``, else a count of ``watch()`` calls); a resumed run skips what it consumed."""
+        recovery = self.recovery
+        resumed = recovery.stream_start(iterable, epoch) if recovery is not None else None
+        if resumed is not None:
+            iterable = resumed.iterable  # empty for an epoch the resumed run already finished
         self._stream = BatchStream(
             iterable,
             self.config.accumulation_steps,
@@ -163,7 +191,10 @@ class Guard:
             self.events,
             step_of=lambda: self.state.step,
             lookahead=2 if self._deferred else 1,  # the sync-free step reads a step late
+            **(resumed.stream_args() if resumed is not None else {}),
         )
+        if recovery is not None and resumed is not None:
+            recovery.watch(self._stream, iterable, resumed.epoch)
         return self._watched(iter(self._stream))
 
     def _watched(self, batches: Iterator[Any]) -> Iterator[Any]:
@@ -358,6 +389,8 @@ class Guard:
             spike = self.spikes.judge(agreement, self.optimizer, step)
             if spike is not None:
                 return self._apply_spike(spike, agreement, stats, step)
+            if self.recovery is not None:
+                self.recovery.after_step(step, True, agreement.mean_loss)
             if self.config.grad_clip is not None:
                 clip_(stats.grads, agreement.grad_norm(), self.config.grad_clip)
             return True
@@ -369,8 +402,12 @@ class Guard:
             self.events.write("overflow", step, ranks=agreement.grad_ranks)
             return False
         self.state.record_bad(step)
+        if self.recovery is not None:
+            self.recovery.after_step(step, False, agreement.mean_loss)
         self._log_nonfinite(decision, agreement, stats, step)
         bundle = self._capture(decision, agreement, stats, step)
+        if decision is Decision.ESCALATE and self._rolled_back(step):
+            return False
         if decision is Decision.SKIP:
             self._clear_grads()
             self.events.write("skip", step, consecutive=self.state.consecutive_nonfinite)
@@ -385,7 +422,11 @@ class Guard:
         """A spike skipped (``SPIKE``) or escalated: no update, as for a non-finite step."""
         bundle = self._capture(decision, agreement, stats, step)
         self._clear_grads()
+        if self.recovery is not None:
+            self.recovery.after_step(step, False, agreement.mean_loss)
         if decision is Decision.ESCALATE:
+            if self._rolled_back(step, self.spikes.consecutive):
+                return False
             raise self.spikes.error(step, bundle)
         self.events.write("skip", step, reason="spike", consecutive=self.spikes.consecutive)
         return False
@@ -437,6 +478,14 @@ class Guard:
         evidence.history = self.history.bundle_history()
         with self.phase("capture"):
             return self._capturer.capture(self.model, self.optimizer, evidence)
+
+    def _rolled_back(self, step: int, consecutive: int | None = None) -> bool:
+        """On escalation with ``on_escalation="rollback"``: restore, skip data, go on."""
+        if self.recovery is None or self.config.on_escalation != "rollback":
+            return False
+        self._clear_grads()
+        streak = self.state.consecutive_nonfinite if consecutive is None else consecutive
+        return self.recovery.rollback(step, max(streak, 1))
 
     def _clear_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

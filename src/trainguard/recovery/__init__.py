@@ -1,0 +1,18 @@
+"""Keeping a run alive: known-good snapshots and checkpoints, rollback, resume (docs/recovery.md).
+
+- ``snapshot``   in-memory CPU snapshots at a step boundary; good after ``good_after`` steps
+- ``checkpoint`` known-good checkpoints on disk (torch.distributed.checkpoint), retention
+- ``resume``     the newest good checkpoint, agreed by every rank
+- ``backoff``    the LR factor on the schedule, applied around ``optimizer.step()``
+- ``ladder``     the escalation rungs (rollback, + LR backoff, + moment reset, stop)
+- ``ledger``     the persisted skip ledger (batch positions, dataset indices)
+- ``manager``    ``Recovery``: the part the guard composes
+
+Offers: ``Recovery``, ``build_recovery``, ``recovery_enabled``, ``TrainingObjects``.
+Imports the base modules and ``capture`` only, never the step path.
+"""
+
+from trainguard.recovery.manager import Recovery, build_recovery, recovery_enabled
+from trainguard.recovery.snapshot import TrainingObjects
+
+__all__ = ["Recovery", "TrainingObjects", "build_recovery", "recovery_enabled"]

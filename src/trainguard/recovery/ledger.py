@@ -1,0 +1,77 @@
+"""The skip ledger: which batches (and, when the loader says, which samples) were skipped, why.
+
+One JSON line per skipped batch in ``run_dir/recovery/skipped-rank{r}.jsonl`` (each rank its
+own: under a DistributedSampler each rank reads other samples). After a restart the stream
+drops the ledger's batch positions of the epoch it resumes, so a batch skipped after the
+last checkpoint is never fed again. ``samples`` (dataset indices) lets a report list them and
+a person filter them out even under another world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SkipEntry:
+    epoch: int
+    batch: int
+    """Position of the batch in the epoch's iterable (0-based)."""
+    step: int
+    """The step at which the rollback that skipped it happened."""
+    reason: str
+    samples: list[int] | None = None
+
+
+class SkipLedger:
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.path = Path(run_dir) / "recovery" / f"skipped-rank{rank}.jsonl"
+
+    def append(self, entries: Iterable[SkipEntry]) -> None:
+        lines = [json.dumps(asdict(entry)) + "\n" for entry in entries]
+        if not lines:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.writelines(lines)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def entries(self) -> list[SkipEntry]:
+        if not self.path.exists():
+            return []
+        out = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                out.append(SkipEntry(**json.loads(line)))
+            except (json.JSONDecodeError, TypeError):
+                continue  # a torn last line after a crash
+        return out
+
+    def positions(self, epoch: int) -> frozenset[int]:
+        return frozenset(entry.batch for entry in self.entries() if entry.epoch == epoch)
+
+
+def sample_indices(iterable: Any, positions: Sequence[int]) -> dict[int, list[int]]:
+    """Dataset indices of the batches at ``positions`` for a DataLoader with a batch sampler
+    (deterministic for a given epoch, e.g. DistributedSampler); {} when unknown."""
+    batch_sampler = getattr(iterable, "batch_sampler", None)
+    if batch_sampler is None or not positions:
+        return {}
+    wanted = set(positions)
+    last = max(wanted)
+    out: dict[int, list[int]] = {}
+    try:
+        for index, batch in enumerate(batch_sampler):
+            if index in wanted:
+                out[index] = [int(i) for i in batch]
+            if index >= last:
+                break
+    except Exception:  # a sampler that cannot be iterated twice: indices unknown
+        return {}
+    return out

@@ -1,0 +1,375 @@
+"""Recovery: composes snapshots, checkpoints, the LR factor, the ladder and the skip ledger.
+
+The guard calls it at four points, all reached by every rank at the same step with agreed
+data: ``step_boundary`` (before a step's first batch), ``after_step`` (the step's agreed
+outcome), ``rollback`` (on escalation) and ``watch`` (a new epoch's stream).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from trainguard.capture.rng import rng_state, set_rng_state
+from trainguard.config import GuardConfig
+from trainguard.events import EventLog
+from trainguard.recovery import checkpoint as ckpt
+from trainguard.recovery import snapshot as snap
+from trainguard.recovery.agree import same_on_every_rank
+from trainguard.recovery.backoff import Backoff, LrFactor
+from trainguard.recovery.ladder import Rung, rung_for
+from trainguard.recovery.ledger import SkipEntry, SkipLedger, sample_indices
+from trainguard.recovery.resume import resume
+
+logger = logging.getLogger(__name__)
+
+_CUMULATIVE = ("total_nonfinite", "nonfinite_steps", "overflow_steps")
+
+
+class Stateful(Protocol):
+    step: int
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class StreamView(Protocol):
+    """What recovery needs of the guard's batch stream."""
+
+    @property
+    def position(self) -> int: ...
+    def drop_next(self, count: int) -> None: ...
+
+
+@dataclass
+class StreamStart:
+    """How ``watch()`` starts an epoch's stream: what to skip, and the step-boundary hook."""
+
+    iterable: Any
+    epoch: int
+    start_position: int
+    skip_positions: frozenset[int]
+    on_step_start: Callable[[], None]
+
+    def stream_args(self) -> dict[str, Any]:
+        return {
+            "start_position": self.start_position,
+            "skip_positions": self.skip_positions,
+            "on_step_start": self.on_step_start,
+        }
+
+
+def epoch_of(iterable: Any, given: int | None, watched: int) -> int:
+    """The epoch of a ``watch()`` pass: given, else the DistributedSampler's, else a count."""
+    if given is not None:
+        return int(given)
+    sampler_epoch = getattr(getattr(iterable, "sampler", None), "epoch", None)
+    if isinstance(sampler_epoch, int):
+        return sampler_epoch
+    return watched
+
+
+@dataclass
+class Stream:
+    view: StreamView
+    iterable: Any
+    epoch: int
+    ident: int
+
+
+@dataclass(frozen=True)
+class DataPoint:
+    epoch: int
+    position: int
+    """Batches of the epoch's iterable consumed (handed out or skipped)."""
+
+
+@dataclass
+class RecoveryState:
+    """Saved with every snapshot and checkpoint."""
+
+    attempts: int = 0
+    """Rollbacks since the run last made progress."""
+    failed_at: int | None = None
+    backoff: Backoff = field(default_factory=Backoff)
+    rollbacks: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "attempts": self.attempts,
+            "failed_at": self.failed_at,
+            "backoff": self.backoff.state_dict(),
+            "rollbacks": self.rollbacks,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.attempts = int(state["attempts"])
+        self.failed_at = state["failed_at"]
+        self.backoff = Backoff.from_state(state["backoff"])
+        self.rollbacks = int(state.get("rollbacks", 0))
+
+
+class Recovery:
+    def __init__(
+        self,
+        config: GuardConfig,
+        objects: snap.TrainingObjects,
+        guard_state: Stateful,
+        events: EventLog,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        rank: int,
+    ) -> None:
+        self.config = config
+        self.objects = objects
+        self.guard_state = guard_state
+        self.events = events
+        self.group = group
+        self.device = device
+        self.rank = rank
+        self.state = RecoveryState()
+        self.snapshots = snap.SnapshotKeeper(config.snapshot_every, config.good_after)
+        self.lr = LrFactor(objects.optimizer)
+        self.ledger = SkipLedger(Path(config.run_dir), rank)
+        self.stream: Stream | None = None
+        self._streams = 0
+        self._expect_loss: tuple[int, float, str] | None = None
+        self.resume_point: DataPoint | None = None
+        """Where a resumed run's data continues (set by ``resume()``)."""
+        self._resume_rng: tuple[int, dict[str, Any]] | None = None
+        self._last_saved = -1
+        self._pending_ckpt: list[Any] | None = None  # [step, healthy steps, first loss]
+
+    # -- hooks the guard calls ---------------------------------------------------------------
+
+    def stream_start(self, iterable: Any, epoch: int | None) -> StreamStart:
+        epoch = epoch_of(iterable, epoch, self._streams)
+        start, source = 0, iterable
+        point = self.resume_point
+        if point is not None and epoch < point.epoch:
+            source = ()  # finished before the checkpoint: nothing left to feed
+        elif point is not None and epoch == point.epoch:
+            start = point.position
+        return StreamStart(source, epoch, start, self.ledger.positions(epoch), self.step_boundary)
+
+    def watch(self, view: StreamView, iterable: Any, epoch: int) -> None:
+        self._streams += 1
+        self.stream = Stream(view, iterable, epoch, self._streams)
+
+    def step_boundary(self) -> None:
+        """Before a step's first batch: the weights describe the start of that step."""
+        stream = self.stream
+        step = self.guard_state.step
+        if stream is None:
+            return
+        if self._resume_rng is not None and self._resume_rng[0] == step:
+            set_rng_state(self._resume_rng[1])  # as the checkpointed run had it here
+        self._resume_rng = None
+        if self._checkpoint_due(step):
+            self._save_checkpoint(step, stream)
+        if not self.snapshots.due(step):
+            return
+        self.snapshots.add(
+            snap.take(
+                self.objects,
+                step,
+                stream.view.position,
+                stream.ident,
+                self.guard_state.state_dict(),
+                {"recovery": self.state.state_dict(), "epoch": stream.epoch},
+            )
+        )
+
+    def after_step(self, step: int, ok: bool, loss: float) -> None:
+        """The agreed outcome of ``step`` (before the optimizer step, when ``ok``)."""
+        self.lr.backoff = self.state.backoff
+        self.lr.step = step
+        self._judge_checkpoint(step, ok, loss)
+        if not ok:
+            self.snapshots.bad_step()
+            return
+        self.snapshots.healthy_step(step, loss)
+        self._check_loss(step, loss)
+        failed_at = self.state.failed_at
+        if failed_at is not None and step >= failed_at + self.config.good_after:
+            self.state.attempts = 0  # progress: past the last failure, healthy
+            self.state.failed_at = None
+
+    # -- checkpoints on disk ------------------------------------------------------------------
+
+    def _checkpoint_due(self, step: int) -> bool:
+        every = self.config.checkpoint_every
+        return every > 0 and step > 0 and step % every == 0 and step != self._last_saved
+
+    def _save_checkpoint(self, step: int, stream: Stream) -> None:
+        extras = {
+            "rng": rng_state(),
+            "guard": self.guard_state.state_dict(),
+            "recovery": self.state.state_dict(),
+            "data": {"epoch": stream.epoch, "position": stream.view.position},
+        }
+        saved = ckpt.save(
+            Path(self.config.run_dir), step, self.objects, extras, self.group, self.rank
+        )
+        self._last_saved = step
+        self._pending_ckpt = [step, 0, None]
+        self.events.write(
+            "checkpoint",
+            step,
+            path=str(saved.path),
+            seconds=round(saved.seconds, 4),
+            epoch=stream.epoch,
+            position=stream.view.position,
+        )
+
+    def _judge_checkpoint(self, step: int, ok: bool, loss: float) -> None:
+        pending = self._pending_ckpt
+        if pending is None or step < pending[0]:
+            return
+        run_dir = Path(self.config.run_dir)
+        if not ok:
+            self._pending_ckpt = None
+            if self.rank == 0:
+                ckpt.discard(run_dir, pending[0])
+            return
+        if step == pending[0]:
+            pending[2] = loss
+        pending[1] += 1
+        if pending[1] >= self.config.good_after:
+            self._pending_ckpt = None
+            if self.rank == 0:
+                ckpt.mark_good(run_dir, pending[0], pending[2], self.config.keep_checkpoints)
+            self.events.write("checkpoint_good", pending[0], healthy_steps=pending[1])
+
+    def resume(self) -> None:
+        """Collective, at construction: load the newest good checkpoint, if any."""
+        run_dir = Path(self.config.run_dir)
+        found = resume(run_dir, self.objects, self.events, self.group, self.device, self.rank)
+        if found is None:
+            return
+        extras = found.extras
+        self.guard_state.load_state_dict(extras["guard"])
+        self.state.load_state_dict(extras["recovery"])
+        data = extras["data"]
+        self.resume_point = DataPoint(int(data["epoch"]), int(data["position"]))
+        self._resume_rng = (found.step, extras["rng"])
+        self._last_saved = found.step
+        if found.first_loss is not None:
+            self._expect_loss = (found.step, found.first_loss, "resume")
+        self.events.write(
+            "resume",
+            found.step,
+            from_step=found.step,
+            path=str(found.path),
+            epoch=self.resume_point.epoch,
+            position=self.resume_point.position,
+        )
+
+    # -- rollback ----------------------------------------------------------------------------
+
+    def rollback(self, step: int, consecutive: int) -> bool:
+        """On escalation at ``step``: restore, skip, back off. False: give up (raise)."""
+        attempt = self.state.attempts + 1
+        rung = rung_for(attempt, self.config.max_rollbacks)
+        target = self.snapshots.target(step - consecutive + 1)
+        target_step = target.step if target is not None else -1
+        agreed = same_on_every_rank(target_step, self.group, self.device)
+        if rung is Rung.STOP or target is None or not agreed:
+            reason = "max_rollbacks" if rung is Rung.STOP else "no_good_snapshot"
+            if not agreed:
+                reason = "ranks_disagree"
+            self.events.write("rollback_refused", step, reason=reason, attempt=attempt)
+            return False
+        skipped = self._skip_batches(target, step)
+        self._restore(target, attempt, rung, step)
+        if self.stream is not None:  # the restored state now reads on from here
+            target.position, target.stream_id = self.stream.view.position, self.stream.ident
+        self.events.write(
+            "rollback",
+            step,
+            restored_step=target.step,
+            rung=rung.value,
+            attempt=attempt,
+            epoch=self.stream.epoch if self.stream is not None else None,
+            batches_skipped=[entry.batch for entry in skipped],
+            samples_skipped=[i for entry in skipped for i in (entry.samples or [])] or None,
+            lr_factor=self.state.backoff.at(target.step),
+        )
+        log = logger.warning if self.rank == 0 else logger.debug
+        log("trainguard: step %d rolled back to step %d (%s)", step, target.step, rung.value)
+        return True
+
+    def _restore(self, target: snap.Snapshot, attempt: int, rung: Rung, step: int) -> None:
+        cumulative = {k: v for k, v in self.guard_state.state_dict().items() if k in _CUMULATIVE}
+        snap.restore(self.objects, target)
+        self.guard_state.load_state_dict({**target.guard, **cumulative})
+        self.snapshots.drop_after(target.step)
+        self.state.attempts = attempt
+        self.state.failed_at = step
+        self.state.rollbacks += 1
+        if rung in (Rung.BACKOFF, Rung.RESET_MOMENTS):
+            zero = self.config.zero_lr_steps if rung is Rung.RESET_MOMENTS else 0
+            factor = self.config.lr_backoff ** (attempt - 1)
+            ramp = self.config.lr_backoff_steps
+            self.state.backoff = Backoff(target.step, factor, ramp, zero)
+        if rung is Rung.RESET_MOMENTS:
+            self.objects.optimizer.state.clear()
+        if target.first_loss is not None:
+            self._expect_loss = (target.step, target.first_loss, "rollback")
+
+    def _skip_batches(self, target: snap.Snapshot, step: int) -> list[SkipEntry]:
+        stream = self.stream
+        if stream is None:
+            return []
+        start = target.position if target.stream_id == stream.ident else 0
+        positions = list(range(start, stream.view.position))
+        if self.config.skip_margin:
+            before = stream.view.position
+            stream.view.drop_next(self.config.skip_margin)
+            positions += list(range(before, stream.view.position))
+        else:
+            stream.view.drop_next(0)  # the counts changed: agree afresh
+        samples = sample_indices(stream.iterable, positions)
+        entries = [
+            SkipEntry(stream.epoch, pos, step, "rollback", samples.get(pos)) for pos in positions
+        ]
+        self.ledger.append(entries)
+        return entries
+
+    def _check_loss(self, step: int, loss: float) -> None:
+        expected = self._expect_loss
+        if expected is None or step != expected[0]:
+            return
+        self._expect_loss = None
+        saved, why = expected[1], expected[2]
+        tolerance = self.config.loss_tolerance * max(abs(saved), 1e-12)
+        if abs(loss - saved) > tolerance:
+            self.events.write("loss_mismatch", step, after=why, loss=loss, saved_loss=saved)
+
+
+def recovery_enabled(config: GuardConfig) -> bool:
+    return config.on_escalation == "rollback" or config.checkpoint_every > 0 or config.resume
+
+
+def build_recovery(
+    config: GuardConfig,
+    objects: snap.TrainingObjects,
+    guard_state: Stateful,
+    events: EventLog,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    rank: int,
+) -> Recovery | None:
+    """The guard's recovery part, or None when no recovery option is on."""
+    if not recovery_enabled(config):
+        return None
+    recovery = Recovery(config, objects, guard_state, events, group, device, rank)
+    if config.resume:
+        recovery.resume()
+    return recovery

@@ -1,0 +1,67 @@
+"""Resume: load the newest good checkpoint that every rank can load, agreed.
+
+Candidates are tried newest first (the folder must be shared by every rank). Each rank loads
+the candidate and says whether it could; one all-reduce decides. A damaged checkpoint gives
+a ``checkpoint_damaged`` event and the previous good one is tried; none at all gives a
+``resume`` event with ``from_step`` None and a fresh start, never a silent one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainguard.events import EventLog
+from trainguard.recovery import checkpoint as ckpt
+from trainguard.recovery.agree import same_on_every_rank, true_on_every_rank
+from trainguard.recovery.snapshot import TrainingObjects
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Resumed:
+    step: int
+    path: Path
+    extras: dict[str, Any]
+    first_loss: float | None
+
+
+def _try_load(path: Path, objects: TrainingObjects, rank: int) -> tuple[dict[str, Any], str]:
+    try:
+        return ckpt.load(path, objects, rank), ""
+    except Exception as exc:  # damaged or partial: reported, and the previous one is tried
+        return {}, f"{type(exc).__name__}: {exc}"[:500]
+
+
+def resume(
+    run_dir: Path,
+    objects: TrainingObjects,
+    events: EventLog,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    rank: int,
+) -> Resumed | None:
+    """Collective. The checkpoint loaded (into ``objects``), or None: a fresh start."""
+    candidates = ckpt.good_checkpoints(run_dir)
+    count = len(candidates)
+    if not same_on_every_rank(count, group, device):
+        raise RuntimeError(
+            f"trainguard resume: ranks see different checkpoints under {run_dir}/checkpoints "
+            "(the run folder must be shared by every rank)"
+        )
+    for path in candidates:
+        step = ckpt.step_of(path)
+        extras, error = _try_load(path, objects, rank)
+        if true_on_every_rank(not error, group, device):
+            return Resumed(step, path, extras, ckpt.first_loss(path))
+        events.write("checkpoint_damaged", step, path=str(path), error=error or None)
+        if rank == 0:
+            logger.warning("trainguard: checkpoint %s is damaged; trying the previous", path)
+    events.write("resume", 0, from_step=None, reason="no good checkpoint", found=count)
+    return None

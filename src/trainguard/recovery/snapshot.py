@@ -1,0 +1,156 @@
+"""In-memory snapshots: a CPU copy of everything the next step depends on, at a step boundary.
+
+A snapshot describes "the start of step s": weights, optimizer state (moments, step counters,
+param_group values), LR scheduler, GradScaler, the guard's own state, this rank's RNG and the
+data position. It becomes *good* once ``good_after`` healthy steps follow it; a bad step
+before that discards it (it may already hold drifting weights). Rollback targets are good
+snapshots only.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from trainguard.capture.rng import rng_state, set_rng_state
+
+
+def to_cpu(tree: Any) -> Any:
+    """A deep copy of ``tree`` with every tensor copied to the CPU (DTensors keep their type)."""
+    if isinstance(tree, Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {key: to_cpu(value) for key, value in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(to_cpu(value) for value in tree)
+    return copy.deepcopy(tree)
+
+
+@dataclass
+class TrainingObjects:
+    """What a snapshot or checkpoint saves and restores, besides the guard's own state."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any = None
+    scaler: Any = None
+
+    def state(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+        }
+        if self.scheduler is not None:
+            out["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            out["scaler"] = self.scaler.state_dict()
+        return out
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+@dataclass
+class Snapshot:
+    step: int
+    """The step this snapshot starts (its weights are those before step ``step``)."""
+    position: int
+    """Data position: the iterable's index of step ``step``'s first batch."""
+    stream_id: int
+    """Which ``watch()`` call (epoch) the position belongs to."""
+    state: dict[str, Any]
+    guard: dict[str, Any]
+    rng: dict[str, Any]
+    healthy: int = 0
+    """Healthy steps seen after it (it is good once this reaches ``good_after``)."""
+    first_loss: float | None = None
+    """The loss of step ``step`` (the first step after the snapshot), once known."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def take(
+    objects: TrainingObjects,
+    step: int,
+    position: int,
+    stream_id: int,
+    guard: dict[str, Any],
+    extra: dict[str, Any],
+) -> Snapshot:
+    return Snapshot(
+        step=step,
+        position=position,
+        stream_id=stream_id,
+        state=to_cpu(objects.state()),
+        guard=copy.deepcopy(guard),
+        rng=rng_state(),
+        extra=copy.deepcopy(extra),
+    )
+
+
+def restore(objects: TrainingObjects, snapshot: Snapshot) -> None:
+    """Load the snapshot into the live objects (tensors are copied: the snapshot stays usable)."""
+    objects.load(to_cpu(snapshot.state))
+    set_rng_state(snapshot.rng)
+
+
+class SnapshotKeeper:
+    """The newest ``keep`` good snapshots, plus the one still waiting to become good."""
+
+    def __init__(self, every: int, good_after: int, keep: int = 1) -> None:
+        self.every = every
+        self.good_after = good_after
+        self.keep = keep
+        self.good: list[Snapshot] = []
+        self.pending: Snapshot | None = None
+
+    def due(self, step: int) -> bool:
+        if self.every <= 0:
+            return False
+        if self.pending is not None and self.pending.step == step:
+            return False
+        return step % self.every == 0
+
+    def add(self, snapshot: Snapshot) -> None:
+        self.pending = snapshot
+        self._promote()
+
+    def healthy_step(self, step: int, loss: float) -> None:
+        pending = self.pending
+        if pending is None or step < pending.step:
+            return
+        if step == pending.step:
+            pending.first_loss = loss
+        pending.healthy += 1
+        self._promote()
+
+    def bad_step(self) -> None:
+        """A bad step before the pending snapshot became good: it is not a safe target."""
+        self.pending = None
+
+    def _promote(self) -> None:
+        pending = self.pending
+        if pending is not None and pending.healthy >= self.good_after:
+            self.good.append(pending)
+            self.good = self.good[-self.keep :]
+            self.pending = None
+
+    def target(self, first_bad_step: int) -> Snapshot | None:
+        """The newest good snapshot taken no later than the first bad step of the streak."""
+        for snapshot in reversed(self.good):
+            if snapshot.step <= first_bad_step:
+                return snapshot
+        return None
+
+    def drop_after(self, step: int) -> None:
+        """After a rollback to ``step``: later snapshots describe a history that is gone."""
+        self.good = [s for s in self.good if s.step <= step]
+        self.pending = None
