@@ -36,7 +36,6 @@ from trainguard.replay.report import ReplayReport
 from trainguard.replay.seeds import seed_inputs, seed_parameters
 from trainguard.replay.sites import ModuleStack
 from trainguard.replay.stepper import LossFn, RunResult, StepRunner
-from trainguard.replay.verdicts import ADVICE
 
 
 class Trace:
@@ -82,7 +81,7 @@ class Trace:
         parameters = [p for m in self.modules.roots for p in m.parameters() if p.requires_grad]
         finding = finding_of(result, self.tracer, self.inputs, self.params, parameters)
         if finding.phase is None:
-            return _finite_report(result, "the traced step")
+            return _finite_report(result, "the traced step", _device_of(loss), 1)
         report = report_of(finding, Culprits(searched=False), True, None)
         report.details.update(device=_device_of(loss), repeats=1, nonfinite_runs=1)
         return report
@@ -135,9 +134,9 @@ def diagnose(
         runner = StepRunner(model, loss_fn, [batch], saved_rng, device)
         runs = [runner.run(strict=True) for _ in range(repeats)]
         if not any(r.bad for r in runs):
-            return _finite_report(
-                runs[0], f"{repeats} runs of the step", len({r.bits for r in runs}) == 1
-            )
+            same = len({r.bits for r in runs}) == 1
+            what = f"{repeats} runs of the step"
+            return _finite_report(runs[0], what, str(device), repeats, same)
         report = diagnose_runs(runner, runs, {"live": True}, str(device), bisect, history)
     finally:
         set_rng_state(saved_rng)
@@ -151,12 +150,13 @@ def _device_of(loss: Tensor | None) -> str:
     return str(loss.device) if isinstance(loss, Tensor) else "cpu"
 
 
-def _finite_report(result: RunResult, what: str, deterministic: bool = True) -> ReplayReport:
+def _finite_report(
+    result: RunResult, what: str, device: str, repeats: int, deterministic: bool = True
+) -> ReplayReport:
     loss = result.losses[0] if result.losses else math.nan
     summary = f"Nothing to diagnose: {what} gave a finite loss ({loss:.6g}) and finite gradients."
     report = ReplayReport(
         False, deterministic, None, None, None, None, [], "not_reproduced", summary
     )
-    report.advice = ADVICE["not_reproduced"]
-    report.details.update(nonfinite_runs=0)
+    report.details.update(nonfinite_runs=0, device=device, repeats=repeats)
     return report
