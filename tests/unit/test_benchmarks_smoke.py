@@ -94,13 +94,13 @@ def test_ddp_two_ranks(tmp_path: Path) -> None:
 def test_a_target_is_met_only_when_its_interval_is_within_the_limit() -> None:
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        import overhead
+        import overhead_report
         from _common import bootstrap_ci
     finally:
         sys.path.remove(str(SCRIPT.parent))
     where = {"workload": "mlp", "world": 1}
     verdict = [
-        overhead._target(where, "x", value, 1.01, ci)["verdict"]
+        overhead_report._target(where, "x", value, 1.01, ci)["verdict"]
         for value, ci in (
             (1.0, [0.99, 1.005]),
             (1.005, [0.99, 1.02]),
@@ -116,8 +116,9 @@ def test_a_target_is_met_only_when_its_interval_is_within_the_limit() -> None:
     res = {"modes": {m: {"step_ms": [10.0 + (i % 3) for i in range(20)]} for m in ("bare",)}}
     res["modes"]["guard"] = {"step_ms": [11.0 + (i % 3) for i in range(20)]}
     res["modes"]["foreach_norm"] = {"step_ms": [10.0 + (i % 3) for i in range(20)]}
-    stat = functools.partial(overhead._overheads, res, "guard", "foreach_norm", "step_ms")
-    assert overhead._ci(res, stat) == [None, None]  # zero baseline overhead: no bound, no crash
-    assert overhead._interval([0.5, None]) == "0.500 .. unbounded"
+    stat = functools.partial(overhead_report._overheads, res, "guard", "foreach_norm", "step_ms")
+    # zero baseline overhead: no bound, no crash
+    assert overhead_report._ci(res, stat) == [None, None]
+    assert overhead_report._interval([0.5, None]) == "0.500 .. unbounded"
     low, high = bootstrap_ci(50, lambda rounds: sum(rounds) / len(rounds))
     assert low < 24.5 < high  # the mean index of 0..49 lies inside its interval
