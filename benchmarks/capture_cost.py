@@ -20,6 +20,7 @@ row norm is 0 in ``blocks.0.norm``). Timed, each ``--runs`` times, in one proces
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import shutil
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +47,17 @@ from _common import (
 )
 
 import trainguard as tg
-from trainguard.capture import Capturer, step_evidence
-from trainguard.consensus import Agreement, Consensus
-from trainguard.detect import grad_stats
+from trainguard.capture.rng import rng_state
 from trainguard.events import EventLog
-from trainguard.policy import Decision
-from trainguard.rng import rng_state
+from trainguard.step.capturer import Capturer, StepEvidence, step_evidence
+from trainguard.step.consensus import Agreement, Consensus
+from trainguard.step.detect import grad_stats
+from trainguard.step.policy import Decision
 
 SIZES = {"width": 512, "layers": 4, "batch": 64}
+
+Timings = dict[str, list[float]]
+"""Seconds per run, by what was timed."""
 
 
 class RowNorm(nn.Module):
@@ -143,7 +148,11 @@ def paired_ratios(timings: dict[str, list[float]]) -> list[list[object]]:
     return rows
 
 
-def main() -> None:
+HEADERS = ["what", "runs", "median ms", "q1 ms", "q3 ms"]
+RATIO_HEADERS = ["ratio (same round)", "median", "q1", "q3", "target"]
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=SIZES["width"])
     parser.add_argument("--layers", type=int, default=SIZES["layers"])
@@ -156,120 +165,173 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.width, args.layers, args.batch, args.runs = 32, 2, 8, 2
-    torch.set_num_threads(1)
+    return args
+
+
+@dataclass
+class BadStep:
+    """A model, its optimizer (Adam moments present) and the evidence of one bad step."""
+
+    model: Net
+    optimizer: torch.optim.Optimizer
+    batch: dict[str, Tensor]
+    evidence: StepEvidence
+    width: int
+    layers: int
+
+    def factory(self) -> tuple[nn.Module, Any]:
+        """What replay rebuilds the model from."""
+        return Net(self.width, self.layers), loss_fn
+
+
+def bad_step(width: int, layers: int, batch_size: int) -> BadStep:
+    """One step whose batch holds an all-zero sample, after one good step."""
     torch.manual_seed(0)
-    width, layers = args.width, args.layers
     model = Net(width, layers)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    loss_fn(model, {"x": torch.randn(args.batch, width)}).backward()
+    loss_fn(model, {"x": torch.randn(batch_size, width)}).backward()
     optimizer.step()  # Adam moments exist, as in a real run
     optimizer.zero_grad()
-    batch = {"x": torch.randn(args.batch, width), "index": torch.arange(args.batch)}
+    batch = {"x": torch.randn(batch_size, width), "index": torch.arange(batch_size)}
     batch["x"][3] = 0.0
     rng = rng_state()
     loss = loss_fn(model, batch)
     loss.backward()
-    params = list(model.named_parameters())
-    stats = grad_stats(params, torch.device("cpu"))
+    stats = grad_stats(list(model.named_parameters()), torch.device("cpu"))
     agreement = Agreement([0], [0], [], [1], [float("nan")], float("nan"))
     evidence = step_evidence(0, Decision.SKIP, agreement, stats, [batch], rng, [loss.detach()])
+    return BadStep(model, optimizer, batch, evidence, width, layers)
 
-    root = Path(tempfile.mkdtemp(prefix="tg-capture-bench-"))
-    counter = iter(range(10**6))
 
-    def plain_weights() -> None:
-        torch.save(model.state_dict(), root / f"w-{next(counter)}.pt")
+class Writes:
+    """The writes compared, each to a new file or run folder under ``root``."""
 
-    def plain_all() -> None:
-        content = {"model": model.state_dict(), "optim": optimizer.state_dict(), "batch": batch}
-        torch.save(content, root / f"all-{next(counter)}.pt")
+    def __init__(self, step: BadStep, root: Path) -> None:
+        self.step = step
+        self.root = root
+        self.pending: list[Capturer] = []
+        self._counter = itertools.count()
 
-    def plain_all_fsync() -> None:
-        path = root / f"all-{next(counter)}.pt"
-        content = {"model": model.state_dict(), "optim": optimizer.state_dict(), "batch": batch}
+    def by_name(self) -> dict[str, Callable[[], Any]]:
+        return {
+            "torch.save(model.state_dict())": self.plain_weights,
+            "torch.save(model + optimizer + batch)": self.plain_all,
+            "capture (bundle), training thread blocked": self.capture_blocking,
+            "torch.save(model + optimizer + batch) + fsync": self.plain_all_fsync,
+            "capture (bundle) + background fsync joined": self.capture_durable,
+        }
+
+    def plain_weights(self) -> None:
+        torch.save(self.step.model.state_dict(), self.root / f"w-{next(self._counter)}.pt")
+
+    def plain_all(self) -> None:
+        torch.save(self._content(), self.root / f"all-{next(self._counter)}.pt")
+
+    def plain_all_fsync(self) -> None:
+        path = self.root / f"all-{next(self._counter)}.pt"
         with path.open("wb") as fh:
-            torch.save(content, fh)
+            torch.save(self._content(), fh)
             fh.flush()
             os.fsync(fh.fileno())
 
-    def new_capturer() -> Capturer:
-        run_dir = root / f"run-{next(counter)}"
-        return Capturer(run_dir, Consensus(), EventLog(run_dir, 0))
-
-    def capture_blocking() -> None:
+    def capture_blocking(self) -> None:
         """The time capture() blocks the caller; its background flush is joined untimed."""
-        capturer = new_capturer()
-        capturer.capture(model, optimizer, evidence)
-        pending.append(capturer)
+        capturer = self._capturer()
+        capturer.capture(self.step.model, self.step.optimizer, self.step.evidence)
+        self.pending.append(capturer)
 
-    def join_pending() -> None:
-        while pending:
-            syncing = pending.pop().syncing
+    def join_pending(self) -> None:
+        while self.pending:
+            syncing = self.pending.pop().syncing
             if syncing is not None:
                 syncing.join()
 
-    def capture_durable() -> Path | None:
-        capturer = new_capturer()
-        path = capturer.capture(model, optimizer, evidence)
+    def capture_durable(self) -> Path | None:
+        capturer = self._capturer()
+        path = capturer.capture(self.step.model, self.step.optimizer, self.step.evidence)
         if capturer.syncing is not None:
             capturer.syncing.join()
         return path
 
-    pending: list[Capturer] = []
-    bundle = capture_durable()
-    assert bundle is not None
+    def _content(self) -> dict[str, Any]:
+        step = self.step
+        return {
+            "model": step.model.state_dict(),
+            "optim": step.optimizer.state_dict(),
+            "batch": step.batch,
+        }
 
-    def factory() -> tuple[nn.Module, Any]:
-        return Net(width, layers), loss_fn
+    def _capturer(self) -> Capturer:
+        run_dir = self.root / f"run-{next(self._counter)}"
+        return Capturer(run_dir, Consensus(), EventLog(run_dir, 0))
 
-    writes = {
-        "torch.save(model.state_dict())": plain_weights,
-        "torch.save(model + optimizer + batch)": plain_all,
-        "capture (bundle), training thread blocked": capture_blocking,
-        "torch.save(model + optimizer + batch) + fsync": plain_all_fsync,
-        "capture (bundle) + background fsync joined": capture_durable,
-    }
-    timings = interleaved(writes, args.runs, join_pending, args.sync_first)
+
+def measure(writes: Writes, bundle: Path, args: argparse.Namespace) -> Timings:
+    """Every write interleaved, then loading and replaying ``bundle``."""
+    timings = interleaved(writes.by_name(), args.runs, writes.join_pending, args.sync_first)
     timings |= {
         "load_bundle (verify checksums)": _time(lambda: tg.load_bundle(bundle), args.runs),
         "replay (3 repeats + trace + bisection)": _time(
-            lambda: tg.replay(bundle, factory), max(2, args.runs // 2)
+            lambda: tg.replay(bundle, writes.step.factory), max(2, args.runs // 2)
         ),
     }
-    report = tg.replay(bundle, factory).to_dict()
-    size = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
-    n_params = sum(p.numel() for p in model.parameters())
-    rows = []
+    return timings
+
+
+def timing_rows(timings: Timings) -> list[list[object]]:
+    rows: list[list[object]] = []
     for name, values in timings.items():
         q1, q3 = quartiles(values)
         rows.append([name, len(values), median(values) * 1e3, q1 * 1e3, q3 * 1e3])
-    print(
-        f"capture cost: MLP {layers} x {width} ({n_params / 1e6:.2f}M params, Adam), batch "
-        f"{args.batch}; bundle {size / 1e6:.1f} MB; replay: {report['phase']} / "
+    return rows
+
+
+def headline(args: argparse.Namespace, n_params: int, size: int, report: dict[str, Any]) -> str:
+    return (
+        f"capture cost: MLP {args.layers} x {args.width} ({n_params / 1e6:.2f}M params, Adam), "
+        f"batch {args.batch}; bundle {size / 1e6:.1f} MB; replay: {report['phase']} / "
         f"{report['op']} / {report['module']} / culprits {report['culprit_samples']}"
     )
-    print(markdown_table(["what", "runs", "median ms", "q1 ms", "q3 ms"], rows))
+
+
+def results_json(
+    n_params: int, size: int, timings: Timings, ratios: list[list[object]], report: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "time": now_iso(),
+        "machine": machine_info(),
+        "params": n_params,
+        "bundle_bytes": size,
+        "timings_s": timings,
+        "ratios": {r[0]: r[1] for r in ratios},
+        "report": {k: report[k] for k in ("phase", "op", "module", "culprit_samples")},
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    step = bad_step(args.width, args.layers, args.batch)
+    root = Path(tempfile.mkdtemp(prefix="tg-capture-bench-"))
+    writes = Writes(step, root)
+    bundle = writes.capture_durable()
+    assert bundle is not None
+    timings = measure(writes, bundle, args)
+    report = tg.replay(bundle, step.factory).to_dict()
+    size = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
+    n_params = sum(p.numel() for p in step.model.parameters())
+    table = markdown_table(HEADERS, timing_rows(timings))
     ratios = paired_ratios(timings)
-    table = markdown_table(["what", "runs", "median ms", "q1 ms", "q3 ms"], rows)
-    ratio_table = markdown_table(["ratio (same round)", "median", "q1", "q3", "target"], ratios)
+    ratio_table = markdown_table(RATIO_HEADERS, ratios)
+    print(headline(args, n_params, size, report))
+    print(table)
     print()
     print(ratio_table)
     if args.update_docs is not None:
         replace_block(args.update_docs, "capture-cost", f"{table}\n\n{ratio_table}")
         print(f"updated {args.update_docs}", file=sys.stderr)
     if args.out is not None:
-        write_json(
-            args.out,
-            {
-                "time": now_iso(),
-                "machine": machine_info(),
-                "params": n_params,
-                "bundle_bytes": size,
-                "timings_s": timings,
-                "ratios": {r[0]: r[1] for r in ratios},
-                "report": {k: report[k] for k in ("phase", "op", "module", "culprit_samples")},
-            },
-        )
+        write_json(args.out, results_json(n_params, size, timings, ratios, report))
     shutil.rmtree(root, ignore_errors=True)
 
 
