@@ -129,3 +129,14 @@ def test_trace_of_a_finite_step_says_nothing_to_diagnose() -> None:
     r = t.diagnose()
     assert (r.reproduced, r.phase, r.verdict) == (False, None, "not_reproduced")
     assert r.summary.startswith("Nothing to diagnose")
+
+
+def test_the_report_lists_every_root_in_text_and_json() -> None:
+    def two_roots(model: nn.Module, batch: Tensor) -> Tensor:
+        h = model(batch)
+        return (torch.log(h - h) + 1.0 / (h - h)).sum()  # log(0) = -inf and 1/0 = inf
+
+    r = tg.diagnose(nn.Linear(3, 2), two_roots, torch.ones(4, 3))
+    assert [root["op"] for root in r.roots] == ["aten.log", "aten.reciprocal"]
+    assert r.nan_op == "aten.add"
+    assert "roots          2 independent roots" in str(r)

@@ -310,22 +310,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Hop:
         """The hop of this op's non-finite outputs: a new root, a NaN-maker or a carrier."""
         out_nan = any(_has_nan(t) for t in bad)
-        nan_in, nonfinite_in = False, False
-        parents: list[Hop] = []
-        carrier: Hop | None = None
-        for t in _float_tensors(operands):
-            if id(t) in before:
-                t_nonfinite, t_nan = before[id(t)]
-            else:
-                t_nonfinite = not _finite(t)
-                t_nan = t_nonfinite and _has_nan(t)
-            nan_in |= t_nan
-            nonfinite_in |= t_nonfinite
-            known = self.hop_of(t) if t_nonfinite else None
-            if known is not None:
-                parents.append(known)
-                if carrier is None or (out_nan and t_nan and carrier.value != "nan"):
-                    carrier = known
+        nan_in, nonfinite_in, parents, carrier = self._inputs(operands, before, out_nan)
         flat, _ = tree_flatten(operands)
         constant = any(isinstance(a, float) and not math.isfinite(a) for a in flat)
         makes_nan = out_nan and not nan_in and not constant
@@ -359,6 +344,29 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         hop = _hop_for(origin, bad[0], site)
         self.root_hops[id(origin)] = hop
         return hop
+
+    def _inputs(
+        self, operands: Any, before: dict[int, tuple[bool, bool]], out_nan: bool
+    ) -> tuple[bool, bool, list[Hop], Hop | None]:
+        """``(nan_in, nonfinite_in, parents, carrier)`` of an op's inputs: the hops of its
+        non-finite inputs, and the one its output continues (a NaN one for a NaN output)."""
+        nan_in, nonfinite_in = False, False
+        parents: list[Hop] = []
+        carrier: Hop | None = None
+        for t in _float_tensors(operands):
+            if id(t) in before:
+                t_nonfinite, t_nan = before[id(t)]
+            else:
+                t_nonfinite = not _finite(t)
+                t_nan = t_nonfinite and _has_nan(t)
+            nan_in |= t_nan
+            nonfinite_in |= t_nonfinite
+            known = self.hop_of(t) if t_nonfinite else None
+            if known is not None:
+                parents.append(known)
+                if carrier is None or (out_nan and t_nan and carrier.value != "nan"):
+                    carrier = known
+        return nan_in, nonfinite_in, parents, carrier
 
     def _detail(
         self,

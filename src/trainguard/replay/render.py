@@ -129,20 +129,7 @@ def replay_text(report: dict[str, Any]) -> str:
         return "yes" if value else "no"
 
     runs = f"{report.get('nonfinite_runs', 0)}/{report.get('repeats', 0)} replays non-finite"
-    culprits = report["culprit_samples"]
-    if culprits:
-        shown = ", ".join(
-            f"{c['position']}"
-            + (f" (index {c['index']})" if c.get("index") is not None else "")
-            + (f" in micro-batch {c['micro_batch']}" if c.get("micro_batch") else "")
-            for c in culprits
-        )
-    elif report["reproduced"] and not report.get("bisected", True):
-        shown = "not searched (no bisection)"
-    elif report.get("batch_level") and report["verdict"] != "batch_statistics":
-        shown = "none: every sample tried is bad on its own"
-    else:
-        shown = "none" if not report["reproduced"] else "none: no single sample is to blame"
+    shown = _culprits_text(report)
     module = report["module"] or ("- (outside any module)" if report["op"] else "-")
     op = report["op"] or "-"
     if report.get("op_detail") and report["op"]:
@@ -199,6 +186,24 @@ def _path_lines(path: list[dict[str, Any]], roots: list[dict[str, Any]]) -> list
                 f"  {what:<22} {root.get('value', ''):<5} {where}  {root.get('source') or ''}"
             )
     return lines
+
+
+def _culprits_text(report: dict[str, Any]) -> str:
+    culprits = report["culprit_samples"]
+    if culprits:
+        shown = ", ".join(
+            f"{c['position']}"
+            + (f" (index {c['index']})" if c.get("index") is not None else "")
+            + (f" in micro-batch {c['micro_batch']}" if c.get("micro_batch") else "")
+            for c in culprits
+        )
+    elif report["reproduced"] and not report.get("bisected", True):
+        shown = "not searched (no bisection)"
+    elif report.get("batch_level") and report["verdict"] != "batch_statistics":
+        shown = "none: every sample tried is bad on its own"
+    else:
+        shown = "none" if not report["reproduced"] else "none: no single sample is to blame"
+    return shown
 
 
 def demo_event_line(event: dict[str, Any], every: int = 5) -> str | None:
