@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.events import EventLog
 from trainguard.recovery import checkpoint as ckpt
@@ -35,7 +36,8 @@ class Resumed:
 def _try_load(path: Path, objects: TrainingObjects, rank: int) -> tuple[dict[str, Any], str]:
     try:
         return ckpt.load(path, objects, rank), ""
-    except Exception as exc:  # damaged or partial: reported, and the previous one is tried
+    except (Exception, CheckpointException) as exc:  # a BaseException: caught by name
+        # damaged or partial: reported, and the previous one is tried
         return {}, f"{type(exc).__name__}: {exc}"[:500]
 
 
