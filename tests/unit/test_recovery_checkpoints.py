@@ -1,0 +1,84 @@
+"""Known-good checkpoints on disk, in one process: atomic layout, the good-after rule through
+the guard, retention of the newest K, and resume from them."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+from trainguard.events import read_events
+from trainguard.recovery import checkpoint as ckpt
+from trainguard.recovery.snapshot import TrainingObjects
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP: "single process"
+
+
+def _objects() -> TrainingObjects:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return TrainingObjects(model, opt)
+
+
+def test_save_is_atomic_and_retention_keeps_the_newest_good(tmp_path: Path) -> None:
+    objects = _objects()
+    for step in (2, 4, 6, 8):
+        saved = ckpt.save(tmp_path, step, objects, {"data": step}, None, 0)
+        assert sorted(p.name for p in saved.path.iterdir()) == [
+            ".metadata",
+            "__0_0.distcp",
+            "manifest.json",
+            "rank-0.pt",
+        ]
+        assert json.loads((saved.path / "manifest.json").read_text())["step"] == step
+    assert not list(ckpt.checkpoints_dir(tmp_path).glob(".tmp-*"))
+    assert ckpt.good_checkpoints(tmp_path) == []  # none is good before healthy steps follow
+    for step in (2, 4, 6):
+        ckpt.mark_good(tmp_path, step, first_loss=float(step), keep=2)
+    names = sorted(p.name for p in ckpt.checkpoints_dir(tmp_path).iterdir())
+    assert names == ["step-00000004", "step-00000006", "step-00000008"]  # 8: still pending
+    ckpt.discard(tmp_path, 8)  # a bad step came before it became good
+    ckpt.discard(tmp_path, 6)  # good ones are never discarded
+    assert [ckpt.step_of(p) for p in ckpt.good_checkpoints(tmp_path)] == [6, 4]
+    assert ckpt.first_loss(ckpt.step_dir(tmp_path, 6)) == 6.0
+
+
+def _run(run_dir: Path, batches: list[torch.Tensor], **options: object) -> tg.Guard:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    config = tg.GuardConfig(run_dir=run_dir, hang_timeout=0, **options)  # type: ignore[arg-type]
+    guard = tg.Guard(model, opt, scheduler=sched, config=config)
+    with guard, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x in guard.watch(batches):
+            loss = model(x).pow(2).mean()
+            if x.isnan().any():
+                loss = loss * float("nan")
+            loss.backward()
+            if guard.check(loss):
+                opt.step()
+                sched.step()
+            opt.zero_grad(set_to_none=True)
+    return guard
+
+
+def test_guard_marks_good_after_healthy_steps_and_resume_continues(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(3, 4, generator=gen) for _ in range(10)]
+    batches[7] = batches[7] * float("nan")  # the checkpoint of step 6 never becomes good
+    _run(tmp_path, batches, checkpoint_every=2, good_after=2, keep_checkpoints=2)
+    kinds = [(e["kind"], e["step"]) for e in read_events(tmp_path, 0)]
+    assert ("checkpoint_good", 4) in kinds and ("checkpoint_good", 6) not in kinds
+    assert [ckpt.step_of(p) for p in ckpt.good_checkpoints(tmp_path)] == [8, 4]
+    resumed = _run(tmp_path, batches, checkpoint_every=2, resume=True)
+    events = [e for e in read_events(tmp_path, 0) if e["kind"] == "resume"]
+    assert (events[-1]["from_step"], events[-1]["position"]) == (8, 8)
+    assert resumed.state.step == 10  # batches 8 and 9 only, not the whole list again
