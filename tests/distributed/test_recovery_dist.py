@@ -67,3 +67,40 @@ def test_ddp_rollback_skips_the_bad_batch_and_finishes(tmp_path: Path) -> None:
         assert rungs == ["rollback", "rollback+lr_backoff", "rollback+lr_backoff+reset_moments"]
         refused = [e for e in stop["events"] if e["kind"] == "rollback_refused"]
         assert refused and refused[0]["reason"] == "max_rollbacks"
+
+
+def _fsdp_job(rank: int, world: int, root: str) -> dict[str, Any]:
+    import trainguard as tg
+
+    base = Path(root)
+
+    def cfg(name: str) -> dict[str, Any]:
+        config = tg.GuardConfig(
+            run_dir=base / name,
+            on_escalation="rollback",
+            max_consecutive=3,
+            snapshot_every=2,
+            good_after=2,
+            hang_timeout=0,
+        )
+        return {"config": config}
+
+    return {
+        "clean": train(rank, "fsdp", base / "clean", BATCHES, {}, **cfg("clean")),
+        "rollback": train(rank, "fsdp", base / "rb", BATCHES, POISON, **cfg("rb")),
+    }
+
+
+@pytest.mark.timeout(90)
+def test_fsdp2_rollback_restores_the_shards_on_every_rank(tmp_path: Path) -> None:
+    runs = values(run_ranks(_fsdp_job, 2, str(tmp_path), timeout=80))
+    for rank, run in enumerate(runs):
+        rb = run["rollback"]
+        assert rb["error"] is None
+        assert rb["finite"] and rb["same"], f"rank {rank}: params not finite/identical"
+        rollbacks = [e for e in rb["events"] if e["kind"] == "rollback"]
+        assert [(e["step"], e["restored_step"]) for e in rollbacks] == [(8, 4)]
+        assert rollbacks[0]["batches_skipped"] == [4, 5, 6, 7, 8]
+        assert rb["step"] == BATCHES - 5
+        clean = run["clean"]["eval_loss"]
+        assert abs(rb["eval_loss"] - clean) <= 0.25 * clean, (rb["eval_loss"], clean)
