@@ -150,3 +150,25 @@ def test_recovery_spike_and_input_events_are_reported(tmp_path: Path) -> None:
     assert "rollbacks   step 17: rollback (restored_step 10, rung rollback, attempt 1)" in text
     assert "checkpoints step 10: checkpoint checkpoints/s10" in text
     assert png_bytes(summary).startswith(b"\x89PNG")  # every marker kind drawn
+
+
+def test_without_matplotlib_the_text_still_works(
+    run_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import sys
+
+    from trainguard.report.command import run_report
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert run_report(copy, as_json=False, png=None, html=True) == 0
+    assert "decisions   ok 10, skip 2" in capsys.readouterr().out
+    assert "matplotlib is not installed" in (copy / "report.html").read_text(encoding="utf-8")
+    assert run_report(copy, as_json=False, png=tmp_path / "t.png", html=False) == 2
+    assert "--png needs matplotlib" in capsys.readouterr().err
