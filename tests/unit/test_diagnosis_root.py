@@ -140,3 +140,16 @@ def test_the_report_lists_every_root_in_text_and_json() -> None:
     assert [root["op"] for root in r.roots] == ["aten.log", "aten.reciprocal"]
     assert r.nan_op == "aten.add"
     assert "roots          2 independent roots" in str(r)
+
+
+def test_trace_of_a_given_model_names_its_nonfinite_weights() -> None:
+    model, loss_fn, batch = nc.BY_NAME["bad_weights"].build()
+    with tg.trace(model) as t:
+        loss = loss_fn(model, batch)
+        loss.backward()  # type: ignore[no-untyped-call]
+    r = t.diagnose()
+    assert (r.verdict, r.module, r.details["weights_nonfinite"]) == (
+        "nonfinite_weights",
+        "fc",
+        ["fc.weight"],
+    )
