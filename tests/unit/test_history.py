@@ -131,3 +131,23 @@ def test_metrics_batching_and_thinning(tmp_path: Path) -> None:
     log.close()
     steps = [json.loads(line)["step"] for line in log.path.read_text().splitlines()]
     assert steps == [*range(10), 10, 20, 30, 33]
+
+
+def test_a_large_world_logs_a_loss_summary(tmp_path: Path) -> None:
+    from trainguard.report.summary import summarize
+    from trainguard.step.history import LOGGED_RANKS
+
+    world = LOGGED_RANKS + 1
+    losses = [float(r) for r in range(world)]
+    losses[7] = math.nan
+    log = MetricsLog(metrics_path(tmp_path))
+    history = StepHistory(capacity=4, metrics=log)
+    opt = torch.optim.SGD(TinyNet().parameters(), lr=0.5)
+    history.record(0, Agreement([7], [], [], [0] * world, losses, 1.0), Decision.SKIP, opt)
+    history.close()
+    (line,) = _metrics(tmp_path)
+    assert line["losses"] is None
+    assert line["loss_summary"]["nonfinite_ranks"] == [7] and line["loss_summary"]["max"] == 64.0
+    assert len(history.bundle_history()["records"][0]["losses"]) == world  # the bundle keeps all
+    (point,) = summarize(tmp_path).points
+    assert point.bad_ranks == [7] and math.isnan(point.loss or 0.0)

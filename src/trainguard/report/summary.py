@@ -109,19 +109,30 @@ def _read_points(root: Path, skipped: Skipped) -> list[StepPoint]:
     points: dict[int, StepPoint] = {}
     for rec in read_jsonl(path, root, skipped):
         step = rec.get("step")
-        losses = [number(v) for v in rec.get("losses") or []]
         if not isinstance(step, int):
             skipped.add_lines(str(path.relative_to(root)), 1)
             continue
-        finite = [v for v in losses if v is not None]
+        loss, bad_ranks = _losses(rec)
         points[step] = StepPoint(  # a resumed run repeats steps: the latest record wins
             step=step,
-            loss=sum(finite) / len(finite) if finite else None,
+            loss=loss,
             grad_norm=number(rec.get("grad_norm")),
             decision=str(rec.get("decision", "?")),
-            bad_ranks=[r for r, v in enumerate(losses) if v is None or not math.isfinite(v)],
+            bad_ranks=bad_ranks,
         )
     return [points[s] for s in sorted(points)]
+
+
+def _losses(rec: dict[str, Any]) -> tuple[float | None, list[int]]:
+    """The mean loss (non-finite when a rank's is) and the ranks whose loss was not finite."""
+    summary = rec.get("loss_summary")
+    if isinstance(summary, dict):  # a large world: the log keeps a summary of the losses
+        bad = [r for r in summary.get("nonfinite_ranks") or [] if isinstance(r, int)]
+        return (math.nan if bad else number(summary.get("mean"))), bad
+    losses = [number(v) for v in rec.get("losses") or []]
+    bad = [r for r, v in enumerate(losses) if v is None or not math.isfinite(v)]
+    finite = [v for v in losses if v is not None]
+    return (sum(finite) / len(finite) if finite else None), bad
 
 
 def _merged(events: list[dict[str, Any]], *kinds: str) -> list[dict[str, Any]]:

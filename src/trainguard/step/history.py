@@ -11,6 +11,7 @@ writes them as the bundle's ``history.json`` (``bundle_history``), the bad step 
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -22,6 +23,10 @@ from torch import Tensor
 from trainguard.step.consensus import Agreement
 from trainguard.step.metrics import MetricsLog
 from trainguard.step.policy import Decision
+
+LOGGED_RANKS = 64
+"""Up to this many ranks the metrics log holds every rank's loss; past it (a line would grow
+to kilobytes per step) a ``loss_summary`` instead: min, mean, max and the non-finite ranks."""
 
 HISTORY_FORMAT = 1
 """Version of ``history.json``: ``{"format": 1, "records": [{step, losses, grad_norm,
@@ -55,7 +60,23 @@ class StepRecord:
         }
 
     def log_fields(self) -> dict[str, Any]:
-        return {**self.bundle_fields(), "step_seconds": self.step_seconds, "time": self.time}
+        """The metrics log line: past ``LOGGED_RANKS`` ranks the losses are summarized."""
+        fields = {**self.bundle_fields(), "step_seconds": self.step_seconds, "time": self.time}
+        if len(self.losses) > LOGGED_RANKS:
+            fields["losses"] = None
+            fields["loss_summary"] = loss_summary(self.losses)
+        return fields
+
+
+def loss_summary(losses: list[float]) -> dict[str, Any]:
+    """min / mean / max over the finite losses, and the ranks whose loss is not finite."""
+    finite = [v for v in losses if math.isfinite(v)]
+    return {
+        "min": min(finite) if finite else None,
+        "mean": sum(finite) / len(finite) if finite else None,
+        "max": max(finite) if finite else None,
+        "nonfinite_ranks": [r for r, v in enumerate(losses) if not math.isfinite(v)],
+    }
 
 
 def learning_rate(optimizer: torch.optim.Optimizer) -> float | None:

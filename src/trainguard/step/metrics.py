@@ -1,8 +1,11 @@
 """The per-step metrics log: ``run_dir/metrics/rank-0.jsonl``.
 
 One JSON line per recorded step: ``step``, ``losses`` (every rank's), ``grad_norm`` (global,
-before clipping), ``decision``, ``lr``, ``step_seconds`` and ``time``. The values are agreed
-across ranks, so rank 0 alone writes the file (the other ranks keep only the in-memory ring).
+before clipping), ``decision``, ``lr``, ``step_seconds`` and ``time``. Past 64 ranks
+``losses`` is null and ``loss_summary`` holds ``min``, ``mean``, ``max`` and
+``nonfinite_ranks`` (``history.LOGGED_RANKS``), so a line stays small at any scale.
+The values are agreed across ranks, so rank 0 alone writes the file (the other ranks keep
+only the in-memory ring).
 
 Writes are batched: lines are buffered and appended every ``flush_every`` lines or
 ``flush_seconds`` seconds (checked when a step is recorded), at once after a step that is not
