@@ -61,8 +61,10 @@ def diagnose_runs(
         return report
     micro = bad[0].first_bad_micro or 0
     finding = locate(runner, micro)
-    culprits = _culprits(runner, finding) if bisect else Culprits(searched=False)
-    report = report_of(finding, culprits, deterministic, growth(history))
+    grew = growth(history)
+    whole_step = grew is not None or bool(finding.parameter_origins)  # no sample is the cause
+    culprits = _culprits(runner, finding) if bisect and not whole_step else Culprits(searched=False)
+    report = report_of(finding, culprits, deterministic, grew)
     if len(bad) < len(runs):
         report.summary += f" (Non-finite in {len(bad)} of {len(runs)} replays: nondeterministic.)"
     report.details.update(replayed, bisection_runs=culprits.runs)
