@@ -153,3 +153,17 @@ def test_trace_of_a_given_model_names_its_nonfinite_weights() -> None:
         "fc",
         ["fc.weight"],
     )
+
+
+def test_a_real_cause_is_preferred_to_a_deliberate_minus_inf_on_the_path() -> None:
+    def mask_meets_log() -> Tensor:
+        mask = torch.tensor([True, False, False])
+        masked = torch.zeros(3).masked_fill(mask, float("-inf"))
+        return (masked - torch.log(torch.tensor([1.0, 1.0, 0.0]))).sum()  # -inf + inf
+
+    tracer, out = _traced(mask_meets_log)
+    hop = tracer.hop_of(out)
+    assert hop is not None and hop.origin.site is not None
+    assert (hop.origin.kind, hop.origin.site.op) == ("op", "aten.log")
+    assert hop.nan_maker is not None and hop.nan_maker.site is not None
+    assert hop.nan_maker.site.op == "aten.sum"

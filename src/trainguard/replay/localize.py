@@ -349,10 +349,12 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self, operands: Any, before: dict[int, tuple[bool, bool]], out_nan: bool
     ) -> tuple[bool, bool, list[Hop], Hop | None]:
         """``(nan_in, nonfinite_in, parents, carrier)`` of an op's inputs: the hops of its
-        non-finite inputs, and the one its output continues (a NaN one for a NaN output)."""
+        non-finite inputs, and the one its output continues (one from a real cause rather
+        than a deliberate -inf, and a NaN one for a NaN output)."""
         nan_in, nonfinite_in = False, False
         parents: list[Hop] = []
         carrier: Hop | None = None
+        best = (False, False)
         for t in _float_tensors(operands):
             if id(t) in before:
                 t_nonfinite, t_nan = before[id(t)]
@@ -364,8 +366,9 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
             known = self.hop_of(t) if t_nonfinite else None
             if known is not None:
                 parents.append(known)
-                if carrier is None or (out_nan and t_nan and carrier.value != "nan"):
-                    carrier = known
+                rank = (known.origin.kind not in _NOT_ROOTS, out_nan and t_nan)
+                if carrier is None or rank > best:  # a real cause first, then a NaN one
+                    carrier, best = known, rank
         return nan_in, nonfinite_in, parents, carrier
 
     def _detail(
