@@ -7,6 +7,11 @@ state); once every rank is done rank 0 writes ``manifest.json`` and renames the 
 checkpoint is *good* once ``good_after`` healthy steps follow it: rank 0 then writes ``GOOD``
 (with the first step's loss) and deletes all but the newest ``keep`` good ones. A bad step
 before that deletes it: it may hold weights that were already drifting.
+
+With ``async_save`` (``torch.distributed.checkpoint``; the default where the torch version
+has it) the step waits only while DCP copies the state to CPU memory; the write runs in a
+background thread over its own gloo process group, and the manifest and rename follow once
+the checkpoint is judged (good or not), collectively, ``good_after`` steps later.
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from trainguard.recovery.snapshot import TrainingObjects
+
+dcp_async_save: Any = getattr(state_dict_saver, "async_save", None)  # None: the save blocks
 
 MANIFEST = "manifest.json"
 GOOD = "GOOD"
@@ -75,6 +83,18 @@ class Saved:
     path: Path
     seconds: float
     """Time the step waited for the save (blocking time)."""
+    future: Any = None
+    """The background write of an ``async_save``; ``finish()`` waits for it."""
+    group: dist.ProcessGroup | None = None
+    rank: int = 0
+
+
+def async_group() -> dist.ProcessGroup | None:
+    """Collective: the process group the background writes use (None: not distributed)."""
+    if not _distributed():
+        return None
+    group: dist.ProcessGroup | None = dist.new_group(backend="gloo")
+    return group
 
 
 def save(
@@ -84,8 +104,11 @@ def save(
     extras: dict[str, Any],
     group: dist.ProcessGroup | None,
     rank: int,
+    write_group: dist.ProcessGroup | None = None,
+    use_async: bool = False,
 ) -> Saved:
-    """Collective: every rank calls it at the same step boundary."""
+    """Collective: every rank calls it at the same step boundary. Synchronous (finished on
+    return) unless ``use_async``: then call ``finish()`` on every rank later."""
     start = time.perf_counter()
     final = step_dir(run_dir, step)
     tmp = final.with_name(f".tmp-{final.name}")
@@ -93,8 +116,27 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(group)
-    dcp_save(model_optimizer_state(objects), checkpoint_id=str(tmp), process_group=group)
     torch.save({**rank_extras(objects), **extras}, tmp / f"rank-{rank}.pt")
+    state = model_optimizer_state(objects)
+    future = None
+    if use_async and dcp_async_save is not None:
+        future = dcp_async_save(state, checkpoint_id=str(tmp), process_group=write_group)
+    else:
+        dcp_save(state, checkpoint_id=str(tmp), process_group=group)
+    saved = Saved(step, final, 0.0, future, group, rank)
+    if future is None:
+        finish(saved)
+    saved.seconds = time.perf_counter() - start
+    return saved
+
+
+def finish(saved: Saved) -> None:
+    """Collective: wait for the write, then rank 0 writes the manifest and renames."""
+    if saved.future is not None:
+        saved.future.result()
+        saved.future = None
+    group, rank, step, final = saved.group, saved.rank, saved.step, saved.path
+    tmp = final.with_name(f".tmp-{final.name}")
     _barrier(group)
     if rank == 0:
         world = dist.get_world_size(group) if _distributed() else 1
@@ -103,7 +145,6 @@ def save(
         shutil.rmtree(final, ignore_errors=True)  # a step taken again after a rollback
         os.replace(tmp, final)
     _barrier(group)
-    return Saved(step, final, time.perf_counter() - start)
 
 
 def load(path: Path, objects: TrainingObjects, rank: int) -> dict[str, Any]:

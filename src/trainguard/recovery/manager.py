@@ -145,6 +145,8 @@ class Recovery:
         self._resume_rng: tuple[int, dict[str, Any]] | None = None
         self._last_saved = -1
         self._pending_ckpt: list[Any] | None = None  # [step, healthy steps, first loss]
+        self._saving: ckpt.Saved | None = None
+        self._write_group = ckpt.async_group() if config.checkpoint_every > 0 else None
 
     # -- hooks the guard calls ---------------------------------------------------------------
 
@@ -214,9 +216,18 @@ class Recovery:
             "recovery": self.state.state_dict(),
             "data": {"epoch": stream.epoch, "position": stream.view.position},
         }
+        self._finish_save()  # a previous one still writing (good_after >= checkpoint_every)
         saved = ckpt.save(
-            Path(self.config.run_dir), step, self.objects, extras, self.group, self.rank
+            Path(self.config.run_dir),
+            step,
+            self.objects,
+            extras,
+            self.group,
+            self.rank,
+            self._write_group,
+            use_async=True,
         )
+        self._saving = saved
         self._last_saved = step
         self._pending_ckpt = [step, 0, None]
         self.events.write(
@@ -234,6 +245,7 @@ class Recovery:
             return
         run_dir = Path(self.config.run_dir)
         if not ok:
+            self._finish_save()
             self._pending_ckpt = None
             if self.rank == 0:
                 ckpt.discard(run_dir, pending[0])
@@ -242,10 +254,21 @@ class Recovery:
             pending[2] = loss
         pending[1] += 1
         if pending[1] >= self.config.good_after:
+            self._finish_save()
             self._pending_ckpt = None
             if self.rank == 0:
                 ckpt.mark_good(run_dir, pending[0], pending[2], self.config.keep_checkpoints)
             self.events.write("checkpoint_good", pending[0], healthy_steps=pending[1])
+
+    def _finish_save(self) -> None:
+        """Collective (reached on every rank at the same step): complete a background save."""
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            ckpt.finish(saving)
+
+    def close(self) -> None:
+        """Complete a background save (the checkpoint stays pending: not good)."""
+        self._finish_save()
 
     def resume(self) -> None:
         """Collective, at construction: load the newest good checkpoint, if any."""

@@ -574,6 +574,8 @@ class Guard:
         self._closed = True
         try:
             self._resolve_pending(raise_errors=raise_errors)
+            if raise_errors and self.recovery is not None:
+                self.recovery.close()  # every rank: a background checkpoint write completes
         finally:
             self.progress.enter("closed")
             if self._watchdog is not None:

@@ -1,0 +1,161 @@
+"""What recovery costs on a healthy run: snapshots and checkpoints at their cadences.
+
+The transformer workload of ``overhead_modes`` (AdamW), one process, timed in rounds that
+alternate the modes (so drift on a shared machine hits each mode alike):
+
+- ``guard``: the guard alone (the baseline of the ratio);
+- ``guard+snapshots``: ``on_escalation="rollback"``, in-memory snapshots every
+  ``--snapshot-every`` steps (default: GuardConfig's);
+- ``guard+snapshots+checkpoints``: and a known-good checkpoint on disk (DCP) every
+  ``--checkpoint-every`` steps.
+
+Then the blocking time of one checkpoint (``trainguard.recovery.checkpoint.save``: DCP,
+per-rank extras, manifest, rename) against a plain ``torch.save`` of the same model and
+optimizer state, ``--runs`` times each.
+
+    python benchmarks/recovery_cost.py              # cpu sizes
+    python benchmarks/recovery_cost.py --quick      # tiny sizes (smoke test)
+
+Numbers from a shared machine are noisy: take the final ones on a quiet one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import machine_info, markdown_table, median, now_iso, write_json
+from overhead_modes import Workload, workloads
+
+import trainguard as tg
+from trainguard.recovery import checkpoint as ckpt
+from trainguard.recovery.snapshot import TrainingObjects
+
+MODES = ("guard", "guard+snapshots", "guard+snapshots+checkpoints")
+
+
+def _guard(mode: str, model: torch.nn.Module, opt: Any, run_dir: Path, args: Any) -> tg.Guard:
+    config = tg.GuardConfig(run_dir=run_dir, hang_timeout=0, capture=False)
+    if mode != "guard":
+        config = tg.GuardConfig(
+            run_dir=run_dir,
+            hang_timeout=0,
+            capture=False,
+            on_escalation="rollback",
+            snapshot_every=args.snapshot_every,
+            checkpoint_every=args.checkpoint_every if mode.endswith("checkpoints") else 0,
+        )
+    return tg.Guard(model, opt, config=config)
+
+
+def time_mode(mode: str, work: Workload, steps: int, root: Path, args: Any) -> float:
+    """Seconds per step over ``steps`` guarded steps (after 2 warm-up steps)."""
+    torch.manual_seed(0)
+    model = work.build()
+    opt = torch.optim.AdamW(model.parameters(), lr=work.lr)
+    gen = torch.Generator().manual_seed(1)
+    batches = [work.batch(gen) for _ in range(8)]
+    run_dir = root / f"{mode}-{time.monotonic_ns()}"
+    guard = _guard(mode, model, opt, run_dir, args)
+    data = (batches[i % len(batches)] for i in range(steps + 2))
+    start = 0.0
+    with guard:
+        for i, batch in enumerate(guard.watch(data)):
+            if i == 2:
+                start = time.perf_counter()
+            loss = work.loss(model, batch)
+            loss.backward()  # type: ignore[no-untyped-call]
+            guard.step(loss)
+    elapsed = time.perf_counter() - start
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return elapsed / steps
+
+
+def blocking_checkpoint(work: Workload, runs: int, root: Path) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = work.build()
+    opt = torch.optim.AdamW(model.parameters(), lr=work.lr)
+    loss = work.loss(model, work.batch(torch.Generator().manual_seed(1)))
+    loss.backward()  # type: ignore[no-untyped-call]
+    opt.step()  # the moments exist
+    objects = TrainingObjects(model, opt)
+    saves, dcp, background = [], [], []
+    for run in range(runs):
+        path = root / f"plain-{run}.pt"
+        start = time.perf_counter()
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+        saves.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        ckpt.save(root / "ckpt", run + 1, objects, {}, None, 0)
+        dcp.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        saved = ckpt.save(root / "ckpt-async", run + 1, objects, {}, None, 0, use_async=True)
+        background.append(time.perf_counter() - start)
+        ckpt.finish(saved)  # outside the timing: the write runs behind the steps
+    return {
+        "torch_save_s": median(saves),
+        "checkpoint_s": median(dcp),
+        "checkpoint_async_s": median(background),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--snapshot-every", type=int, default=tg.GuardConfig().snapshot_every)
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=None, help="default 100 (10 --quick)"
+    )
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/recovery_cost.json"))
+    args = parser.parse_args()
+    logging.disable(logging.WARNING)
+    warnings.simplefilter("ignore")  # DCP warns that it saves in one process
+    torch.set_num_threads(1)
+    work = workloads("quick" if args.quick else "cpu")["transformer"]
+    steps = args.steps or (20 if args.quick else 200)
+    if args.checkpoint_every is None:
+        args.checkpoint_every = 10 if args.quick else 100
+    root = Path(tempfile.mkdtemp(prefix="tg-recovery-cost-"))
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    try:
+        for _ in range(args.rounds):
+            for mode in MODES:
+                times[mode].append(time_mode(mode, work, steps, root, args))
+        blocking = blocking_checkpoint(work, args.runs, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    base = median(times["guard"])
+    rows = [[mode, median(times[mode]) * 1e3, median(times[mode]) / base] for mode in MODES]
+    print(markdown_table(["mode", "ms/step (median)", "x guard"], rows))
+    print(
+        f"\nblocking time of one checkpoint: async_save {blocking['checkpoint_async_s'] * 1e3:.1f}"
+        f" ms, synchronous {blocking['checkpoint_s'] * 1e3:.1f} ms (plain torch.save of the "
+        f"same state: {blocking['torch_save_s'] * 1e3:.1f} ms)"
+    )
+    result = {
+        "time": now_iso(),
+        "machine": machine_info(),
+        "workload": work.description.format(**work.sizes),
+        "steps": steps,
+        "rounds": args.rounds,
+        "snapshot_every": args.snapshot_every,
+        "checkpoint_every": args.checkpoint_every,
+        "seconds_per_step": times,
+        "ratio_to_guard": {row[0]: row[2] for row in rows},
+        "blocking": blocking,
+    }
+    write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
