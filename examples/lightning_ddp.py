@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+from trainguard import read_events
 from trainguard.integrations.lightning import TrainGuard, replay_spec
 
 SAMPLES = 64
@@ -102,11 +103,13 @@ def main() -> None:
     train = DataLoader(Points(), batch_size=4)
     val = DataLoader(Points(16, poisoned=None), batch_size=4)
     trainer.fit(model, train, val)
-    state = guard.state_dict()["state"]
+    # ddp_spawn: the guard ran in the spawned processes; its events are on disk either way
+    state = guard.state_dict().get("state", {})
+    skipped = sorted({e["step"] for e in read_events(args.run_dir, 0) if e["kind"] == "skip"})
     if trainer.global_rank == 0:
         print(
             f"trained {trainer.global_step} steps on {trainer.world_size} ranks; "
-            f"non-finite steps skipped: {state['nonfinite_steps']}; "
+            f"non-finite steps skipped: {skipped}; "
             f"bundles: {sorted(str(p) for p in Path(args.run_dir, 'captures').glob('step-*'))}"
         )
     if args.out is not None:

@@ -94,3 +94,29 @@ def test_ddp_with_gradient_accumulation(tmp_path: Path) -> None:
 def test_ddp_bf16_mixed(tmp_path: Path) -> None:
     ranks, run_dir = _run(tmp_path, "--precision", "bf16-mixed")
     _check_run(ranks, run_dir, steps=8)
+
+
+@pytest.mark.timeout(180)
+def test_ddp_spawn(tmp_path: Path) -> None:
+    """ddp_spawn: the guard runs in the spawned processes; only rank 0's weights come back,
+    so the cross-rank check reads both ranks' events."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    command = [sys.executable, str(EXAMPLE), "--run-dir", str(run_dir), "--out", str(out)]
+    done = subprocess.run(
+        [*command, "--strategy", "ddp_spawn"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    skips = [
+        [e["step"] for e in tg.read_events(run_dir, rank) if e["kind"] == "skip"] for rank in (0, 1)
+    ]
+    assert skips[0] == skips[1] and len(skips[0]) == 1
+    result = json.loads((out / "rank0.json").read_text())
+    assert all(math.isfinite(v) for values in result["params"].values() for v in values)
+    bundle = run_dir / "captures" / f"step-{skips[0][0]:08d}"
+    assert _replay(bundle).phase == "loss"
