@@ -65,11 +65,17 @@ def test_bad_parameter_is_named_before_the_clip(tmp_path: Path) -> None:
     callback = TrainGuardCallback(run_dir=tmp_path, hang_timeout=0, capture=False)
     trainer = ex.GuardedTrainer(
         model=model,
-        args=_args(tmp_path, max_grad_norm=1.0),  # the Trainer's clip would spread the NaN
-        train_dataset=ex.Tokens(masked=None),
+        args=_args(tmp_path, max_grad_norm=1.0, eval_strategy="steps", eval_steps=2),
+        train_dataset=ex.Tokens(masked=None),  # the Trainer's clip would spread the NaN
+        eval_dataset=ex.Tokens(2, masked=None),
         callbacks=[callback],
     )
     trainer.train()
+    phases = [e for e in tg.read_events(tmp_path, 0) if e["kind"] == "phase"]
+    assert [(e["phase"], e["state"]) for e in phases][:2] == [
+        ("evaluation", "enter"),
+        ("evaluation", "exit"),
+    ]
     bad = [e for e in tg.read_events(tmp_path, 0) if e["kind"] == "nonfinite"]
     assert [e["step"] for e in bad] == [1]
     assert bad[0]["params"] == ["transformer.ln_f.weight"]  # only it, not every parameter
