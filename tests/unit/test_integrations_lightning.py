@@ -58,6 +58,8 @@ def test_unknown_option_is_a_config_error() -> None:
         TrainGuard(grad_clipping=1.0)
     with pytest.raises(ConfigError, match="on_nonfinite"):
         TrainGuard(on_nonfinite="ignore")
+    with pytest.raises(ConfigError, match="recovery"):  # the framework owns checkpoints
+        TrainGuard(on_escalation="rollback")
 
 
 def test_one_process_skips_the_poisoned_batch(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from trainguard.config import GuardConfig
 from trainguard.errors import ConfigError
+from trainguard.recovery import recovery_enabled
 
 OWNED_BY_FRAMEWORK = ("accumulation_steps",)
 """Options the integration reads from the framework instead (e.g. accumulate_grad_batches)."""
@@ -20,7 +21,15 @@ def guard_config(options: dict[str, Any], where: str) -> GuardConfig:
         raise ConfigError(
             unknown[0], f"{where} got an unknown option; use one of {', '.join(sorted(known))}"
         )
-    return GuardConfig(**options)
+    config = GuardConfig(**options)
+    if recovery_enabled(config):
+        raise ConfigError(
+            "on_escalation/checkpoint_every/resume",
+            f"{where} does not run the guard's recovery: the framework owns the checkpoints "
+            "and the data loader (a rollback must skip data through guard.watch()); use the "
+            "framework's checkpoints and resume, with on_escalation='raise'",
+        )
+    return config
 
 
 def with_accumulation(config: GuardConfig, steps: int) -> GuardConfig:
