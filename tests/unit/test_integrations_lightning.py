@@ -94,3 +94,24 @@ def test_manual_optimization_is_refused(tmp_path: Path) -> None:
         _trainer(TrainGuard(run_dir=tmp_path, hang_timeout=0)).fit(
             Manual(), DataLoader(ex.Points(), batch_size=8)
         )
+
+
+def test_fp16_with_a_grad_scaler_skips_after_lightnings_unscale(tmp_path: Path) -> None:
+    """Lightning unscales before on_before_optimizer_step: clearing the gradients there must
+    not trip GradScaler, the scale must drop, and the guard must see the unscaled loss."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    ex = _example()
+    L.seed_everything(0, verbose=False)
+    model = ex.Regressor()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)  # CPU has fp16 autocast in torch
+    callback = TrainGuard(run_dir=tmp_path, hang_timeout=0)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(callback, plugins=[plugin]).fit(model, DataLoader(ex.Points(), batch_size=8))
+    state = callback.state_dict()["state"]
+    assert state["nonfinite_steps"] == [ex.POISONED // 8]
+    assert scaler.get_scale() == 2.0**7  # the skipped step lowered the scale once
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert 1 < state["last_good_loss"] < 20  # unscaled: about 6 here; the scaled one is ~1500

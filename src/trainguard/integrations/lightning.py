@@ -123,7 +123,7 @@ class TrainGuard(Callback):  # type: ignore[misc]
             return
         if self._loss is not None:  # an earlier micro-batch of this optimizer step
             self.guard.record_loss(self._loss)
-        self._loss = loss.detach()
+        self._loss = _step_loss(loss.detach(), trainer)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
@@ -176,6 +176,18 @@ class TrainGuard(Callback):  # type: ignore[misc]
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
             self._saved_state = dict(state_dict)
+
+
+def _step_loss(loss: Tensor, trainer: pl.Trainer) -> Tensor:
+    """The loss ``training_step`` returned, from the one backward sees: Lightning divides it
+    by ``accumulate_grad_batches`` and, under fp16, multiplies it by the GradScaler's scale
+    (a device tensor: no host sync). The guard's loss history and spike checks need the
+    training_step's value; finiteness is the same either way."""
+    scale = getattr(getattr(trainer.precision_plugin, "scaler", None), "_scale", None)
+    if isinstance(scale, Tensor):  # GradScaler keeps it on the device (private, stable)
+        loss = loss / scale.to(loss.device)
+    accumulate = trainer.accumulate_grad_batches
+    return loss * accumulate if accumulate != 1 else loss
 
 
 # -- replay ----------------------------------------------------------------------------------
