@@ -5,6 +5,7 @@
 - ``data``      ``BatchStream`` behind ``guard.watch()``: prefetch, uneven-data agreement
 - ``detect``    the local checks: the loss and one fused pass over the gradients
 - ``consensus`` the one small all-reduce every rank reads the same way (``Agreement``)
+- ``held_work`` keeps the latest collective's work so gloo's thread never releases its tensor
 - ``policy``    the decision for a step (``Decision``), from agreed data only
 - ``deferred``  the sync-free ``guard.step()``: ``found_inf`` on the device, read a step late
 - ``amp``       fp16 with a GradScaler: unscale before the check, equal scales on every rank

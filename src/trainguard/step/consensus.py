@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trainguard.numerics import norm_or_inf
+from trainguard.step.held_work import HeldWork
 
 COLUMNS = ("loss", "loss_check", "grad_norm", "exhausted", "batches")
 DEVICE_COLUMNS = 3
@@ -104,6 +105,8 @@ class Consensus:
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.device = self._buffer_device(local_device or torch.device("cpu"))
+        self.work = HeldWork()
+        """The latest all-reduce's work, released on this thread (see ``held_work``)."""
 
     def _buffer_device(self, local_device: torch.device) -> torch.device:
         """Where the buffer lives: the collective's device, or (one process) the model's, so
@@ -127,7 +130,8 @@ class Consensus:
         row[:DEVICE_COLUMNS].copy_(report.values, non_blocking=True)
         row[DEVICE_COLUMNS].fill_(1.0 if report.exhausted else 0.0)
         row[DEVICE_COLUMNS + 1].fill_(float(report.batches))
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+        # not synchronous: the work is kept, so gloo's thread never releases ``buf`` (held_work)
+        self.work.wait(dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
         return Reduced(buf, report, sum_grad_norms)
 
     def agree(self, report: LocalReport, sum_grad_norms: bool) -> Agreement:

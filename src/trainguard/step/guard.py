@@ -583,6 +583,7 @@ class Guard:
             self.events.write("close", self.state.step, total_nonfinite=self.state.total_nonfinite)
             self.events.close()
             self.history.close()
+            self._consensus.work.retire()  # released at exit, not by gloo's thread (held_work)
 
     def __enter__(self) -> Guard:
         return self
