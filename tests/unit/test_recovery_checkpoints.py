@@ -82,3 +82,24 @@ def test_guard_marks_good_after_healthy_steps_and_resume_continues(tmp_path: Pat
     events = [e for e in read_events(tmp_path, 0) if e["kind"] == "resume"]
     assert (events[-1]["from_step"], events[-1]["position"]) == (8, 8)
     assert resumed.state.step == 10  # batches 8 and 9 only, not the whole list again
+
+
+def test_rollback_to_a_good_checkpoint_on_disk_without_snapshots(tmp_path: Path) -> None:
+    from tg_recovery import train
+
+    config = tg.GuardConfig(
+        run_dir=tmp_path,
+        on_escalation="rollback",
+        snapshot_every=0,
+        checkpoint_every=2,
+        good_after=1,
+        max_consecutive=3,
+        hang_timeout=0,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = train(0, "plain", tmp_path, 20, {5: 1e37}, config=config)
+    rollbacks = [e for e in run["events"] if e["kind"] == "rollback"]
+    assert [(e["step"], e["restored_step"], e["source"]) for e in rollbacks] == [(8, 4, "disk")]
+    assert rollbacks[0]["batches_skipped"] == [4, 5, 6, 7, 8]
+    assert run["error"] is None and run["finite"] and run["step"] == 15

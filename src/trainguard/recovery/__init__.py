@@ -3,10 +3,11 @@
 - ``snapshot``   in-memory CPU snapshots at a step boundary; good after ``good_after`` steps
 - ``checkpoint`` known-good checkpoints on disk (torch.distributed.checkpoint), retention
 - ``resume``     the newest good checkpoint, agreed by every rank
+- ``target``     the rollback target: a good snapshot, or a good checkpoint on disk
 - ``backoff``    the LR factor on the schedule, applied around ``optimizer.step()``
 - ``ladder``     the escalation rungs (rollback, + LR backoff, + moment reset, stop)
 - ``ledger``     the persisted skip ledger (batch positions, dataset indices)
-- ``manager``    ``Recovery``: the part the guard composes
+- ``manager``    ``Recovery``: the part the guard composes (``types``: what it passes around)
 
 Offers: ``Recovery``, ``build_recovery``, ``recovery_enabled``, ``TrainingObjects``.
 Imports the base modules and ``capture`` only, never the step path.

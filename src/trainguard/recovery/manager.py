@@ -8,10 +8,8 @@ outcome), ``rollback`` (on escalation) and ``watch`` (a new epoch's stream).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,98 +19,25 @@ from trainguard.config import GuardConfig
 from trainguard.events import EventLog
 from trainguard.recovery import checkpoint as ckpt
 from trainguard.recovery import snapshot as snap
+from trainguard.recovery import target as targets
 from trainguard.recovery.agree import same_on_every_rank
 from trainguard.recovery.backoff import Backoff, LrFactor
 from trainguard.recovery.ladder import Rung, rung_for
 from trainguard.recovery.ledger import SkipEntry, SkipLedger, sample_indices
 from trainguard.recovery.resume import resume
+from trainguard.recovery.types import (
+    DataPoint,
+    RecoveryState,
+    Stateful,
+    Stream,
+    StreamStart,
+    StreamView,
+    epoch_of,
+)
 
 logger = logging.getLogger(__name__)
 
 _CUMULATIVE = ("total_nonfinite", "nonfinite_steps", "overflow_steps")
-
-
-class Stateful(Protocol):
-    step: int
-
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-class StreamView(Protocol):
-    """What recovery needs of the guard's batch stream."""
-
-    @property
-    def position(self) -> int: ...
-    def drop_next(self, count: int) -> None: ...
-
-
-@dataclass
-class StreamStart:
-    """How ``watch()`` starts an epoch's stream: what to skip, and the step-boundary hook."""
-
-    iterable: Any
-    epoch: int
-    start_position: int
-    skip_positions: frozenset[int]
-    on_step_start: Callable[[], None]
-
-    def stream_args(self) -> dict[str, Any]:
-        return {
-            "start_position": self.start_position,
-            "skip_positions": self.skip_positions,
-            "on_step_start": self.on_step_start,
-        }
-
-
-def epoch_of(iterable: Any, given: int | None, watched: int) -> int:
-    """The epoch of a ``watch()`` pass: given, else the DistributedSampler's, else a count."""
-    if given is not None:
-        return int(given)
-    sampler_epoch = getattr(getattr(iterable, "sampler", None), "epoch", None)
-    if isinstance(sampler_epoch, int):
-        return sampler_epoch
-    return watched
-
-
-@dataclass
-class Stream:
-    view: StreamView
-    iterable: Any
-    epoch: int
-    ident: int
-
-
-@dataclass(frozen=True)
-class DataPoint:
-    epoch: int
-    position: int
-    """Batches of the epoch's iterable consumed (handed out or skipped)."""
-
-
-@dataclass
-class RecoveryState:
-    """Saved with every snapshot and checkpoint."""
-
-    attempts: int = 0
-    """Rollbacks since the run last made progress."""
-    failed_at: int | None = None
-    backoff: Backoff = field(default_factory=Backoff)
-    rollbacks: int = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "attempts": self.attempts,
-            "failed_at": self.failed_at,
-            "backoff": self.backoff.state_dict(),
-            "rollbacks": self.rollbacks,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.attempts = int(state["attempts"])
-        self.failed_at = state["failed_at"]
-        self.backoff = Backoff.from_state(state["backoff"])
-        self.rollbacks = int(state.get("rollbacks", 0))
 
 
 class Recovery:
@@ -146,7 +71,10 @@ class Recovery:
         self._last_saved = -1
         self._pending_ckpt: list[Any] | None = None  # [step, healthy steps, first loss]
         self._saving: ckpt.Saved | None = None
-        self._write_group = ckpt.async_group() if config.checkpoint_every > 0 else None
+        # async_save writes over a group of its own; new_group needs every rank of the
+        # default group, so a guard on a sub-group saves synchronously instead.
+        self._async = config.checkpoint_every > 0 and group is None
+        self._write_group = ckpt.async_group() if self._async else None
 
     # -- hooks the guard calls ---------------------------------------------------------------
 
@@ -225,7 +153,7 @@ class Recovery:
             self.group,
             self.rank,
             self._write_group,
-            use_async=True,
+            use_async=self._async,
         )
         self._saving = saved
         self._last_saved = step
@@ -300,15 +228,17 @@ class Recovery:
         """On escalation at ``step``: restore, skip, back off. False: give up (raise)."""
         attempt = self.state.attempts + 1
         rung = rung_for(attempt, self.config.max_rollbacks)
-        target = self.snapshots.target(step - consecutive + 1)
-        target_step = target.step if target is not None else -1
-        agreed = same_on_every_rank(target_step, self.group, self.device)
+        target = self._target(step - consecutive + 1)
+        key = -1 if target is None else 2 * target.step + targets.from_disk(target)
+        agreed = same_on_every_rank(key, self.group, self.device)
         if rung is Rung.STOP or target is None or not agreed:
             reason = "max_rollbacks" if rung is Rung.STOP else "no_good_snapshot"
             if not agreed:
                 reason = "ranks_disagree"
             self.events.write("rollback_refused", step, reason=reason, attempt=attempt)
             return False
+        if targets.from_disk(target):  # the position is in the checkpoint: load it first
+            targets.restore(self.objects, target, self.rank)
         skipped = self._skip_batches(target, step)
         self._restore(target, attempt, rung, step)
         if self.stream is not None:  # the restored state now reads on from here
@@ -317,6 +247,7 @@ class Recovery:
             "rollback",
             step,
             restored_step=target.step,
+            source="disk" if targets.from_disk(target) else "memory",
             rung=rung.value,
             attempt=attempt,
             epoch=self.stream.epoch if self.stream is not None else None,
@@ -328,9 +259,22 @@ class Recovery:
         log("trainguard: step %d rolled back to step %d (%s)", step, target.step, rung.value)
         return True
 
+    def _target(self, first_bad: int) -> snap.Snapshot | None:
+        memory = self.snapshots.target(first_bad)
+        if self.config.checkpoint_every == 0:
+            return memory
+        stream = self.stream
+        epoch, ident = (stream.epoch, stream.ident) if stream is not None else (-1, -1)
+        disk = targets.disk_target(Path(self.config.run_dir), first_bad, epoch, ident)
+        return targets.choose(memory, disk)
+
+    def _cumulative(self) -> dict[str, Any]:
+        return {k: v for k, v in self.guard_state.state_dict().items() if k in _CUMULATIVE}
+
     def _restore(self, target: snap.Snapshot, attempt: int, rung: Rung, step: int) -> None:
-        cumulative = {k: v for k, v in self.guard_state.state_dict().items() if k in _CUMULATIVE}
-        snap.restore(self.objects, target)
+        cumulative = self._cumulative()
+        if not targets.from_disk(target):
+            snap.restore(self.objects, target)
         self.guard_state.load_state_dict({**target.guard, **cumulative})
         self.snapshots.drop_after(target.step)
         self.state.attempts = attempt
