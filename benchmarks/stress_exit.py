@@ -30,7 +30,9 @@ Not part of CI: 200 runs take several minutes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -48,7 +50,7 @@ SCENARIOS = ("capture", "capture_nowd", "watchdog", "bare")
 WORLD = 2
 STEPS = 10
 ABORT_TEXT = "terminate called"
-RUN_TIMEOUT_S = 180.0
+RUN_TIMEOUT_S = float(os.environ.get("STRESS_RUN_TIMEOUT_S", "120"))
 EXPECTED = {"replay": 1}
 """Expected exit statuses other than 0: ``trainguard replay`` exits 1 when it reproduced the
 non-finite step (a finding)."""
@@ -133,6 +135,7 @@ class ScenarioSummary:
     runs: int = 0
     abnormal: int = 0
     aborts: int = 0
+    hangs: int = 0
     seconds: list[float] = field(default_factory=list)
     failures: list[RunResult] = field(default_factory=list)
 
@@ -156,7 +159,9 @@ def _launch_torchrun(scenario: str, run_dir: Path, steps: int) -> dict[str, int 
     cmd += [f"--nproc-per-node={WORLD}", "--max-restarts=0"]
     cmd += _worker_cmd(scenario, run_dir, steps)
     with (run_dir / "job.log").open("wb") as log:
-        proc = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         return {"launcher": _wait(proc)}
 
 
@@ -169,15 +174,22 @@ def _launch_plain(scenario: str, run_dir: Path, steps: int) -> dict[str, int | N
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(WORLD))
             env.update(RANK=str(rank), LOCAL_RANK=str(rank))
             cmd = [sys.executable, *_worker_cmd(scenario, run_dir, steps)]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
         return {f"rank-{rank}": _wait(proc) for rank, proc in enumerate(procs)}
 
 
 def _wait(proc: subprocess.Popen[bytes]) -> int | None:
+    """The exit status; None when the job hung (its whole process group is killed: a hung
+    rank outlives a killed launcher otherwise)."""
     try:
         return proc.wait(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         return None  # a hung job counts as abnormal
 
@@ -190,7 +202,9 @@ def _replay(run_dir: Path) -> int | None:
             return None
         cmd = [sys.executable, "-m", "trainguard", "replay", str(bundles[0])]
         cmd += ["--factory", "trainguard.demo:make_replay", "--repeats", "1"]
-        proc = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         return _wait(proc)
 
 
@@ -222,6 +236,7 @@ def stress(
             summary.runs += 1
             summary.seconds.append(result.seconds)
             summary.aborts += int(result.aborted)
+            summary.hangs += int(None in result.statuses.values())
             if not result.ok:
                 summary.abnormal += 1
                 summary.failures.append(result)
@@ -232,9 +247,9 @@ def stress(
 
 
 def table(summaries: list[ScenarioSummary]) -> str:
-    headers = ["scenario", "runs", "abnormal exits", "of which 'terminate called'", "s/run"]
+    headers = ["scenario", "runs", "abnormal", "'terminate called'", "hung (killed)", "s/run"]
     rows = [
-        [s.scenario, s.runs, s.abnormal, s.aborts, sum(s.seconds) / max(1, len(s.seconds))]
+        [s.scenario, s.runs, s.abnormal, s.aborts, s.hangs, sum(s.seconds) / max(1, len(s.seconds))]
         for s in summaries
     ]
     return markdown_table(headers, rows)
