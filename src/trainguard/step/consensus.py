@@ -13,7 +13,7 @@ the local row's device part alone.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -22,11 +22,14 @@ from torch import Tensor
 from trainguard.numerics import norm_or_inf
 from trainguard.step.held_work import HeldWork
 
-COLUMNS = ("loss", "loss_check", "grad_norm", "exhausted", "batches")
-DEVICE_COLUMNS = 3
+COLUMNS = ("loss", "loss_check", "grad_norm", "input", "exhausted", "batches")
+DEVICE_COLUMNS = 4
 """The first columns come from the device (``LocalReport.values``); the rest from the host."""
 _NCOL = len(COLUMNS)
 _NORM = COLUMNS.index("grad_norm")
+_INPUT = COLUMNS.index("input")
+_EXHAUSTED = COLUMNS.index("exhausted")
+_BATCHES = COLUMNS.index("batches")
 
 
 @dataclass(frozen=True)
@@ -34,9 +37,10 @@ class LocalReport:
     """What one rank saw during a step. ``values`` may be on the device (no sync needed)."""
 
     values: Tensor
-    """float64 ``[loss, loss_check, grad_norm]``: the loss reported (mean of the last
-    micro-batch's loss), the sum of every micro-batch's loss (non-finite when any is), and
-    the L2 norm of this rank's gradients (non-finite when any gradient is)."""
+    """float64 ``[loss, loss_check, grad_norm, input]``: the loss reported (mean of the last
+    micro-batch's loss), the sum of every micro-batch's loss (non-finite when any is), the
+    L2 norm of this rank's gradients (non-finite when any gradient is), and the largest
+    ``|x|`` of the step's input tensors (non-finite when any input value is; 0 unchecked)."""
     exhausted: bool = False
     """This rank's data iterator is used up (``batches`` is then its exact total)."""
     batches: int = 0
@@ -65,19 +69,24 @@ class Agreement:
     losses: list[float]
     global_grad_norm: float
     """The norm of all gradients: of every rank's shard (FSDP2), else rank 0's."""
+    input_ranks: list[int] = field(default_factory=list)
+    """Ranks whose step input (a floating-point tensor of the batch) was not finite."""
 
     @property
     def bad(self) -> bool:
-        return bool(self.loss_ranks or self.grad_ranks)
+        return bool(self.loss_ranks or self.grad_ranks or self.input_ranks)
 
     @property
     def ranks(self) -> list[int]:
-        """Ranks where the step went non-finite: the loss ranks when any, else the grad ranks."""
-        return self.loss_ranks or self.grad_ranks
+        """Ranks where the step went non-finite: the loss ranks when any, else the grad
+        ranks, else the ranks with a non-finite input."""
+        return self.loss_ranks or self.grad_ranks or self.input_ranks
 
     @property
     def where(self) -> str:
-        return "loss" if self.loss_ranks else "grad"
+        if self.loss_ranks:
+            return "loss"
+        return "grad" if self.grad_ranks else "input"
 
     @property
     def mean_loss(self) -> float:
@@ -128,8 +137,8 @@ class Consensus:
         buf = torch.zeros(self.world_size * _NCOL, dtype=torch.float64, device=self.device)
         row = buf[self.rank * _NCOL : (self.rank + 1) * _NCOL]
         row[:DEVICE_COLUMNS].copy_(report.values, non_blocking=True)
-        row[DEVICE_COLUMNS].fill_(1.0 if report.exhausted else 0.0)
-        row[DEVICE_COLUMNS + 1].fill_(float(report.batches))
+        row[_EXHAUSTED].fill_(1.0 if report.exhausted else 0.0)
+        row[_BATCHES].fill_(float(report.batches))
         # not synchronous: the work is kept, so gloo's thread never releases ``buf`` (held_work)
         self.work.wait(dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
         return Reduced(buf, report, sum_grad_norms)
@@ -171,9 +180,10 @@ class Consensus:
         norms = [row[_NORM] for row in rows]
         return Agreement(
             loss_ranks=[r for r, row in enumerate(rows) if not math.isfinite(row[1])],
-            grad_ranks=[r for r, row in enumerate(rows) if not math.isfinite(row[2])],
-            exhausted_ranks=[r for r, row in enumerate(rows) if row[3] > 0.5],
-            batches=[int(row[4]) for row in rows],
+            grad_ranks=[r for r, row in enumerate(rows) if not math.isfinite(row[_NORM])],
+            exhausted_ranks=[r for r, row in enumerate(rows) if row[_EXHAUSTED] > 0.5],
+            batches=[int(row[_BATCHES]) for row in rows],
             losses=[row[0] for row in rows],
             global_grad_norm=math.hypot(*norms) if reduced.sharded else norms[0],
+            input_ranks=[r for r, row in enumerate(rows) if not math.isfinite(row[_INPUT])],
         )

@@ -48,6 +48,7 @@ from trainguard.step.detect import (
     loss_value,
 )
 from trainguard.step.history import StepHistory
+from trainguard.step.inputs import InputCheck
 from trainguard.step.manual import RecordedBatches
 from trainguard.step.metrics import MetricsLog, metrics_path
 from trainguard.step.policy import Decision, decide
@@ -138,6 +139,7 @@ class Guard:
         self._micro_losses: list[Tensor] = []
         self._capturer = Capturer(self.run_dir, self._consensus, self.events)
         self.spikes = SpikeWatch(self.config, self.events, self.rank)
+        self._inputs = InputCheck(self.config.check_inputs, self.events, self.rank)
         metrics = MetricsLog(metrics_path(self.run_dir)) if self.rank == 0 else None
         self.history = StepHistory(self.config.history_steps, metrics)
         # Recovery restores at step boundaries: it needs the decision before the update.
@@ -371,8 +373,10 @@ class Guard:
         if len(self._micro_losses) > 1:  # gradient accumulation: every micro-batch counts
             micro = [loss_value(m).to(device, non_blocking=True) for m in self._micro_losses]
             check = torch.stack(micro).double().sum()
-        values = torch.stack([last, check, stats.norm])  # promoted to float64: one kernel
         stream = self._stream
+        batches = stream.current if stream is not None else []
+        inputs = self._inputs.value(self.state.step, batches, device)
+        values = torch.stack([last, check, stats.norm, inputs])  # float64: one kernel
         return LocalReport(
             values,
             exhausted=stream.exhausted if stream is not None else False,
@@ -495,6 +499,7 @@ class Guard:
     def _log_nonfinite(
         self, decision: Decision, agreement: Agreement, stats: GradStats, step: int
     ) -> None:
+        self._inputs.report(agreement, step)
         bad_params = stats.bad_names()
         self.events.write(
             "nonfinite",

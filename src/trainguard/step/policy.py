@@ -39,7 +39,7 @@ def decide(
     """Decide a step. ``scaler_scale``: the GradScaler's scale, or None without a scaler."""
     if not agreement.bad:
         return Decision.OK
-    if scaler_scale is not None and not agreement.loss_ranks:
+    if scaler_scale is not None and not (agreement.loss_ranks or agreement.input_ranks):
         # Gradients overflowed while the loss is finite: the scaler's business, unless the
         # scale has collapsed (then no scale makes the gradients fit).
         if scaler_scale < config.min_loss_scale:

@@ -1,0 +1,114 @@
+"""Non-finite input data: one fused pass over the floating-point tensors of a step's batches.
+
+``watch()`` hands the guard each step's micro-batches; at the check the guard takes the
+largest absolute value over every floating-point tensor in them (``torch._foreach_norm``
+with ``ord=inf``, one fused kernel per device). That maximum is non-finite exactly when some
+input value is NaN/Inf (no overflow: it is a max, not a sum of squares), and it rides the
+step's all-reduce as one more device column, so a bad input marks the step bad on every
+rank with no extra collective and no host sync. The batch is read on the host only on a
+bad step, to name the tensor's path in the batch, the sample positions and (when the batch
+carries an ``index`` / ``indices`` field) the dataset indices.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trainguard.capture import batchtree
+from trainguard.events import EventLog
+from trainguard.step.consensus import Agreement
+
+logger = logging.getLogger(__name__)
+
+
+def float_tensors(batches: Sequence[Any]) -> list[Tensor]:
+    """The non-empty floating-point tensors of the batches (detached; no copies)."""
+    found: list[Tensor] = []
+    for batch in batches:
+        for tensor in batchtree.tensors(batch):
+            if tensor.is_floating_point() and tensor.numel() > 0:
+                found.append(tensor.detach())
+    return found
+
+
+def max_abs(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """float64 scalar on ``device``: the largest ``|x|`` (0 without tensors); NaN/Inf when
+    any value is. One fused kernel per device the tensors live on; no host sync."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for tensor in tensors:
+        by_device.setdefault(tensor.device, []).append(tensor)
+    maxima = []
+    for group in by_device.values():
+        norms = torch._foreach_norm(group, float("inf"), dtype=torch.float64)
+        top = torch.stack(list(norms)).amax()  # amax propagates NaN
+        maxima.append(top.to(device, non_blocking=True))
+    return maxima[0] if len(maxima) == 1 else torch.stack(maxima).amax()
+
+
+def bad_tensors(batches: Sequence[Any]) -> list[dict[str, Any]]:
+    """Where the non-finite values are (host reads: bad steps only): per tensor, the
+    micro-batch, the path in the batch, the sample positions and the dataset indices."""
+    found: list[dict[str, Any]] = []
+    for micro, batch in enumerate(batches):
+        size = batchtree.batch_size(batch)
+        indices = batchtree.dataset_indices(batch)
+        for path, leaf in batchtree.leaves(batch):
+            if not isinstance(leaf, Tensor) or not leaf.is_floating_point():
+                continue
+            if bool(torch.isfinite(leaf.detach()).all()):
+                continue
+            rows = batchtree.nonfinite_samples(leaf, size) if size is not None else []
+            entry: dict[str, Any] = {"micro_batch": micro, "path": path, "positions": rows}
+            if indices is not None and rows and max(rows) < len(indices):
+                entry["dataset_indices"] = [indices[i] for i in rows]
+            found.append(entry)
+    return found
+
+
+class InputCheck:
+    """The guard's input check: a device value per step, a report on a bad step."""
+
+    def __init__(self, enabled: bool, events: EventLog, rank: int) -> None:
+        self.enabled = enabled
+        self._events = events
+        self._rank = rank
+        self._checked: deque[tuple[int, list[Any]]] = deque(maxlen=3)
+        self._zero: Tensor | None = None
+
+    def value(self, step: int, batches: Sequence[Any], device: torch.device) -> Tensor:
+        """The step's input column (float64 scalar on ``device``): ``max |x|``, or 0 when
+        the check is off or there are no batches."""
+        if not self.enabled or not batches:
+            if self._zero is None or self._zero.device != device:
+                self._zero = torch.zeros((), dtype=torch.float64, device=device)
+            return self._zero
+        self._checked.append((step, list(batches)))
+        return max_abs(float_tensors(batches), device)
+
+    def report(self, agreement: Agreement, step: int) -> None:
+        """On a step with a non-finite input somewhere: a ``bad_input`` event on every rank
+        (this rank's tensors named when the bad input is here)."""
+        if not agreement.input_ranks:
+            return
+        batches = next((b for s, b in self._checked if s == step), [])
+        here = bad_tensors(batches) if self._rank in agreement.input_ranks else []
+        self._events.write("bad_input", step, ranks=agreement.input_ranks, tensors=here)
+        for entry in here:
+            logger.warning(
+                "trainguard: step %d rank %d non-finite input at %s, samples %s%s",
+                step,
+                self._rank,
+                entry["path"] or "<batch>",
+                entry["positions"],
+                f" (dataset indices {entry['dataset_indices']})"
+                if "dataset_indices" in entry
+                else "",
+            )

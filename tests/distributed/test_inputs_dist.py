@@ -1,0 +1,79 @@
+"""Input checks across real processes (gloo): a NaN in one rank's batch skips the step on
+every rank (no extra collective: the flag rides the step's all-reduce), with the event."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tg_dist import run_ranks, values
+from tg_models import TinyNet
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainguard as tg
+
+BAD_STEP = 3
+
+
+def _train(rank: int, run_dir: Path, sync_free: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = DDP(TinyNet())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=sync_free)
+    guard = tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0)
+    gen = torch.Generator().manual_seed(rank)
+    batches = [
+        {
+            "x": torch.randn(4, 8, generator=gen),
+            "weight": torch.ones(4),
+            "index": [4 * i + j for j in range(4)],
+        }
+        for i in range(6)
+    ]
+    if rank == 1:
+        batches[BAD_STEP]["weight"][1] = float("nan")  # an unused input: only the check sees it
+    oks = []
+    for batch in guard.watch(batches):
+        loss = model(batch["x"]).pow(2).mean()
+        loss.backward()
+        if sync_free:
+            oks.append(guard.step(loss))
+        else:
+            oks.append(guard.check(loss))
+            opt.step()
+            opt.zero_grad()
+    guard.close()
+    lines = (run_dir / "events" / f"rank-{rank}.jsonl").read_text().splitlines()
+    events = [e for e in map(json.loads, lines) if e["kind"] == "bad_input"]
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"ok": [bool(ok) for ok in oks], "events": events, "params": params}
+
+
+def _job(rank: int, world: int, root: str) -> dict[str, Any]:
+    return {
+        "check": _train(rank, Path(root) / "check", sync_free=False),
+        "fused": _train(rank, Path(root) / "fused", sync_free=True),
+    }
+
+
+@pytest.mark.timeout(90)
+def test_a_nan_input_on_one_rank_skips_the_step_everywhere(tmp_path: Path) -> None:
+    ranks = values(run_ranks(_job, 2, str(tmp_path), timeout=80))
+    for name in ("check", "fused"):
+        r0, r1 = ranks[0][name], ranks[1][name]
+        expected = [step != BAD_STEP for step in range(6)]
+        assert r0["ok"] == r1["ok"] == expected, name
+        assert [(e["step"], e["ranks"]) for e in r0["events"]] == [(BAD_STEP, [1])], name
+        assert r0["events"][0]["tensors"] == []  # rank 0's batch was fine
+        [event] = r1["events"]
+        assert event["tensors"] == [
+            {
+                "micro_batch": 0,
+                "path": "['weight']",
+                "positions": [1],
+                "dataset_indices": [4 * BAD_STEP + 1],
+            }
+        ], name
+        assert torch.equal(r0["params"], r1["params"]), name

@@ -1,0 +1,78 @@
+"""Input checks (step/inputs.py): a non-finite input marks the step bad, with where it is."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from tg_models import TinyNet
+
+import trainguard as tg
+from trainguard.step.inputs import bad_tensors, max_abs
+
+NAN = float("nan")
+
+
+def test_max_abs_is_non_finite_exactly_when_an_input_is() -> None:
+    cpu = torch.device("cpu")
+    big = torch.full((4,), 3e38)  # a sum of squares would overflow; the max does not
+    assert torch.isfinite(max_abs([big, torch.ones(2, dtype=torch.bfloat16)], cpu))
+    assert torch.isnan(max_abs([big, torch.tensor([1.0, NAN])], cpu))
+    assert torch.isinf(max_abs([torch.tensor([-float("inf")])], cpu))
+    assert float(max_abs([], cpu)) == 0.0
+
+
+def test_bad_tensors_name_path_positions_and_dataset_indices() -> None:
+    pixels = torch.zeros(4, 3)
+    pixels[2, 1] = NAN
+    batch = {"pixel_values": pixels, "labels": torch.arange(4), "index": [10, 11, 12, 13]}
+    good = {"pixel_values": torch.zeros(4, 3), "labels": torch.arange(4)}
+    found = bad_tensors([good, batch])
+    assert found == [
+        {
+            "micro_batch": 1,
+            "path": "['pixel_values']",
+            "positions": [2],
+            "dataset_indices": [12],
+        }
+    ]
+
+
+def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    lines = (run_dir / "events" / "rank-0.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["kind"] == kind]
+
+
+def _run(run_dir: Path, check_inputs: bool) -> list[bool]:
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = tg.GuardConfig(run_dir=run_dir, check_inputs=check_inputs, hang_timeout=0)
+    guard = tg.Guard(model, opt, config=config)
+    batches = [{"x": torch.randn(4, 8), "aux": torch.zeros(4, 2)} for _ in range(4)]
+    batches[2]["aux"][3, 0] = NAN  # not used by the loss: only the input check sees it
+    oks = []
+    for batch in guard.watch(batches):
+        loss = model(batch["x"]).pow(2).mean()
+        loss.backward()
+        oks.append(guard.check(loss))
+        opt.step()
+        opt.zero_grad()
+    guard.close()
+    return oks
+
+
+def test_a_nan_input_skips_the_step_with_the_event(tmp_path: Path) -> None:
+    assert _run(tmp_path, check_inputs=True) == [True, True, False, True]
+    [event] = _events(tmp_path, "bad_input")
+    assert event["step"] == 2 and event["ranks"] == [0]
+    assert event["tensors"] == [{"micro_batch": 0, "path": "['aux']", "positions": [3]}]
+    [nonfinite] = _events(tmp_path, "nonfinite")
+    assert nonfinite["where"] == "input" and nonfinite["ranks"] == [0]
+
+
+def test_check_inputs_off(tmp_path: Path) -> None:
+    assert _run(tmp_path, check_inputs=False) == [True] * 4
+    assert _events(tmp_path, "bad_input") == []
