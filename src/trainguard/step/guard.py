@@ -52,6 +52,7 @@ from trainguard.step.inputs import InputCheck
 from trainguard.step.manual import RecordedBatches
 from trainguard.step.metrics import MetricsLog, metrics_path
 from trainguard.step.policy import Decision, decide
+from trainguard.step.sampler import SamplerEpochs
 from trainguard.step.spikewatch import SpikeWatch
 from trainguard.step.state import GuardState
 
@@ -140,6 +141,7 @@ class Guard:
         self._capturer = Capturer(self.run_dir, self._consensus, self.events)
         self.spikes = SpikeWatch(self.config, self.events, self.rank)
         self._inputs = InputCheck(self.config.check_inputs, self.events, self.rank)
+        self._sampler_epochs = SamplerEpochs(self.events, self.rank)
         metrics = MetricsLog(metrics_path(self.run_dir)) if self.rank == 0 else None
         self.history = StepHistory(self.config.history_steps, metrics)
         # Recovery restores at step boundaries: it needs the decision before the update.
@@ -185,6 +187,7 @@ class Guard:
         resumed = recovery.stream_start(iterable, epoch) if recovery is not None else None
         if resumed is not None:
             iterable = resumed.iterable  # empty for an epoch the resumed run already finished
+        self._sampler_epochs.starting(iterable, self.state.step)
         self._stream = BatchStream(
             iterable,
             self.config.accumulation_steps,
