@@ -168,11 +168,11 @@ def _check_recovery(config: GuardConfig) -> None:
             raise ConfigError(name, f"got {value!r}; use an integer >= 1")
     if not 0 < config.lr_backoff <= 1:
         raise ConfigError("lr_backoff", f"got {config.lr_backoff!r}; use a factor in (0, 1]")
-    if config.on_escalation == "rollback" and config.snapshot_every == 0:
-        if config.checkpoint_every == 0:
-            raise ConfigError(
-                "on_escalation", "rollback needs snapshot_every > 0 or checkpoint_every > 0"
-            )
+    no_target = config.snapshot_every == 0 and config.checkpoint_every == 0
+    if config.on_escalation == "rollback" and no_target:
+        raise ConfigError(
+            "on_escalation", "rollback needs snapshot_every > 0 or checkpoint_every > 0"
+        )
 
 
 def _check_spikes(config: GuardConfig) -> None:
