@@ -144,6 +144,27 @@ def test_every_rank_agrees_on_one_hang_with_the_stuck_rank_as_culprit(tmp_path: 
         assert len(hang) == 1 and hang[0]["culprits"] == [1] and hang[0]["exit_code"] == 91
 
 
+def test_buffers_registered_before_exit_are_flushed_before_the_process_exits(
+    tmp_path: Path,
+) -> None:
+    """The step path's buffered metrics survive ``os._exit``: flushed before the exit call,
+    and a flush that fails does not stop the exit."""
+    store, clock = FakeStore(), Clock()
+    r0, r1 = (Rank(r, 2, store, clock, tmp_path) for r in range(2))
+    order: list[str] = []
+
+    def broken() -> None:
+        raise OSError("disk full")
+
+    r0.wd.before_exit(broken)
+    r0.wd.before_exit(lambda: order.append(f"flushed, exits so far {r0.exits}"))
+    r0.progress.enter("check", 4)
+    r1.progress.enter("data", 4)
+    run(clock, [r0, r1], 4.0)
+    assert r0.exits == [tg.EXIT_HANG]
+    assert order == ["flushed, exits so far []"]
+
+
 def test_progress_anywhere_holds_off_a_hang(tmp_path: Path) -> None:
     store, clock = FakeStore(), Clock()
     r0, r1 = (Rank(r, 2, store, clock, tmp_path) for r in range(2))

@@ -100,6 +100,9 @@ class ExitPath:
         self._ack_wait = ack_wait_s
         self._host = socket.gethostname()
         self._pid = os.getpid()
+        self.before_exit: list[Callable[[], Any]] = []
+        """Called (errors logged, never raised) before the process exits on a verdict: the
+        loop's own buffers that ``os._exit`` would otherwise lose."""
 
     @property
     def folder(self) -> Path:
@@ -183,6 +186,8 @@ class ExitPath:
             time.sleep(0.25)  # let the others read the final count before the store goes
 
     def _flush(self) -> None:
+        for flush in self.before_exit:  # e.g. the step path's buffered metrics log
+            attempt(flush)
         self.events.close()
         for handler in logging.getLogger().handlers:
             attempt(handler.flush)

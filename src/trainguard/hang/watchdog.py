@@ -123,6 +123,10 @@ class Watchdog:
         self._exit = self._exit_path(exit_fn, ack_wait_s)
         self._failures = self._failure_publisher(ack_wait_s)
 
+    def before_exit(self, flush: Callable[[], Any]) -> None:
+        """Run ``flush`` before this process exits on a hang or peer-failure verdict."""
+        self._exit.before_exit.append(flush)
+
     def _exit_path(self, exit_fn: Callable[[int], Any], ack_wait_s: float) -> ExitPath:
         return ExitPath(
             channel=self.channel,

@@ -175,6 +175,8 @@ class Guard:
         self._watchdog: Watchdog | None = start_watchdog(
             self.progress, self.events, self.config.hang_timeout, self.run_dir, process_group
         )
+        if self._watchdog is not None:  # a hang exits with os._exit: keep the metrics
+            self._watchdog.before_exit(self.history.flush)
 
     # -- the loop -------------------------------------------------------------------------
 
