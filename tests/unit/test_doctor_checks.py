@@ -103,6 +103,9 @@ def test_compare_names_the_odd_rank() -> None:
     assert found["ranks.nccl"].status == "fail" and found["ranks.nccl"].rank == 2
     assert "rank 2 has '2.18.1'" in found["ranks.nccl"].message
     assert found["ranks.NCCL_DEBUG"].status == "warn" and found["ranks.NCCL_DEBUG"].rank == 3
+    assert found["ranks.NCCL_DEBUG"].message == (
+        "NCCL_DEBUG differs: rank 3 has 'INFO'; ranks 0, 1, 2 have it unset"
+    )
     assert odd_ranks({0: "a", 1: "b"}) == ("a", [1])  # a tie: rank 0's value is the reference
     assert odd_ranks({0: "a", 1: "b", 2: "b"}) == ("b", [0])
 

@@ -93,7 +93,7 @@ def _version_fix(name: str) -> str:
 
 
 def _shown(value: Any) -> str:
-    return "unset" if value is None else repr(value)
+    return "it unset" if value is None else repr(value)
 
 
 def _has(ranks: list[int]) -> str:
