@@ -62,7 +62,9 @@ def test_ddp_bundle_from_both_ranks_replays_in_one_process(tmp_path: Path) -> No
     bundle = tg.load_bundle(bundle_path)
     assert (bundle.world_size, bundle.ranks, bundle.saved_ranks) == (2, [1], [0, 1])
     assert bundle.manifest["loss_ranks"] == [1] and bundle.manifest["grad_ranks"] == [0, 1]
-    assert {n.split("/")[0] for n in bundle.files} == {"rank-0", "rank-1"}
+    # one part per rank, and the run's history once (agreed values, written by rank 0)
+    assert {n.split("/")[0] for n in bundle.files} == {"rank-0", "rank-1", "history.json"}
+    assert bundle.history is not None and bundle.history[-1]["step"] == 2
     meta0, meta1 = bundle.meta(0), bundle.meta(1)
     assert meta1["loss"] == "nan" and isinstance(meta0["loss"], float)
     assert meta1["dataset_indices"] == [list(range(1016, 1024))]
