@@ -235,6 +235,8 @@ def _doctor(args: argparse.Namespace) -> int:
         _print_json(report.to_dict())
     else:
         print(report_text(report))
+    sys.stdout.flush()
+    report.close()  # under torchrun: wait until every rank has printed
     if report.hard_exit:  # a thread is stuck in a collective: it cannot be joined
         sys.stdout.flush()
         sys.stderr.flush()

@@ -24,6 +24,12 @@ if os.environ.get("LOCAL_RANK") == "1":
         name, _, value = item.partition("=")
         os.environ[name] = value
     time.sleep(float(os.environ.get("TG_TEST_RANK1_SLEEP", "0")))
+    if os.environ.get("TG_TEST_RANK1_HANG_OP"):  # stuck in host code inside that op
+        import trainguard.doctor.smoke as smoke
+        def hang(*args, **kwargs):
+            while True:
+                time.sleep(1)
+        setattr(smoke, os.environ["TG_TEST_RANK1_HANG_OP"] + "_op", hang)
 from trainguard.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -121,6 +127,25 @@ def test_a_rank_that_never_shows_up_is_named_within_the_timeout(tmp_path: Path) 
     assert finding["message"] == "rank 1 did not check in within 5 s"
     assert report["smoke"] == {"skipped": "not every rank checked in"}
     assert elapsed < 45, f"torchrun took {elapsed:.1f} s; rank 1 sleeps 60 s"
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_stuck_in_a_collective_is_named_and_every_rank_exits(tmp_path: Path) -> None:
+    """Rank 1 never enters broadcast: rank 0's gloo broadcast times out, rank 1's deadline
+    (2 x timeout) abandons the stuck thread; both report, both exit 1, nothing hangs."""
+    code, reports, stderr, elapsed = _torchrun(tmp_path, 5, _env(TG_TEST_RANK1_HANG_OP="broadcast"))
+    assert code != 0
+    for rank in (0, 1):
+        report = reports[rank]
+        assert report["exit_code"] == 1
+        found = {(f["check"], f["rank"]) for f in report["findings"] if f["status"] == "fail"}
+        assert ("smoke.broadcast", 1) in found, report["findings"]  # rank 1 named as stuck
+        assert ("smoke.broadcast", 0) in found or ("smoke.error", 0) in found
+        assert report["smoke"]["per_rank"]["0"].keys() >= {"all_reduce", "all_gather"}
+        assert "terminate called" not in stderr[rank]
+    stuck = [f["message"] for f in reports[0]["findings"] if f["rank"] == 1]
+    assert stuck == ["rank 1 was still in broadcast at the deadline"]
+    assert elapsed < 60, f"{elapsed:.1f} s with --timeout 5"
 
 
 def _manual(rank: int, port: int, timeout_s: float) -> subprocess.Popen[str]:

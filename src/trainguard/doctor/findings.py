@@ -15,6 +15,7 @@ otherwise. ``info`` never changes the exit code.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -78,6 +79,14 @@ class DoctorReport:
     """A collective is stuck in a thread of this process: print, then ``os._exit``."""
     full_text: bool = True
     """False on ranks other than 0 when rank 0 prints the whole job's report."""
+    closer: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+
+    def close(self) -> None:
+        """Call after the report is printed: under torchrun, waits (at most the timeout) until
+        every rank has printed its own, so that no rank's exit cuts another's short."""
+        if self.closer is not None:
+            closer, self.closer = self.closer, None
+            closer()
 
     def add(self, *findings: Finding) -> None:
         self.findings.extend(findings)

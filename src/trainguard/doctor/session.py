@@ -5,11 +5,13 @@
 3. Compare every rank's versions and variables (``compare``).
 4. Only when everyone came: the smoke test under a deadline (``collective_phase``), results
    exchanged so that every rank reaches the same verdict.
-5. Finish: the rank that hosts the store waits (bounded) until the others have read it.
+5. ``report.close()``, after the report is printed: every rank waits (bounded) until every
+   rank has printed, so that no rank's exit cuts another's report short.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from datetime import timedelta
@@ -26,6 +28,8 @@ from trainguard.doctor.compare import compare_ranks
 from trainguard.doctor.findings import DoctorReport, Finding
 from trainguard.doctor.rendezvous import Launch
 from trainguard.doctor.smoke_results import COLLECTIVES, smoke_findings, smoke_section
+
+logger = logging.getLogger(__name__)
 
 STORE_FIX = (
     "start rank 0 (it hosts the store) or check MASTER_ADDR/MASTER_PORT and the firewall "
@@ -81,7 +85,7 @@ def run_session(
             report.smoke = {"skipped": "not every rank checked in"}
         else:
             _smoke(report, store, launch, roster, timeout_s, bandwidth_bytes)
-        _finish(store, launch, roster, timeout_s)
+        report.closer = lambda: _finish(store, roster, timeout_s)
     except (RuntimeError, OSError) as exc:  # the store went away under us
         where = f"{launch.master_addr}:{launch.master_port}"
         message = f"the store at {where} stopped answering: {_first_line(exc)}"
@@ -136,9 +140,12 @@ def _smoke(
     plan = collective_phase.Plan(
         rank, launch.world_size, backend, device, timeout_s, bandwidth_bytes
     )
+    # the others may post up to their own deadline: wait for that, plus the timeout
+    results_until = time.monotonic() + plan.deadline_s + timeout_s
     outcome = collective_phase.run_bounded(store, plan)
     mine = collective_phase.outcome_json(outcome)
-    outcomes = collective_phase.exchange(store, rank, roster.present, mine, timeout_s)
+    wait_s = max(timeout_s, results_until - time.monotonic())
+    outcomes = collective_phase.exchange(store, rank, roster.present, mine, wait_s)
     expected = [*COLLECTIVES, *(["bandwidth"] if bandwidth_bytes > 0 else [])]
     findings = smoke_findings(outcomes, timeout_s, expected)
     if any(f.status == "fail" for f in findings):
@@ -154,14 +161,19 @@ def _smoke(
         dist.destroy_process_group()
 
 
-def _finish(store: Store, launch: Launch, roster: Roster, timeout_s: float) -> None:
-    """Count this rank out; the store's host waits for the others before it exits."""
-    store.add("finished", 1)
-    if not launch.hosts_store:
-        return
-    deadline = time.monotonic() + timeout_s
-    while store.add("finished", 0) < len(roster.present) and time.monotonic() < deadline:
-        time.sleep(POLL_S)
+def _finish(store: Store, roster: Roster, timeout_s: float) -> None:
+    """After this rank printed: count it out and wait (bounded) until every present rank has.
+
+    torchrun ends the other workers as soon as one exits non-zero, and the rank that hosts the
+    store takes it down when it exits: without this, a rank could lose its report to a faster
+    one's exit."""
+    try:
+        store.add("printed", 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add("printed", 0) < len(roster.present) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+    except (RuntimeError, OSError):
+        logger.debug("store gone while finishing", exc_info=True)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -133,6 +133,6 @@ def run_ops(
                 str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             )
             results.append(OpResult(name, False, time.perf_counter() - start, first_line))
-            break
+            return results  # progress stays at the op that failed
     progress(len(ops) + 1, "done")
     return results
