@@ -45,10 +45,10 @@ def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
 
 @pytest.mark.xfail(
     strict=False,
-    reason="known intermittent failure, not fixed (issue 12 left open): in about 1 of 3 fresh "
-    "runs the restarted attempt's init_process_group fails with gloo connectFullMesh "
-    "'Connection refused' to its peer; suspected: a stale gloo address left in torchrun's "
-    "store by the killed attempt. When it gets past init the weights are bitwise equal.",
+    reason="known failure, not fixed (issue 12 left open): it passed when written, then failed "
+    "in 3 of the last 4 runs: the restarted attempt's init_process_group fails with gloo "
+    "connectFullMesh 'Connection refused' to its peer (a stale gloo address in torchrun's "
+    "store from the killed attempt, or a regression from a later commit: not yet bisected).",
 )
 @pytest.mark.timeout(330)
 def test_torchrun_restart_resumes_bitwise(tmp_path: Path) -> None:
