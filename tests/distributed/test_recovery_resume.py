@@ -45,10 +45,9 @@ def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
 
 @pytest.mark.xfail(
     strict=False,
-    reason="known failure, not fixed (issue 12 left open): it passed when written, then failed "
-    "in 3 of the last 4 runs: the restarted attempt's init_process_group fails with gloo "
-    "connectFullMesh 'Connection refused' to its peer (a stale gloo address in torchrun's "
-    "store from the killed attempt, or a regression from a later commit: not yet bisected).",
+    reason="known failure, not fixed (issue 12 left open): fails in 5 of the last 6 runs, at "
+    "the commit that added it too (not a later regression): the restarted attempt's gloo "
+    "connectFullMesh is refused by its peer, or a rank's read is reset and the job times out.",
 )
 @pytest.mark.timeout(330)
 def test_torchrun_restart_resumes_bitwise(tmp_path: Path) -> None:
