@@ -59,6 +59,25 @@ def test_agent_store_means_every_rank_connects() -> None:
     assert launch is not None and launch.torchrun and not launch.hosts_store
 
 
+def test_restarts_over_a_shared_store_are_flagged_with_the_fix() -> None:
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1",
+                "TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_MAX_RESTARTS": "3"}  # fmt: skip
+    _, found = read_launch({**torchrun, "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    flagged = [f for f in found if f.check == "rendezvous.restart_store"]
+    assert [f.status for f in flagged] == ["warn"]
+    assert "--max-restarts=3" in flagged[0].message
+    assert flagged[0].fix and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in flagged[0].fix
+    fresh_store = {**torchrun, "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    no_restarts = {
+        **torchrun,
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+    }
+    for env in (fresh_store, no_restarts):
+        _, found = read_launch(env)
+        assert not [f for f in found if f.check == "rendezvous.restart_store"], env
+
+
 def test_resolve_is_bounded_and_names_the_error() -> None:
     addresses, error, _ = resolve("127.0.0.1", 1, 5.0)
     assert addresses == ["127.0.0.1"] and error is None

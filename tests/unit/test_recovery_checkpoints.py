@@ -103,3 +103,17 @@ def test_rollback_to_a_good_checkpoint_on_disk_without_snapshots(tmp_path: Path)
     assert [(e["step"], e["restored_step"], e["source"]) for e in rollbacks] == [(8, 4, "disk")]
     assert rollbacks[0]["batches_skipped"] == [4, 5, 6, 7, 8]
     assert run["error"] is None and run["finite"] and run["step"] == 15
+
+
+def test_resume_under_torchrun_with_a_shared_store_warns_on_the_first_attempt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batches = [torch.ones(3, 4)] * 2
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    _run(tmp_path / "shared", batches, resume=True)
+    warned = [e for e in read_events(tmp_path / "shared", 0) if e["kind"] == "restart_config"]
+    assert len(warned) == 1 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in warned[0]["fix"]
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what the variable gives
+    _run(tmp_path / "fresh", batches, resume=True)
+    assert not [e for e in read_events(tmp_path / "fresh", 0) if e["kind"] == "restart_config"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainguard.doctor.findings import Finding
+from trainguard.elastic import RESTART_HAZARD_FIX, restart_store_hazard
 
 RANK_VARS = ("RANK", "WORLD_SIZE")
 LOCAL_VARS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -67,6 +68,9 @@ def read_launch(env: Mapping[str, str]) -> tuple[Launch | None, list[Finding]]:
     findings.append(
         Finding("rendezvous.launch", "ok" if launch.distributed else "info", _describe(launch))
     )
+    hazard = restart_store_hazard(env)
+    if hazard is not None:
+        findings.append(Finding("rendezvous.restart_store", "warn", hazard, RESTART_HAZARD_FIX))
     return launch, findings
 
 

@@ -8,6 +8,7 @@ outcome), ``rollback`` (on escalation) and ``watch`` (a new epoch's stream).
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from trainguard.capture.rng import rng_state, set_rng_state
 from trainguard.config import GuardConfig
+from trainguard.elastic import RESTART_HAZARD_FIX, restart_store_hazard
 from trainguard.events import EventLog
 from trainguard.recovery import checkpoint as ckpt
 from trainguard.recovery import snapshot as snap
@@ -200,6 +202,10 @@ class Recovery:
 
     def resume(self) -> None:
         """Collective, at construction: load the newest good checkpoint, if any."""
+        hazard = restart_store_hazard(os.environ)
+        if hazard is not None:  # said on the first attempt, before a restart can fail
+            logger.warning("%s; fix: %s", hazard, RESTART_HAZARD_FIX)
+            self.events.write("restart_config", 0, message=hazard, fix=RESTART_HAZARD_FIX)
         run_dir = Path(self.config.run_dir)
         found = resume(run_dir, self.objects, self.events, self.group, self.device, self.rank)
         if found is None:
