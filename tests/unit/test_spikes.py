@@ -116,7 +116,13 @@ def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in map(json.loads, lines) if e["kind"] == kind]
 
 
-def _run(tmp_path: Path, on_spike: str, spikes: set[int], steps: int = 130) -> dict[str, Any]:
+def _run(
+    tmp_path: Path,
+    on_spike: str,
+    spikes: set[int],
+    steps: int = 130,
+    nans: frozenset[int] = frozenset(),
+) -> dict[str, Any]:
     torch.manual_seed(0)
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -128,7 +134,7 @@ def _run(tmp_path: Path, on_spike: str, spikes: set[int], steps: int = 130) -> d
         batches = [torch.randn(6, 8, generator=gen) for _ in range(steps)]
         for step, x in enumerate(guard.watch(batches)):
             target = torch.ones(6, 4) * (20.0 if step in spikes else 1.0)
-            loss = (model(x) - target).pow(2).mean()
+            loss = (model(x) - target).pow(2).mean() * (math.nan if step in nans else 1.0)
             loss.backward()
             before = [p.detach().clone() for p in model.parameters()]
             ok = guard.check(loss)
@@ -151,6 +157,15 @@ def test_skip_leaves_weights_alone_and_writes_the_event(tmp_path: Path) -> None:
     assert event["step"] == 110 and event["action"] == "spike" and event["score"] > 6
     assert {"value", "baseline", "threshold", "ratio"} <= set(event)
     assert list((tmp_path / "captures").glob("step-00000110"))  # the first spike is captured
+
+
+def test_first_spike_and_first_nonfinite_step_are_captured_independently(tmp_path: Path) -> None:
+    out = _run(tmp_path, "skip", {110, 118}, nans=frozenset({114, 122}))
+    assert [i for i, ok in enumerate(out["ok"]) if not ok] == [110, 114, 118, 122]
+    captured = sorted(p.name for p in (tmp_path / "captures").iterdir())
+    assert captured == ["step-00000110", "step-00000114"]  # each first one, once
+    reasons = {e["step"]: e["reason"] for e in _events(tmp_path, "capture")}
+    assert reasons == {110: "first_spike", 114: "first_bad_step"}
 
 
 def test_warn_lets_the_step_through(tmp_path: Path) -> None:

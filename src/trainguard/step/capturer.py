@@ -130,7 +130,8 @@ class Capturer:
         self.folder = Path(run_dir) / "captures"
         self._consensus = consensus
         self._events = events
-        self._first_done = False
+        self._first_done = {"nonfinite": False, "spike": False}
+        """Whether the first non-finite step and the first spike were captured (each once)."""
         self.bundles: list[Path] = []
         self.syncing: threading.Thread | None = None
         """The background flush to disk of the last bundle (``bundle.sync_in_background``)."""
@@ -139,17 +140,24 @@ class Capturer:
     def rank(self) -> int:
         return self._consensus.rank
 
-    def due(self, decision: Decision) -> bool:
-        """Capture this bad step? The first one of the run, and every escalation."""
+    def due(self, decision: Decision, spike: bool = False) -> bool:
+        """Capture this bad step? The run's first non-finite step, its first spike (``spike``:
+        a spike, not a non-finite step; each captured once, independently), every escalation."""
         if decision in (Decision.OK, Decision.OVERFLOW):
             return False
-        return not self._first_done or decision is Decision.ESCALATE
+        return decision is Decision.ESCALATE or not self._first_done[_kind(spike)]
 
     def capture(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, evidence: StepEvidence
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        evidence: StepEvidence,
+        spike: bool = False,
     ) -> Path | None:
         """Write the bundle on every rank (collective); the same path or None on every rank."""
-        self._first_done = True
+        self._first_done[_kind(spike)] = True
+        if spike and evidence.reason == "first_bad_step":
+            evidence.reason = "first_spike"
         start = time.monotonic()
         try:
             path, error = self._capture(model, optimizer, evidence)
@@ -281,6 +289,10 @@ class Capturer:
             final = self.folder / f"step-{step:08d}.{n}"
             n += 1
         return final
+
+
+def _kind(spike: bool) -> str:
+    return "spike" if spike else "nonfinite"
 
 
 def build_manifest(

@@ -429,7 +429,7 @@ class Guard:
         self, decision: Decision, agreement: Agreement, stats: GradStats, step: int
     ) -> bool:
         """A spike skipped (``SPIKE``) or escalated: no update, as for a non-finite step."""
-        bundle = self._capture(decision, agreement, stats, step)
+        bundle = self._capture(decision, agreement, stats, step, spike=True)
         self._clear_grads()
         if self.recovery is not None:
             self.recovery.after_step(step, False, agreement.mean_loss)
@@ -454,7 +454,9 @@ class Guard:
         """A spike the sync-free step skipped on the device, read a step late."""
         bundle = None
         if raise_errors:  # weights and moments are as before the skipped step
-            bundle = self._capture(decision, agreement, pending.stats, pending.step, pending)
+            bundle = self._capture(
+                decision, agreement, pending.stats, pending.step, pending, spike=True
+            )
         if decision is Decision.ESCALATE:
             if raise_errors:
                 raise self.spikes.error(pending.step, bundle)
@@ -470,11 +472,13 @@ class Guard:
         stats: GradStats,
         step: int,
         pending: PendingStep | None = None,
+        spike: bool = False,
     ) -> Path | None:
-        """On the first bad step and on escalation, every rank writes its part of the bundle
-        (collectively, before the gradients are cleared). Never raises; same path on all ranks.
+        """On the first non-finite step, the first spike (``spike``) and on escalation, every
+        rank writes its part of the bundle (collectively, before the gradients are cleared).
+        Never raises; same path on all ranks.
         ``pending``: a sync-free step read late brings its own batches, RNG and losses."""
-        if not self.config.capture or not self._capturer.due(decision):
+        if not self.config.capture or not self._capturer.due(decision, spike):
             return None
         if pending is not None:
             batches, rng, losses = pending.batches, pending.rng, pending.losses
@@ -486,7 +490,7 @@ class Guard:
         evidence = step_evidence(step, decision, agreement, stats, batches, rng, losses)
         evidence.history = self.history.bundle_history()
         with self.phase("capture"):
-            return self._capturer.capture(self.model, self.optimizer, evidence)
+            return self._capturer.capture(self.model, self.optimizer, evidence, spike)
 
     def _rolled_back(self, step: int, consecutive: int | None = None) -> bool:
         """On escalation with ``on_escalation="rollback"``: restore, skip data, go on."""
