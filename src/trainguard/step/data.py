@@ -47,6 +47,8 @@ class BatchStream:
         start_position: int = 0,
         skip_positions: frozenset[int] = frozenset(),
         on_step_start: Callable[[], None] | None = None,
+        first_position: int = 0,
+        on_fetch: Callable[[int], None] | None = None,
     ) -> None:
         self._iterable = iterable
         self._k = accumulation_steps
@@ -56,7 +58,10 @@ class BatchStream:
         self._events = events
         self._step_of = step_of
         self._queue: deque[tuple[int, Any]] = deque()
-        self._taken = 0  # items taken from the iterable, dropped ones included
+        # Items taken from the iterable, dropped ones included; a restored loader (resume of a
+        # StatefulDataLoader) starts at ``first_position``. ``on_fetch(p)`` runs before item p.
+        self._taken = first_position
+        self._on_fetch = on_fetch
         self._start_position = start_position
         self._skip_positions = skip_positions
         self._on_step_start = on_step_start
@@ -139,6 +144,8 @@ class BatchStream:
     def _fill(self, iterator: Iterator[Any], size: int) -> None:
         while not self._exhausted and len(self._queue) < size:
             self._progress.enter("data")
+            if self._on_fetch is not None:
+                self._on_fetch(self._taken)
             try:
                 item = next(iterator)
             except StopIteration:
