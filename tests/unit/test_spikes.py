@@ -225,3 +225,56 @@ def test_sync_free_warn_is_judged_on_the_host_a_step_late(tmp_path: Path) -> Non
     assert warned["steps"] == [110] and warned["skips"] == []
     before, after = warned["snapshots"][109], warned["snapshots"][110]
     assert not all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # applied
+
+
+def _continue(guard: tg.Guard, model: torch.nn.Module, batches: list[torch.Tensor]) -> None:
+    for step, x in enumerate(guard.watch(batches)):
+        target = torch.ones(6, 4) * (20.0 if step == 3 else 1.0)
+        loss = (model(x) - target).pow(2).mean()
+        loss.backward()
+        guard.step(loss)
+    guard.close()
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_spike_statistics_travel_in_the_guard_state_dict(tmp_path: Path, sync_free: bool) -> None:
+    """A guard restored from ``state_dict()`` judges the next values as the original does
+    (sync_free: the device rule's statistics; else the host rule's)."""
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(6, 8, generator=gen) for _ in range(110)]
+
+    def guard_for(name: str) -> tuple[tg.Guard, torch.nn.Module]:
+        torch.manual_seed(0)
+        model = TinyNet()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=sync_free)
+        config = tg.GuardConfig(run_dir=tmp_path / name, on_spike="skip", hang_timeout=0)
+        return tg.Guard(model, opt, config=config), model
+
+    original, model = guard_for("original")
+    for x in original.watch(batches[:104]):
+        loss = (model(x) - torch.ones(6, 4)).pow(2).mean()
+        loss.backward()
+        original.step(loss)
+    state = json.loads(json.dumps(original.state_dict()))  # plain data
+    saved = state["state"]["spikes"]
+    seen = saved["device"][0][0] if sync_free else saved["detector"]["stats"]["loss"][0]
+    assert seen == 104  # values the rule has seen (loss): past its warm-up
+    restored, twin = guard_for("restored")
+    fresh, fresh_model = guard_for("fresh")  # the same weights, statistics not restored
+    for g, m in ((restored, twin), (fresh, fresh_model)):
+        m.load_state_dict(model.state_dict())
+        g.optimizer.load_state_dict(original.optimizer.state_dict())
+    restored.load_state_dict(state)
+    _continue(original, model, batches[104:])
+    _continue(restored, twin, batches[104:])
+    _continue(fresh, fresh_model, batches[104:])
+    spikes = {n: _events(tmp_path / n, "spike") for n in ("original", "restored", "fresh")}
+    assert [e["step"] for e in spikes["original"] if e["metric"] == "loss"] == [107]
+    # the same verdicts, the same baselines and scores (the twin's weights, reloaded through
+    # the optimizer's state_dict, differ from the original's in the last bits)
+    judged = {n: [(e["step"], e["metric"]) for e in spikes[n]] for n in spikes}
+    assert judged["restored"] == judged["original"]
+    for a, b in zip(spikes["restored"], spikes["original"], strict=True):
+        assert a["baseline"] == pytest.approx(b["baseline"], rel=1e-3)
+        assert a["score"] == pytest.approx(b["score"], rel=1e-3)
+    assert spikes["fresh"] == []  # without the statistics: still in its warm-up

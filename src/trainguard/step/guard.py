@@ -140,6 +140,7 @@ class Guard:
         self._micro_losses: list[Tensor] = []
         self._capturer = Capturer(self.run_dir, self._consensus, self.events)
         self.spikes = SpikeWatch(self.config, self.events, self.rank)
+        self.state.spikes = self.spikes  # saved and restored with the counters
         self._inputs = InputCheck(self.config.check_inputs, self.events, self.rank)
         self._sampler_epochs = SamplerEpochs(self.events, self.rank)
         metrics = MetricsLog(metrics_path(self.run_dir)) if self.rank == 0 else None
@@ -563,7 +564,8 @@ class Guard:
     def state_dict(self) -> dict[str, Any]:
         """The guard's counters, to save with a checkpoint.
 
-        Safe to call on some ranks only (e.g. rank 0): it reads nothing from the device. Under
+        Safe to call on some ranks only (e.g. rank 0): no collective; it reads from the device
+        only the spike statistics of the sync-free step's device rule (six numbers). Under
         the sync-free ``step()`` the last step's outcome is not read yet, so its counters
         (``total_nonfinite``...) land in the next state_dict; ``step`` is already counted."""
         return {"format": 1, "state": self.state.state_dict()}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -64,6 +65,8 @@ class SpikeWatch:
         self._stager = HostStager()
         self._events = events
         self._rank = rank
+        self._device_state: list[list[float]] | None = None
+        """Device statistics loaded before the device detector exists."""
         self.consecutive = 0
         """Spikes in a row ending at the last judged step."""
         self.total = 0
@@ -111,6 +114,8 @@ class SpikeWatch:
         values = torch.where(bad, torch.full_like(values, math.nan), values)
         if self._device is None:
             self._device = DeviceSpikeDetector(self.rule, values.device)
+            if self._device_state is not None:
+                self._device.stats.copy_(torch.tensor(self._device_state, dtype=torch.float64))
         judging = self._device_grace.judging(host_lr(optimizer))
         verdict = self._device.observe(values, judging)
         if self.skips_on_device:
@@ -133,6 +138,28 @@ class SpikeWatch:
             if flag > 0.5
         ]
         return self._decide(spikes, step)
+
+    # -- state (in GuardState's state_dict: rollback and resume restore it) -----------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rule's statistics. Under the sync-free step with a device rule, this reads its
+        six numbers from the device (a host sync, no collective)."""
+        device = self._device.stats.tolist() if self._device is not None else self._device_state
+        return {
+            "detector": self.detector.state_dict(),
+            "device": device,
+            "device_grace": [self._device_grace.lr, self._device_grace.left],
+            "consecutive": self.consecutive,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.detector.load_state_dict(state["detector"])
+        self._device_state = state["device"]
+        if self._device is not None and self._device_state is not None:
+            stats = torch.tensor(self._device_state, dtype=torch.float64)
+            self._device.stats.copy_(stats)
+        self._device_grace.lr, self._device_grace.left = state["device_grace"]
+        self.consecutive = int(state["consecutive"])
 
     # -- the policy -------------------------------------------------------------------------
 

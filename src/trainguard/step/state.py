@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+
+class Part(Protocol):
+    """A part of the guard whose state travels with the counters (the spike statistics)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass
@@ -25,6 +32,9 @@ class GuardState:
     """The most recent bad step numbers (capped)."""
     overflow_steps: int = 0
     """fp16 steps the GradScaler skipped for overflow (not counted as non-finite)."""
+    spikes: Part | None = field(default=None, repr=False, compare=False)
+    """The spike statistics (``SpikeWatch``): saved and restored with the counters, so a
+    rollback or a resume judges the next steps as the run did at that step."""
 
     def record_good(self, step: int, loss: float) -> None:
         self.consecutive_nonfinite = 0
@@ -45,6 +55,7 @@ class GuardState:
             "last_good_loss": self.last_good_loss,
             "nonfinite_steps": list(self.nonfinite_steps),
             "overflow_steps": self.overflow_steps,
+            **({"spikes": self.spikes.state_dict()} if self.spikes is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -56,3 +67,5 @@ class GuardState:
         self.nonfinite_steps.clear()
         self.nonfinite_steps.extend(int(s) for s in state["nonfinite_steps"])
         self.overflow_steps = int(state.get("overflow_steps", 0))
+        if self.spikes is not None and "spikes" in state:  # absent: saved before spikes
+            self.spikes.load_state_dict(state["spikes"])
