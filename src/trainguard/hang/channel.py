@@ -67,13 +67,17 @@ class StoreChannel:
     def publish(self, beat: Heartbeat) -> None:
         self.store.set(self.hb_key(self.rank), beat.encode())
 
-    def read(self) -> tuple[dict[int, Heartbeat | None], Verdict | None]:
-        """Every member's latest heartbeat (None before its first one) and the verdict."""
-        self._register_new()
-        ranks = sorted(self._registered)
+    def read(
+        self, ranks: list[int] | None = None
+    ) -> tuple[dict[int, Heartbeat | None], Verdict | None]:
+        """The latest heartbeat of every member (or of ``ranks``; None before its first one)
+        and the verdict, in one ``multi_get``: keyed by the members (or ``ranks``)."""
+        wanted = self.members if ranks is None else ranks
+        self._register_new(wanted)
+        ranks = [r for r in wanted if r in self._registered]
         keys = [self.hb_key(r) for r in ranks] + [self.key("verdict")]
         values = self.store.multi_get(keys)
-        beats: dict[int, Heartbeat | None] = dict.fromkeys(self.members)
+        beats: dict[int, Heartbeat | None] = dict.fromkeys(wanted)
         for rank, raw in zip(ranks, values, strict=False):
             beats[rank] = Heartbeat.decode(raw)
         return beats, Verdict.decode(values[-1])
@@ -98,7 +102,15 @@ class StoreChannel:
     def dumps(self) -> int:
         return self.store.add(self.key("dumped"), 0)
 
-    def _register_new(self) -> None:
-        for rank in self.members:
-            if rank not in self._registered and self.store.check([self.hb_key(rank)]):
+    def _register_new(self, ranks: list[int]) -> None:
+        """Note which of ``ranks`` have a heartbeat (``multi_get`` would wait for a missing
+        key): one ``check`` for all of them, one per rank only while some are missing."""
+        new = [r for r in ranks if r not in self._registered]
+        if not new:
+            return
+        if self.store.check([self.hb_key(r) for r in new]):
+            self._registered.update(new)
+            return
+        for rank in new:
+            if self.store.check([self.hb_key(rank)]):
                 self._registered.add(rank)

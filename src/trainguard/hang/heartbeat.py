@@ -76,15 +76,22 @@ class _Seen:
 
 
 class PeerTracker:
-    """Local receipt times of every member rank's counters."""
+    """Local receipt times of every member rank's counters (a rank's record is created at
+    its first heartbeat: a watcher of 4,096 ranks keeps 4,096, the others a few)."""
 
     def __init__(self, ranks: list[int], now: float) -> None:
-        self._seen = {rank: _Seen(seq_at=now, beats_at=now) for rank in ranks}
+        self._ranks = sorted(ranks)
+        self._start = now
+        self._seen: dict[int, _Seen] = {}
+
+    def _record(self, rank: int) -> _Seen:
+        seen = self._seen.get(rank)
+        return seen if seen is not None else _Seen(seq_at=self._start, beats_at=self._start)
 
     def update(self, rank: int, beat: Heartbeat | None, now: float) -> None:
-        seen = self._seen[rank]
         if beat is None:
             return
+        seen = self._seen.setdefault(rank, self._record(rank))
         previous = seen.beat
         if previous is None or beat.seq != previous.seq:
             seen.seq_at = now
@@ -92,8 +99,10 @@ class PeerTracker:
             seen.beats_at = now
         seen.beat = beat
 
-    def views(self, now: float) -> list[RankView]:
-        return [self._view(rank, seen, now) for rank, seen in sorted(self._seen.items())]
+    def views(self, now: float, ranks: list[int] | None = None) -> list[RankView]:
+        """Every member's view (or those of ``ranks``), by rank."""
+        chosen = self._ranks if ranks is None else sorted(ranks)
+        return [self._view(rank, self._record(rank), now) for rank in chosen]
 
     @staticmethod
     def _view(rank: int, seen: _Seen, now: float) -> RankView:

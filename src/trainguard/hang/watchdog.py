@@ -7,10 +7,11 @@ One daemon thread per rank (started by ``Guard`` when torch.distributed is initi
 1. re-arms the faulthandler fallback (``stacks.FrozenDump``),
 2. notes the local loop's progress (``Progress.beats``) and feeds finished stalls to the
    adaptive timeout (``timeout.StallMeter``, ``timeout.TimeoutLearner``),
-3. writes its heartbeat and reads every member's heartbeat and the verdict key in one
-   ``multi_get`` (``channel.StoreChannel``),
-4. acts on a verdict another rank published, or judges the views itself
-   (``rules.assess``) and publishes its verdict (the first one wins).
+3. writes its heartbeat and reads the heartbeats it watches and the verdict key in one
+   ``multi_get`` (``channel.StoreChannel``): a few watcher ranks read every member's, the
+   others only the watchers' (``watchers.Watch``),
+4. acts on a verdict another rank published, or judges its views itself
+   (``rules.assess`` on a watcher) and publishes its verdict (the first one wins).
 
 ``Watchdog`` composes the two other halves: ``exit_path.ExitPath`` acts on a verdict (stack
 dump, report, exit code) and ``failure.FailurePublisher`` publishes this rank's own
@@ -25,7 +26,6 @@ import hashlib
 import itertools
 import logging
 import os
-import secrets
 import socket
 import threading
 import time
@@ -36,44 +36,23 @@ from typing import Any
 import torch.distributed as dist
 
 from trainguard.events import EventLog
+from trainguard.hang import keys
 from trainguard.hang import timeout as timing
 from trainguard.hang.channel import StoreChannel, own_connection
 from trainguard.hang.exit_path import ACK_WAIT_S, SAFETY_EXIT_S, ExitPath
 from trainguard.hang.failure import FailurePublisher
-from trainguard.hang.heartbeat import Heartbeat, PeerTracker
+from trainguard.hang.heartbeat import Heartbeat
+from trainguard.hang.keys import store_prefix
 from trainguard.hang.report import build_report, stack_file
-from trainguard.hang.rules import PEER_FAILURE, Verdict, assess, effective_timeout
+from trainguard.hang.rules import PEER_FAILURE, Verdict, effective_timeout
 from trainguard.hang.stacks import FrozenDump
 from trainguard.hang.timeout import StallMeter, TimeoutLearner
+from trainguard.hang.watchers import Watch, select_watchers, watcher_count
 from trainguard.progress import Progress
 
 logger = logging.getLogger(__name__)
 
 _generations = itertools.count()
-
-
-def _store_host() -> int | None:
-    """The rank whose process serves the store: rank 0 for ``init_process_group``'s own
-    TCPStore, none under torchrun (the agent serves it)."""
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True"
-    return None if agent else 0
-
-
-def store_prefix(generation: int) -> str:
-    """Keys of one Guard: torchrun's store outlives a restart, so the run id and the restart
-    count are part of the prefix (``generation`` counts the Guards of this process)."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
-    if run or attempt:
-        return f"trainguard/{run}/attempt{attempt}/{generation}"
-    return f"trainguard/{generation}"
-
-
-def _candidate_id() -> str:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    suffix = f"-attempt{attempt}" if attempt is not None else ""
-    return f"{stamp}{suffix}-{secrets.token_hex(2)}"
 
 
 class Watchdog:
@@ -94,7 +73,10 @@ class Watchdog:
         install_hooks: bool = True,
         faulthandler_fallback: bool = True,
         ack_wait_s: float = ACK_WAIT_S,
+        watchers: list[int] | None = None,
     ) -> None:
+        """``watchers``: the ranks that read every heartbeat (default: ``select_watchers``
+        with ``TRAINGUARD_HANG_WATCHERS``, see ``watchers``)."""
         self.channel = channel
         self.main_channel = main_channel
         self.rank = channel.rank
@@ -115,7 +97,9 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._frozen: FrozenDump | None = None
         now = clock()
-        self._tracker = PeerTracker(self.members, now)
+        if watchers is None:
+            watchers = select_watchers(self.members, watcher_count())
+        self._watch = Watch(self.rank, self.members, watchers, now)
         self._store_ok_at = now
         self._step0 = progress.step
         self._stalls = StallMeter(learner, now)
@@ -191,7 +175,7 @@ class Watchdog:
     def start(self, thread: bool = True) -> None:
         """Register with the store, arm the fallback, install the hooks and (with
         ``thread``) start ticking; without it the caller drives ``tick_once`` (tests)."""
-        self._exit.hang_id = self.channel.agree_id(_candidate_id())
+        self._exit.hang_id = self.channel.agree_id(keys.candidate_id())
         self.channel.open()
         self.channel.publish(self._beat())
         if self._use_faulthandler:
@@ -210,6 +194,7 @@ class Watchdog:
             dead_after=self.dead_after,
             tick=self.tick,
             members=self.members,
+            watchers=self._watch.watchers,
             store_prefix=self.channel.prefix,
         )
         self._log_timeout()
@@ -270,17 +255,16 @@ class Watchdog:
         self._log_timeout()
         try:
             self.channel.publish(self._beat())
-            beats, verdict = self.channel.read()
+            beats, verdict = self.channel.read(self._watch.reads())
         except Exception as exc:
             self._store_trouble(now, exc)
             return
         self._store_ok_at = now
-        for rank, beat in beats.items():
-            self._tracker.update(rank, beat, now)
+        self._watch.update(beats, now)
         if self._failures.failed or self._exit.exiting.is_set():
             return
         if verdict is None:
-            verdict = assess(self._tracker.views(now), self.rank, self.timeout, self.dead_after)
+            verdict = self._watch.judge(now, self.timeout, self.dead_after, self.tick)
             if verdict is None:
                 return
             verdict = self.channel.propose(verdict)
@@ -335,7 +319,7 @@ class Watchdog:
 
     def _build_report(self, verdict: Verdict, code: int) -> dict[str, Any]:
         """``report.json`` from the heartbeats this rank has seen."""
-        views = self._tracker.views(self._clock())
+        views = self._watch.report_views(self.channel, self._clock())
         return build_report(
             self.hang_id,
             verdict,
@@ -396,7 +380,7 @@ def start_watchdog(
             events=events,
             run_dir=run_dir,
             learner=learner,
-            store_host=_store_host(),
+            store_host=keys.store_host(),
         )
         watchdog.start()
     except Exception as exc:  # monitoring must not take the job down
