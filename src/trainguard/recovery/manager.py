@@ -26,6 +26,7 @@ from trainguard.recovery.agree import same_on_every_rank
 from trainguard.recovery.backoff import Backoff, LrFactor
 from trainguard.recovery.ladder import Rung, rung_for
 from trainguard.recovery.ledger import SkipEntry, SkipLedger, sample_indices
+from trainguard.recovery.loader import LoaderStates, is_stateful
 from trainguard.recovery.resume import resume
 from trainguard.recovery.types import (
     DataPoint,
@@ -66,6 +67,7 @@ class Recovery:
         self.ledger = SkipLedger(Path(config.run_dir), rank)
         self.stream: Stream | None = None
         self._streams = 0
+        self._loader: LoaderStates | None = None  # for the stream ``watch()`` starts next
         self._expect_loss: tuple[int, float, str] | None = None
         self.resume_point: DataPoint | None = None
         """Where a resumed run's data continues (set by ``resume()``)."""
@@ -82,17 +84,23 @@ class Recovery:
 
     def stream_start(self, iterable: Any, epoch: int | None) -> StreamStart:
         epoch = epoch_of(iterable, epoch, self._streams)
-        start, source = 0, iterable
+        start, first, source = 0, 0, iterable
         point = self.resume_point
         if point is not None and epoch < point.epoch:
             source = ()  # finished before the checkpoint: nothing left to feed
         elif point is not None and epoch == point.epoch:
             start = point.position
-        return StreamStart(source, epoch, start, self.ledger.positions(epoch), self.step_boundary)
+            if point.loader_state is not None and is_stateful(iterable):
+                iterable.load_state_dict(point.loader_state)  # it continues at ``start`` itself
+                first = start
+        stateful = self.config.checkpoint_every > 0 and is_stateful(source)
+        self._loader = LoaderStates(source) if stateful else None
+        skip = self.ledger.positions(epoch)
+        return StreamStart(source, epoch, start, skip, self.step_boundary, first, self._loader)
 
     def watch(self, view: StreamView, iterable: Any, epoch: int) -> None:
         self._streams += 1
-        self.stream = Stream(view, iterable, epoch, self._streams)
+        self.stream = Stream(view, iterable, epoch, self._streams, self._loader)
 
     def step_boundary(self) -> None:
         """Before a step's first batch: the weights describe the start of that step."""
@@ -105,6 +113,8 @@ class Recovery:
         self._resume_rng = None
         if self._checkpoint_due(step):
             self._save_checkpoint(step, stream)
+        elif stream.loader is not None:
+            stream.loader.forget_before(stream.view.position)
         if not self.snapshots.due(step):
             return
         self.snapshots.add(
@@ -140,11 +150,14 @@ class Recovery:
         return every > 0 and step > 0 and step % every == 0 and step != self._last_saved
 
     def _save_checkpoint(self, step: int, stream: Stream) -> None:
+        position = stream.view.position
+        # The loader's own state at this boundary (not at the prefetch front); this rank's.
+        loader = stream.loader.at(position) if stream.loader is not None else None
         extras = {
             "rng": rng_state(),
             "guard": self.guard_state.state_dict(),
             "recovery": self.state.state_dict(),
-            "data": {"epoch": stream.epoch, "position": stream.view.position},
+            "data": {"epoch": stream.epoch, "position": position, "loader": loader},
         }
         self._finish_save()  # a previous one still writing (good_after >= checkpoint_every)
         saved = ckpt.save(
@@ -166,7 +179,8 @@ class Recovery:
             path=str(saved.path),
             seconds=round(saved.seconds, 4),
             epoch=stream.epoch,
-            position=stream.view.position,
+            position=position,
+            loader_state=loader is not None,
         )
 
     def _judge_checkpoint(self, step: int, ok: bool, loss: float) -> None:
@@ -214,7 +228,8 @@ class Recovery:
         self.guard_state.load_state_dict(extras["guard"])
         self.state.load_state_dict(extras["recovery"])
         data = extras["data"]
-        self.resume_point = DataPoint(int(data["epoch"]), int(data["position"]))
+        loader = data.get("loader")
+        self.resume_point = DataPoint(int(data["epoch"]), int(data["position"]), loader)
         self._resume_rng = (found.step, extras["rng"])
         self._last_saved = found.step
         if found.first_loss is not None:
@@ -226,6 +241,7 @@ class Recovery:
             path=str(found.path),
             epoch=self.resume_point.epoch,
             position=self.resume_point.position,
+            loader_state=loader is not None,
         )
 
     # -- rollback ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from trainguard.recovery.backoff import Backoff
+from trainguard.recovery.loader import LoaderStates
 
 
 class Stateful(Protocol):
@@ -34,12 +35,18 @@ class StreamStart:
     start_position: int
     skip_positions: frozenset[int]
     on_step_start: Callable[[], None]
+    first_position: int = 0
+    """Position of the iterable's first item: a loader restored from its own state."""
+    loader: LoaderStates | None = None
+    """Records a stateful loader's state before each fetch (when checkpoints are on)."""
 
     def stream_args(self) -> dict[str, Any]:
         return {
             "start_position": self.start_position,
             "skip_positions": self.skip_positions,
             "on_step_start": self.on_step_start,
+            "first_position": self.first_position,
+            "on_fetch": self.loader.before_fetch if self.loader is not None else None,
         }
 
 
@@ -59,6 +66,7 @@ class Stream:
     iterable: Any
     epoch: int
     ident: int
+    loader: LoaderStates | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,8 @@ class DataPoint:
     epoch: int
     position: int
     """Batches of the epoch's iterable consumed (handed out or skipped)."""
+    loader_state: Any = field(default=None, compare=False)
+    """The loader's own ``state_dict()`` at ``position`` (a StatefulDataLoader), if saved."""
 
 
 @dataclass
