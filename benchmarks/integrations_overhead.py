@@ -12,6 +12,12 @@ shared machine hits every mode alike. A run's step time is the median of its ste
 intervals after ``--warmup`` steps (the Trainer's start-up is not timed). Per mode: the
 median step time, and the ratio to ``bare`` as the median of the per-round ratios.
 
+The model is a GPT-2 (``GPT2LMHeadModel`` from a ``GPT2Config``, no download) in both
+frameworks. ``--workload transformer`` (the default) has the sizes of ``overhead.py``'s
+transformer workload on CPU (vocab 4096, dim 256, 4 layers, 4 heads, seq 128, batch 8), the
+workload the issue's 1.02x target names; ``--workload tiny`` (vocab 256, dim 128, 2 layers,
+seq 64, batch 4) has a step of a few ms, where any fixed per-step cost shows.
+
     python benchmarks/integrations_overhead.py --rounds 7 --out results/integrations.json
 """
 
@@ -35,6 +41,10 @@ from torch import nn
 
 MODES = ("bare", "trainguard", "nancapture")
 FRAMEWORKS = ("lightning", "transformers")
+WORKLOADS: dict[str, dict[str, int]] = {
+    "transformer": {"vocab": 4096, "dim": 256, "layers": 4, "heads": 4, "seq": 128, "batch": 8},
+    "tiny": {"vocab": 256, "dim": 128, "layers": 2, "heads": 4, "seq": 64, "batch": 4},
+}
 
 
 class StepClock:
@@ -59,10 +69,34 @@ def nan_capture_check(params: list[nn.Parameter]) -> None:
         logging.getLogger(__name__).warning("nan in gradients")
 
 
+def gpt2(sizes: dict[str, int]) -> nn.Module:
+    """The benchmark's GPT-2, built from a config (seeded: every mode starts the same)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=sizes["vocab"],
+        n_positions=sizes["seq"],
+        n_embd=sizes["dim"],
+        n_layer=sizes["layers"],
+        n_head=sizes["heads"],
+        bos_token_id=0,
+    )
+    config.eos_token_id = 0
+    return GPT2LMHeadModel(config)
+
+
+def token_ids(sizes: dict[str, int], steps: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, sizes["vocab"], (steps * sizes["batch"], sizes["seq"]), generator=gen)
+
+
 # -- Lightning ------------------------------------------------------------------------------
 
 
-def run_lightning(mode: str, steps: int, warmup: int, width: int, run_dir: Path) -> float:
+def run_lightning(
+    mode: str, steps: int, warmup: int, sizes: dict[str, int], run_dir: Path
+) -> float:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -82,19 +116,17 @@ def run_lightning(mode: str, steps: int, warmup: int, width: int, run_dir: Path)
     class Model(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = nn.Sequential(
-                nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
-            )
+            self.net = gpt2(sizes)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
+            (ids,) = batch
+            loss: torch.Tensor = self.net(input_ids=ids, labels=ids).loss
+            return loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+            return torch.optim.AdamW(self.parameters(), lr=3e-4)
 
-    torch.manual_seed(0)
-    data = TensorDataset(torch.randn(steps * 16, width), torch.randn(steps * 16, width))
+    data = TensorDataset(token_ids(sizes, steps))
     callbacks: list[Any] = [Clock()]
     if mode == "trainguard":
         callbacks.append(TrainGuard(run_dir=run_dir, hang_timeout=0))
@@ -110,22 +142,17 @@ def run_lightning(mode: str, steps: int, warmup: int, width: int, run_dir: Path)
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Model(), DataLoader(data, batch_size=16))
+    trainer.fit(Model(), DataLoader(data, batch_size=sizes["batch"]))
     return clock.step_time()
 
 
 # -- Hugging Face Trainer -------------------------------------------------------------------
 
 
-def run_transformers(mode: str, steps: int, warmup: int, width: int, run_dir: Path) -> float:
-    from transformers import (
-        GPT2Config,
-        GPT2LMHeadModel,
-        PrinterCallback,
-        Trainer,
-        TrainerCallback,
-        TrainingArguments,
-    )
+def run_transformers(
+    mode: str, steps: int, warmup: int, sizes: dict[str, int], run_dir: Path
+) -> float:
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     from trainguard.integrations.transformers import TrainGuardCallback, TrainGuardMixin
 
@@ -143,14 +170,8 @@ def run_transformers(mode: str, steps: int, warmup: int, width: int, run_dir: Pa
     class Guarded(TrainGuardMixin, Trainer):  # type: ignore[misc]
         pass
 
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=256, n_positions=64, n_embd=width, n_layer=2, n_head=4, bos_token_id=0
-    )
-    config.eos_token_id = 0
-    model = GPT2LMHeadModel(config)
-    ids = torch.randint(0, 256, (steps * 4, 64))
-    data = [{"input_ids": row, "labels": row} for row in ids]
+    model = gpt2(sizes)
+    data = [{"input_ids": row, "labels": row} for row in token_ids(sizes, steps)]
     callbacks: list[Any] = [Clock()]
     trainer_class: Any = Trainer
     if mode == "trainguard":
@@ -160,7 +181,7 @@ def run_transformers(mode: str, steps: int, warmup: int, width: int, run_dir: Pa
         callbacks.append(NanCapture())
     args = TrainingArguments(
         output_dir=str(run_dir / "trainer"),
-        per_device_train_batch_size=4,
+        per_device_train_batch_size=sizes["batch"],
         max_steps=steps,
         save_strategy="no",
         report_to="none",
@@ -174,7 +195,7 @@ def run_transformers(mode: str, steps: int, warmup: int, width: int, run_dir: Pa
     return clock.step_time()
 
 
-RUNNERS: dict[str, Callable[[str, int, int, int, Path], float]] = {
+RUNNERS: dict[str, Callable[[str, int, int, dict[str, int], Path], float]] = {
     "lightning": run_lightning,
     "transformers": run_transformers,
 }
@@ -188,17 +209,18 @@ def quiet() -> None:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     times: dict[str, dict[str, list[float]]] = {f: {m: [] for m in MODES} for f in args.frameworks}
+    sizes = WORKLOADS[args.workload]
     order = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
         for framework in args.frameworks:  # untimed: imports, first kernels, allocator
-            RUNNERS[framework]("bare", args.steps, args.warmup, args.width, Path(tmp) / "warm")
+            RUNNERS[framework]("bare", args.steps, args.warmup, sizes, Path(tmp) / "warm")
         for r in range(args.rounds):
             for framework in args.frameworks:
                 modes = list(MODES)
                 order.shuffle(modes)
                 for mode in modes:
                     run_dir = Path(tmp) / f"{framework}-{mode}-{r}"
-                    seconds = RUNNERS[framework](mode, args.steps, args.warmup, args.width, run_dir)
+                    seconds = RUNNERS[framework](mode, args.steps, args.warmup, sizes, run_dir)
                     times[framework][mode].append(seconds)
     results = []
     for framework, by_mode in times.items():
@@ -224,16 +246,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="transformer")
     parser.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS))
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.steps, args.warmup, args.width = 2, 12, 3, 32
+        args.rounds, args.steps, args.warmup, args.workload = 2, 12, 3, "tiny"
     logging.basicConfig(level=logging.ERROR)
     warnings.simplefilter("ignore")
     quiet()
@@ -244,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(markdown_table(["framework", "mode", "step ms (median)", "x bare"], rows))
     load = data["machine"].get("load_average")
-    print(f"\n{args.rounds} interleaved rounds, {args.steps} steps per run; load average {load}")
+    print(
+        f"\n{args.workload} workload {WORKLOADS[args.workload]}; {args.rounds} interleaved "
+        f"rounds, {args.steps} steps per run; load average {load}"
+    )
     if args.out is not None:
         write_json(args.out, data)
     return 0
