@@ -23,7 +23,10 @@ These are small reimplementations from the projects' documented rules (not their
 Runs per workload and seed: one healthy run, and two runs with one bad batch at
 ``--inject-at``: ``targets_x20`` (MLP: targets x20; transformer: the batch's loss x20, token
 targets cannot be scaled) and ``inputs_x20`` (MLP: inputs x20; transformer: token embeddings
-x20). The data and the initial weights depend on the seed only, so a run's trace equals the
+x20); and one run with a lasting level change from ``--inject-at`` on, ``shift_x3`` (MLP:
+targets x3; transformer: loss x3), which is not a spike: it shows how long each rule keeps
+flagging a new level (under ``on_spike="skip"``, 3 flags in a row escalate). The data and the
+initial weights depend on the seed only, so a run's trace equals the
 healthy run's trace up to the injected step.
 
     .venv/bin/python benchmarks/spike_eval.py            # 5 seeds x 600 steps, ~minutes
@@ -60,7 +63,9 @@ from torch import Tensor, nn
 import trainguard as tg
 from trainguard.step.spikes import SpikeDetector
 
-INJECTIONS = ("none", "targets_x20", "inputs_x20")
+INJECTIONS = ("none", "targets_x20", "inputs_x20", "shift_x3")
+SPIKES = ("targets_x20", "inputs_x20")
+"""One bad batch each; ``shift_x3`` is a lasting level change (every step from then on)."""
 SIZES = {
     "mlp": {"width": 128, "layers": 4, "batch": 32},
     "transformer": {"vocab": 128, "dim": 64, "layers": 2, "heads": 4, "seq": 32, "batch": 16},
@@ -133,6 +138,8 @@ def step_loss(workload: str, model: nn.Module, batch: tuple[Tensor, Tensor], bad
     if workload == "mlp":
         if bad == "targets_x20":
             targets = targets * 20.0
+        if bad == "shift_x3":
+            targets = targets * 3.0
         if bad == "inputs_x20":
             inputs = inputs * 20.0
         return F.mse_loss(model(inputs), targets)
@@ -146,7 +153,15 @@ def step_loss(workload: str, model: nn.Module, batch: tuple[Tensor, Tensor], bad
         if hook is not None:
             hook.remove()
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-    return loss * 20.0 if bad == "targets_x20" else loss
+    return loss * {"targets_x20": 20.0, "shift_x3": 3.0}.get(bad, 1.0)
+
+
+def _bad(injection: str, step: int, inject_at: int | None) -> str:
+    if inject_at is None or step < inject_at:
+        return "none"
+    if step == inject_at or injection == "shift_x3":
+        return injection
+    return "none"
 
 
 def run(workload: str, seed: int, injection: str, args: argparse.Namespace) -> Trace:
@@ -163,11 +178,11 @@ def run(workload: str, seed: int, injection: str, args: argparse.Namespace) -> T
         config = tg.GuardConfig(run_dir=tmp, on_spike="warn", hang_timeout=0)
         guard = tg.Guard(model, opt, config=config)
         for step, batch in enumerate(guard.watch(batches)):
-            loss = step_loss(workload, model, batch, injection if step == inject_at else "none")
+            loss = step_loss(workload, model, batch, _bad(injection, step, inject_at))
             loss.backward()
             ok = guard.check(loss)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # pre-clip norm
-            trace.loss.append(float(loss))
+            trace.loss.append(float(loss.detach()))
             trace.grad_norm.append(float(norm))
             trace.lr.append(float(opt.param_groups[0]["lr"]))
             if ok:
@@ -277,7 +292,7 @@ def score(traces: list[Trace], rule: Rule) -> dict[str, Any]:
         "false_positives": sum(fp),
         "runs_with_false_positives": sum(1 for n in fp if n),
     }
-    for kind in INJECTIONS[1:]:
+    for kind in SPIKES:
         runs = [t for t in traces if t.injection == kind]
         delays, after = [], 0
         for t in runs:
@@ -294,7 +309,23 @@ def score(traces: list[Trace], rule: Rule) -> dict[str, Any]:
             "delays": delays,
             "flags_after": after,
         }
+    out["shift_x3"] = score_shift([t for t in traces if t.injection == "shift_x3"], rule)
     return out
+
+
+def score_shift(runs: list[Trace], rule: Rule) -> dict[str, Any]:
+    """A lasting level change: flagged at the change? how many flags, how many in a row?"""
+    on_step, flags, longest = 0, 0, 0
+    for t in runs:
+        start = t.inject_at if t.inject_at is not None else 0
+        flagged = {s for s in rule(t) if s >= start}
+        on_step += start in flagged
+        flags += len(flagged)
+        run_length = 0
+        for step in range(start, len(t.loss)):
+            run_length = run_length + 1 if step in flagged else 0
+            longest = max(longest, run_length)
+    return {"runs": len(runs), "on_step": on_step, "flags": flags, "longest_run": longest}
 
 
 def spike_size(traces: list[Trace]) -> dict[str, dict[str, float]]:
@@ -333,12 +364,26 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             f"{r['false_positives']} / {r['healthy_steps']}",
             f"{r['runs_with_false_positives']} / {r['healthy_runs']}",
         ]
-        for kind in INJECTIONS[1:]:
+        for kind in SPIKES:
             k = r[kind]
             row.append(f"{k['on_step']} / {k['runs']}")
             row.append(_delays(k["delays"], k["runs"]))
-        row.append(sum(r[k]["flags_after"] for k in INJECTIONS[1:]))
+        row.append(sum(r[k]["flags_after"] for k in SPIKES))
         rows.append(row)
+    return markdown_table(headers, rows)
+
+
+def shift_table(results: dict[str, dict[str, Any]]) -> str:
+    headers = [
+        "rule",
+        "flagged at the change",
+        "flags from the change on",
+        "longest run of consecutive flags",
+    ]
+    rows: list[list[object]] = []
+    for name, r in results.items():
+        k = r["shift_x3"]
+        rows.append([name, f"{k['on_step']} / {k['runs']}", k["flags"], k["longest_run"]])
     return markdown_table(headers, rows)
 
 
@@ -400,6 +445,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "load_average_after": load_average(),
         "config": {
             "seeds": args.seeds,
+            "workloads": args.workloads.split(","),
             "steps": args.steps,
             "inject_at": args.inject_at,
             "warmup_steps": args.steps // 10,
@@ -418,11 +464,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def render(report: dict[str, Any]) -> str:
     m, c = report["machine"], report["config"]
     lines = [
-        f"{c['seeds']} seeds x {len(c['sizes'])} workloads, {c['steps']} steps per run, "
+        f"{c['seeds']} seeds x {len(c['workloads'])} workloads, {c['steps']} steps per run, "
         f"warm-up {c['warmup_steps']} steps then cosine decay, injection at step "
         f"{c['inject_at']}; a detection is a flag within {c['delay_window']} steps of it.",
         "",
         table(report["results"]),
+        "",
+        "A lasting level change (`shift_x3`, not a spike; summed over the runs):",
+        "",
+        shift_table(report["results"]),
         "",
         "Size of the injected spikes (value at the step / median of the 20 steps before, "
         "median over seeds):",
