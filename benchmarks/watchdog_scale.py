@@ -1,285 +1,335 @@
 """The hang watchdog's store traffic at scale: N virtual ranks against one real TCPStore.
 
 One process serves a ``torch.distributed.TCPStore`` (its CPU time is read from
-``/proc/<pid>/stat``). ``--procs`` client processes each host N/procs rank threads; every
-thread opens its own TCPStore connection (as a real rank's watchdog thread does) and, every
-tick, does what ``Watchdog.tick_once`` does through the real ``StoreChannel``: publish its
-heartbeat (one ``set``) and read every member's heartbeat plus the verdict key (one
-``multi_get`` of N+1 keys). Every rank judges its peers with the real ``PeerTracker`` and
-``assess`` and proposes a verdict with ``compare_set`` as the watchdog does.
+``/proc/<pid>/stat``). ``--procs`` client processes each host N/procs virtual ranks, one
+thread each; every virtual rank is a real ``trainguard.hang.watchdog.Watchdog`` with its own
+TCPStore connection (as a real rank's watchdog thread has), driven by calling its
+``tick_once`` on the watchdog's own cadence, so the store sees exactly the watchdog's
+requests. Only the exit is replaced: ``exit_fn`` records the time instead of ending the
+process, and the stack dump is a no-op (a dump of a process with 1,000 threads, 4,096 times,
+would measure the dump, not the store). Two designs (``--design``):
 
-The cadence is the watchdog's own: ``tick_interval(timeout)`` and ``dead_after(timeout)``
-from ``trainguard.hang.timeout`` (``--timeout 10``: tick 1.0 s, the same tick as the
-default grace timeout and any learned timeout, dead_after 10 s). Two runs per N:
+* ``full``: every rank reads every heartbeat (the design before watchers);
+* ``watchers``: the default (``trainguard.hang.watchers``): 2 watcher ranks read all, the
+  others read the watchers' heartbeats and the verdict.
 
-* ``stall``: the last rank's training-progress counter stops (its heartbeat goes on);
-* ``kill``: the last rank stops heartbeating (its thread ends, as a killed process).
+Cadence: ``--timeout 10`` gives tick 1.0 s (the default tick: the grace and learned
+timeouts also tick every second) and dead_after 10 s. Two faults per N, on the last rank:
 
-``detect`` = the first published verdict minus the fault time; ``all_saw`` = the last rank
-to read the verdict minus the fault time. ``late`` counts ticks that began more than half a
-tick after their schedule (client overload: the clients share the machine's cores with the
-server).
+* ``stall``: it stops in ``data`` at step s; the others stop in ``check`` of step s (they
+  wait for it in a collective); every heartbeat goes on. Expected: a hang naming it.
+* ``kill``: its watchdog stops right after a heartbeat (a killed process); the others go on.
+  Expected: a peer failure naming it.
 
-    python benchmarks/watchdog_scale.py                       # N = 64 256 1024 4096
-    python benchmarks/watchdog_scale.py --sizes 64 --timeout 4
+``detect`` = the deciding rank's act time minus the fault time; ``all_saw`` = the last
+surviving rank's; ``ok`` = every survivor acted on one verdict of the right kind naming the
+faulty rank. ``late`` counts ticks that began more than half a tick late (client overload:
+the clients share the machine's cores with the server). ``ops/s`` and ``MB/s`` are the
+requests the store served and the bytes of values it returned (counted on the client side).
+
+    python benchmarks/watchdog_scale.py                  # both designs, N = 64 256 1024 4096
+    python benchmarks/watchdog_scale.py --sizes 64 --design watchers
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import multiprocessing as mp
 import os
-import resource
-import socket
-import statistics
+import sys
+import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from trainguard.hang.channel import StoreChannel
-from trainguard.hang.heartbeat import Heartbeat, PeerTracker
-from trainguard.hang.rules import assess
-from trainguard.hang.timeout import dead_after, tick_interval
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine_info, markdown_table, now_iso, write_json
+from _scale_store import (
+    HOST,
+    CountingStore,
+    collect,
+    cpu_seconds,
+    free_port,
+    pct,
+    probe_full,
+    raise_fd_limit,
+    serve,
+)
 
-HOST = "127.0.0.1"
+from trainguard.events import EventLog
+from trainguard.hang import exit_path
+from trainguard.hang.channel import StoreChannel
+from trainguard.hang.timeout import TimeoutLearner, dead_after, tick_interval
+from trainguard.hang.watchdog import Watchdog
+from trainguard.hang.watchers import DEFAULT_WATCHERS, select_watchers
+from trainguard.progress import Progress
+
 FAULT_AT_S = 3.0
 """Seconds after the common start at which the fault happens."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+class VirtualRank:
+    """One rank: a real ``Watchdog`` on its own store connection, ticked on schedule."""
 
+    def __init__(self, rank: int, cfg: dict[str, Any], run_dir: Path) -> None:
+        n = cfg["n"]
+        connection = TCPStore(HOST, cfg["port"], is_master=False, timeout=timedelta(seconds=60))
+        self.store = CountingStore(connection)
+        members = list(range(n))
+        channel = StoreChannel(self.store, cfg["prefix"], rank, members)
+        self.rank, self.cfg, self.progress = rank, cfg, Progress()
+        self.acted: tuple[float, int, list[int], str] | None = None
+        self.late = self.ticks = 0
+        self.tick_cpu: list[float] = []
+        """CPU seconds of each ``tick_once`` (this thread's own, not the time it waited)."""
+        self.t0 = 0.0
+        self.wd = Watchdog(
+            channel=channel,
+            main_channel=channel,
+            progress=self.progress,
+            events=EventLog(run_dir, rank),
+            run_dir=run_dir,
+            learner=TimeoutLearner(fixed=cfg["timeout"]),
+            store_host=None,
+            exit_fn=self._exited,
+            install_hooks=False,
+            faulthandler_fallback=False,
+            ack_wait_s=0.0,
+            watchers=cfg["watchers"],
+        )
+        self.progress.enter("step", 0)
+        self.wd.start(thread=False)
 
-def _raise_fd_limit(wanted: int) -> int:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < wanted:
-        soft = min(wanted, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    return soft
-
-
-def _serve(port: int, ready: Any, stop: Any) -> None:
-    _raise_fd_limit(16384)
-    store = TCPStore(HOST, port, is_master=True, wait_for_workers=False)
-    ready.set()
-    stop.wait()
-    del store
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-class _Rank:
-    """One virtual rank: the watchdog tick of ``Watchdog.tick_once``, instrumented."""
-
-    def __init__(self, rank: int, n: int, cfg: dict[str, Any]) -> None:
-        store = TCPStore(HOST, cfg["port"], is_master=False, timeout=timedelta(seconds=60))
-        self.channel = StoreChannel(store, cfg["prefix"], rank, list(range(n)))
-        self.rank, self.cfg = rank, cfg
-        self.tracker = PeerTracker(list(range(n)), time.monotonic())
-        self.pub: list[float] = []
-        self.read: list[float] = []
-        self.late = 0
-        self.ticks = 0
-        self.proposed_at: float | None = None
-        self.saw_at: float | None = None
-        self.channel.open()
-        self.channel.publish(self._beat(0, 0))
-
-    def _beat(self, seq: int, beats: int) -> Heartbeat:
-        return Heartbeat(seq, beats, "forward", beats, False, self.cfg["timeout"])
+    def _exited(self, code: int) -> None:
+        verdict = self.wd.verdict
+        assert verdict is not None  # the exit path sets it before exiting
+        self.acted = (time.time(), verdict.by, list(verdict.culprits), verdict.kind)
 
     def run(self, t0: float) -> None:
         cfg, tick = self.cfg, self.cfg["tick"]
         faulty = self.rank == cfg["n"] - 1
         fault_at, end = t0 + FAULT_AT_S, t0 + cfg["run_s"]
+        fault_step = int(FAULT_AT_S / tick)
         k = 0
-        while True:
+        while self.acted is None:
             k += 1
             scheduled = t0 + k * tick
             time.sleep(max(0.0, scheduled - time.time()))
             now = time.time()
-            if now > end or (self.saw_at is not None and now > self.saw_at + 2 * tick):
+            if now > end:
                 return
-            if faulty and now >= fault_at and cfg["mode"] == "kill":
-                return
+            if now < fault_at or cfg["mode"] == "kill":
+                self.progress.enter("step", k)
+            elif self.progress.step != fault_step:  # the stall: everyone stops at one step
+                self.progress.enter("data" if faulty else "check", fault_step)
             self.late += now - scheduled > tick / 2
             self.ticks += 1
-            beats = k if not (faulty and now >= fault_at) else int(FAULT_AT_S / tick)
-            self._tick(k, beats)
-
-    def _tick(self, seq: int, beats: int) -> None:
-        a = time.perf_counter()
-        self.channel.publish(self._beat(seq, beats))
-        b = time.perf_counter()
-        heartbeats, verdict = self.channel.read()
-        self.read.append(time.perf_counter() - b)
-        self.pub.append(b - a)
-        mono = time.monotonic()
-        if verdict is not None:
-            self.saw_at = self.saw_at or time.time()
-            return
-        for rank, beat in heartbeats.items():
-            self.tracker.update(rank, beat, mono)
-        timeout = self.cfg["timeout"]
-        mine = assess(self.tracker.views(mono), self.rank, timeout, dead_after(timeout))
-        if mine is not None:
-            self.channel.propose(mine)
-            self.proposed_at = time.time()
+            cpu = time.thread_time()
+            self.wd.tick_once()
+            self.tick_cpu.append(time.thread_time() - cpu)
+            if faulty and now >= fault_at and cfg["mode"] == "kill":
+                return  # killed right after its last heartbeat (the slowest case to detect)
 
 
 def _client(ranks: list[int], cfg: dict[str, Any], out: Any) -> None:
-    _raise_fd_limit(16384)
-    hosted = [_Rank(r, cfg["n"], cfg) for r in ranks]
+    raise_fd_limit(16384)
+    exit_path.write_stack_dump = lambda path, header: False  # type: ignore[attr-defined]
+    logging.getLogger("trainguard").addHandler(logging.NullHandler())  # N exit lines
+    logging.getLogger("trainguard").propagate = False
+    with tempfile.TemporaryDirectory(prefix="tg-scale-") as run_dir:
+        _run_client(ranks, cfg, out, Path(run_dir))
+
+
+def _run_client(ranks: list[int], cfg: dict[str, Any], out: Any, run_dir: Path) -> None:
+    with ThreadPoolExecutor(64) as pool:  # a connection may wait on a reverse DNS lookup
+        hosted = list(pool.map(lambda r: VirtualRank(r, cfg, run_dir), ranks))
     control = TCPStore(HOST, cfg["port"], is_master=False, timeout=timedelta(seconds=600))
     control.add("connected", len(hosted))
     t0 = float(control.get("t0").decode())
+    for h in hosted:  # count only the measured window
+        h.store.ops = h.store.bytes = h.store.keys = 0
+        h.store.set_s.clear()
+        h.store.read_s.clear()
     threads = [threading.Thread(target=h.run, args=(t0,), daemon=True) for h in hosted]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    watchers = set(cfg["watchers"])
     out.put(
         {
-            "pub": [x for h in hosted for x in h.pub],
-            "read": [x for h in hosted for x in h.read],
+            "pub": [x for h in hosted for x in h.store.set_s],
+            "read_w": [x for h in hosted if h.rank in watchers for x in h.store.read_s],
+            "read_o": [x for h in hosted if h.rank not in watchers for x in h.store.read_s],
+            "cpu_w": [x for h in hosted if h.rank in watchers for x in h.tick_cpu],
+            "cpu_o": [x for h in hosted if h.rank not in watchers for x in h.tick_cpu],
+            "ops": sum(h.store.ops for h in hosted),
+            "bytes": sum(h.store.bytes for h in hosted),
+            "keys": sum(h.store.keys for h in hosted),
             "late": sum(h.late for h in hosted),
             "ticks": sum(h.ticks for h in hosted),
-            "proposed": [h.proposed_at for h in hosted if h.proposed_at],
-            "saw": [h.saw_at for h in hosted if h.saw_at],
-            "all_saw": all(h.saw_at for h in hosted if h.rank != cfg["n"] - 1),
+            "acted": {h.rank: h.acted for h in hosted if h.acted},
         }
     )
 
 
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1e3
-
-
-def measure(n: int, mode: str, timeout: float, procs: int) -> dict[str, Any]:
+def measure(n: int, design: str, mode: str, timeout: float, procs: int) -> dict[str, Any]:
     """One run: N virtual ranks, one fault (``stall`` or ``kill``) on the last rank."""
-    ctx = mp.get_context("spawn")
-    port, ready, stop, out = _free_port(), ctx.Event(), ctx.Event(), ctx.Queue()
-    server = ctx.Process(target=_serve, args=(port, ready, stop))
+    ctx = mp.get_context("fork")  # no torch import per client: 2 s each on 2 cores
+    port, ready, stop, out = free_port(), ctx.Event(), ctx.Event(), ctx.Queue()
+    server = ctx.Process(target=serve, args=(port, ready, stop), daemon=True)
     server.start()
     ready.wait(30)
     tick = tick_interval(timeout)
-    run_s = FAULT_AT_S + timeout + 10.0
-    cfg = {"port": port, "prefix": f"tg/{mode}", "n": n, "timeout": timeout, "tick": tick}
-    cfg.update(mode=mode, run_s=run_s)
+    watchers = list(range(n)) if design == "full" else select_watchers(range(n), DEFAULT_WATCHERS)
+    cfg: dict[str, Any] = {
+        "port": port,
+        "prefix": f"tg/{mode}",
+        "n": n,
+        "timeout": timeout,
+        "tick": tick,
+    }
+    cfg.update(mode=mode, run_s=FAULT_AT_S + timeout + 8.0, watchers=watchers)
     clients = [
-        ctx.Process(target=_client, args=(list(range(p, n, procs)), cfg, out)) for p in range(procs)
+        ctx.Process(target=_client, args=(list(range(p, n, procs)), cfg, out), daemon=True)
+        for p in range(procs)
     ]
     setup = time.time()
-    for c in clients:
-        c.start()
-    control = TCPStore(HOST, port, is_master=False, timeout=timedelta(seconds=600))
-    while control.add("connected", 0) < n:
-        time.sleep(0.2)
-    setup = time.time() - setup
-    t0 = time.time() + 1.0
-    cpu0 = _cpu_seconds(server.pid or 0)
-    control.set("t0", repr(t0))
-    results = [out.get(timeout=run_s + 600) for _ in clients]
-    wall = time.time() - t0
-    cpu = _cpu_seconds(server.pid or 0) - cpu0
-    for c in clients:
-        c.join(30)
-    stop.set()
-    server.join(10)
-    return _summary(n, mode, timeout, tick, results, wall, cpu, setup, t0)
+    try:
+        for c in clients:
+            c.start()
+        control = TCPStore(HOST, port, is_master=False, timeout=timedelta(seconds=600))
+        while control.add("connected", 0) < n:
+            time.sleep(0.2)
+        setup = time.time() - setup
+        t0 = time.time() + 1.0
+        cpu0 = cpu_seconds(server.pid or 0)
+        control.set("t0", repr(t0))
+        results = collect(out, len(clients), t0 + cfg["run_s"] + 30.0)
+        wall = time.time() - t0
+        cpu = cpu_seconds(server.pid or 0) - cpu0
+    finally:
+        for p in [*clients, server]:
+            p.terminate()
+            p.join(10)
+    row = _summary(cfg, design, results, wall, cpu, t0)
+    row["setup_s"] = round(setup, 1)
+    row["finished_clients"] = f"{len(results)}/{procs}"
+    return row
 
 
 def _summary(
-    n: int,
-    mode: str,
-    timeout: float,
-    tick: float,
+    cfg: dict[str, Any],
+    design: str,
     results: list[dict[str, Any]],
     wall: float,
     cpu: float,
-    setup: float,
     t0: float,
 ) -> dict[str, Any]:
-    pub = [x for r in results for x in r["pub"]]
-    read = [x for r in results for x in r["read"]]
-    ticks = sum(r["ticks"] for r in results)
-    proposed = [x for r in results for x in r["proposed"]]
-    saw = [x for r in results for x in r["saw"]]
+    n, mode = cfg["n"], cfg["mode"]
+    acted: dict[int, tuple[float, int, list[int], str]] = {}
+    for r in results:
+        acted.update(r["acted"])
     fault = t0 + FAULT_AT_S
+    deciders = [a[0] for rank, a in acted.items() if a[1] == rank]
+    survivors = n - 1 if mode == "kill" else n
+    kind = "peer_failure" if mode == "kill" else "hang"
+    ok = len(acted) == survivors and all(a[2] == [n - 1] and a[3] == kind for a in acted.values())
+    ticks = sum(r["ticks"] for r in results)
     return {
+        "design": design,
         "n": n,
         "mode": mode,
-        "timeout": timeout,
-        "tick": tick,
-        "setup_s": round(setup, 1),
+        "watchers": len(cfg["watchers"]),
         "ticks": ticks,
         "late": sum(r["late"] for r in results),
-        "ticks_per_rank_s": round(ticks / n / wall, 3),
-        "requests_per_s": round(2 * ticks / wall),
-        "keys_read_per_s": round(ticks * (n + 1) / wall),
-        "pub_p50_ms": round(_pct(pub, 0.5), 2),
-        "pub_p99_ms": round(_pct(pub, 0.99), 2),
-        "read_p50_ms": round(_pct(read, 0.5), 2),
-        "read_p99_ms": round(_pct(read, 0.99), 2),
-        "detect_s": round(min(proposed) - fault, 2) if proposed else None,
-        "all_saw_s": round(max(saw) - fault, 2)
-        if saw and all(r["all_saw"] for r in results)
-        else None,
-        "server_cores": round(cpu / wall, 2),
+        "ops_per_s": round(sum(r["ops"] for r in results) / wall),
+        "keys_per_s": round(sum(r["keys"] for r in results) / wall),
+        "mb_per_s": round(sum(r["bytes"] for r in results) / wall / 1e6, 2),
+        "server_cpu_pct": round(100.0 * cpu / wall, 1),
+        "write_p50_ms": pct([x for r in results for x in r["pub"]], 0.5),
+        "write_p99_ms": pct([x for r in results for x in r["pub"]], 0.99),
+        "detector_read_p50_ms": pct([x for r in results for x in r["read_w"]], 0.5),
+        "detector_read_p99_ms": pct([x for r in results for x in r["read_w"]], 0.99),
+        "other_read_p50_ms": pct([x for r in results for x in r["read_o"]], 0.5),
+        "watcher_tick_cpu_ms": pct([x for r in results for x in r["cpu_w"]], 0.5),
+        "other_tick_cpu_ms": pct([x for r in results for x in r["cpu_o"]], 0.5),
+        "detect_s": round(min(deciders) - fault, 2) if deciders else None,
+        "all_saw_s": round(max(a[0] for a in acted.values()) - fault, 2) if ok else None,
+        "ok": ok,
+        "acted": f"{len(acted)}/{survivors}",
+        "timeout": cfg["timeout"],
+        "dead_after": dead_after(cfg["timeout"]),
+        "tick": cfg["tick"],
+        "wall_s": round(wall, 1),
     }
 
 
 COLUMNS = [
-    "n",
-    "mode",
-    "ticks_per_rank_s",
-    "late",
-    "requests_per_s",
-    "keys_read_per_s",
-    "pub_p50_ms",
-    "pub_p99_ms",
-    "read_p50_ms",
-    "read_p99_ms",
-    "detect_s",
-    "all_saw_s",
-    "server_cores",
-]
+    "design", "n", "mode", "late", "ops_per_s", "keys_per_s", "mb_per_s", "server_cpu_pct",
+    "write_p50_ms", "write_p99_ms", "detector_read_p50_ms", "detector_read_p99_ms",
+    "watcher_tick_cpu_ms", "other_tick_cpu_ms", "detect_s", "all_saw_s", "ok", "acted",
+    "finished_clients",
+]  # fmt: skip
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    return markdown_table(COLUMNS, [[row.get(c) for c in COLUMNS] for row in rows])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    parser.add_argument("--design", choices=["full", "watchers", "both"], default="both")
     parser.add_argument("--modes", nargs="+", default=["stall", "kill"])
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--procs", type=int, default=4)
+    parser.add_argument(
+        "--full-max",
+        type=int,
+        default=1024,
+        help="above this N the full design is measured by a store probe (see probe_full)",
+    )
     parser.add_argument("--out", default="runs/benchmarks/watchdog_scale.json")
     args = parser.parse_args()
-    soft = _raise_fd_limit(16384)
-    print(f"fd soft limit {soft}; timeout {args.timeout} s, tick {tick_interval(args.timeout)} s")
-    print("| " + " | ".join(COLUMNS) + " |")
-    print("|" + "---|" * len(COLUMNS))
+    soft = raise_fd_limit(16384)
+    # c10d formats every socket's peer address with a reverse lookup; where no DNS answers
+    # (sandboxes), glibc's default 5 s x 2 attempts makes connecting N clients take minutes.
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+    designs = ["full", "watchers"] if args.design == "both" else [args.design]
+    command = "python " + " ".join(sys.argv)
+    print(
+        f"{command}\nfd limit {soft}; timeout {args.timeout}s, tick {tick_interval(args.timeout)}s"
+    )
+    machine = machine_info()
+    started = time.time()
     rows = []
     for n in args.sizes:
-        for mode in args.modes:
-            row = measure(n, mode, args.timeout, args.procs)
-            rows.append(row)
-            print("| " + " | ".join(str(row[c]) for c in COLUMNS) + " |", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
-    print(f"setup seconds (connecting N clients): {[r['setup_s'] for r in rows]}")
-    print(f"median tick of all rows: {statistics.median(r['tick'] for r in rows)}")
+        for design in designs:
+            for mode in args.modes:
+                if design == "full" and n > args.full_max:
+                    if mode != args.modes[0]:
+                        continue
+                    rows.append(probe_full(n, args.timeout, args.procs))
+                else:
+                    rows.append(measure(n, design, mode, args.timeout, args.procs))
+                print(_table(rows[-1:]).splitlines()[-1], flush=True)
+                write_json(
+                    Path(args.out), {"time": now_iso(), "command": command, **{"rows": rows}}
+                )
+    print()
+    print(_table(rows))
+    machine["load_average_after"] = machine_info()["load_average"]
+    write_json(
+        Path(args.out), {"time": now_iso(), "command": command, "machine": machine, "rows": rows}
+    )
+    print(f"wrote {args.out}; {time.time() - started:.0f} s in all")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
 - ``failure``   this rank's own exception, published from the main thread (and excepthook)
 - ``heartbeat`` what a rank publishes, and what the others make of it (``PeerTracker``)
 - ``channel``   the job's c10d store as the transport (own connections, one multi_get a tick)
+- ``watchers``  who reads whose heartbeats: a few watcher ranks read all, the others theirs
+- ``keys``      the store key prefix, the hang id candidate, the rank serving the store
 - ``rules``     culprits of a hang or a dead peer (``assess``), and verdicts
 - ``timeout``   the fixed or learned hang timeout (``StallMeter`` measures what it learns
   from), and the cadences derived from it
