@@ -11,6 +11,8 @@ from test_watchdog_protocol import Clock, FakeStore, Rank, report_of, run
 
 import trainguard as tg
 from trainguard.events import read_events
+from trainguard.hang.channel import StoreChannel
+from trainguard.hang.heartbeat import Heartbeat
 from trainguard.hang.watchers import ENV, backup_after, select_watchers, watcher_count
 
 
@@ -160,3 +162,23 @@ def test_every_rank_watches_when_asked(tmp_path: Path, monkeypatch: pytest.Monke
     store.reads.clear()
     run(clock, world, 0.5)
     assert {len(keys) for keys in store.reads} == {5}
+
+
+def test_registration_checks_heartbeats_in_chunks() -> None:
+    """A watcher of many ranks learns which heartbeats exist with one request per 64 ranks,
+    and per rank only in a chunk where some are missing."""
+    store = FakeStore()
+    checks: list[int] = []
+    check = store.check
+    store.check = lambda keys: checks.append(len(keys)) or check(keys)  # type: ignore[method-assign]
+    for rank in range(200):
+        if rank != 70:
+            store.set(f"tg/0/hb/{rank}", Heartbeat(1, 0, "step", 0, False, 3.0).encode())
+    store.set("tg/0/verdict", "")
+    channel = StoreChannel(store, "tg/0", 0, list(range(200)))
+    beats, _ = channel.read()
+    assert checks == [64, 64, *[1] * 64, 64, 8]
+    assert beats[70] is None and beats[71] is not None
+    checks.clear()
+    channel.read()
+    assert checks == [1]  # only rank 70 is still unknown

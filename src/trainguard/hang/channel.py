@@ -16,6 +16,9 @@ from typing import Protocol
 from trainguard.hang.heartbeat import Heartbeat
 from trainguard.hang.rules import Verdict
 
+REGISTER_CHUNK = 64
+"""Heartbeat keys checked for existence in one request."""
+
 
 class KeyValueStore(Protocol):
     """The part of ``torch.distributed.Store`` the watchdog uses."""
@@ -104,13 +107,14 @@ class StoreChannel:
 
     def _register_new(self, ranks: list[int]) -> None:
         """Note which of ``ranks`` have a heartbeat (``multi_get`` would wait for a missing
-        key): one ``check`` for all of them, one per rank only while some are missing."""
+        key): one ``check`` per ``REGISTER_CHUNK`` ranks, one per rank only in a chunk where
+        some are missing (a watcher of 4,096 ranks starts with 64 requests, not 4,096)."""
         new = [r for r in ranks if r not in self._registered]
-        if not new:
-            return
-        if self.store.check([self.hb_key(r) for r in new]):
-            self._registered.update(new)
-            return
-        for rank in new:
-            if self.store.check([self.hb_key(rank)]):
-                self._registered.add(rank)
+        for i in range(0, len(new), REGISTER_CHUNK):
+            chunk = new[i : i + REGISTER_CHUNK]
+            if self.store.check([self.hb_key(r) for r in chunk]):
+                self._registered.update(chunk)
+                continue
+            for rank in chunk if len(chunk) > 1 else []:
+                if self.store.check([self.hb_key(rank)]):
+                    self._registered.add(rank)
