@@ -481,7 +481,7 @@ def render(report: dict[str, Any]) -> str:
         "",
         f"Measured {report['time']} on {m['cpu']} ({m['cpus_available']} CPUs available, "
         f"torch {m['torch']}, {m['torch_threads']} torch thread), load average "
-        f"{m['load_average']} (shared machine: other sessions were running).",
+        f"{m['load_average']} (a shared machine; the tables count events, not times).",
     ]
     return "\n".join(lines)
 
