@@ -287,6 +287,40 @@ def test_sigkilled_rank_is_reported_by_the_survivors(tmp_path: Path) -> None:
         assert "peer_failure" in event_kinds(tmp_path, rank)
 
 
+@pytest.mark.timeout(90)
+def test_a_sigkilled_watcher_is_reported_by_the_other_watcher(tmp_path: Path) -> None:
+    """Ranks 0 and 2 read every heartbeat (the watchers of 4 ranks), ranks 1 and 3 only
+    theirs. Watcher 2 is killed: watcher 0 names it and every survivor exits 92 (the test
+    above kills non-watcher 1)."""
+    timeout = 3.0
+    procs = launch(4, tmp_path, "--timeout", str(timeout), "--steps", "5000")
+    deadline = time.monotonic() + 75
+    wait_for_step(tmp_path / "progress-rank2", 5, deadline)
+    killed = time.time()
+    procs[2].send_signal(signal.SIGKILL)
+    exits = wait_all(procs, deadline)
+
+    codes = [p.returncode for p in procs]
+    assert codes == [
+        tg.EXIT_PEER_FAILURE,
+        tg.EXIT_PEER_FAILURE,
+        -signal.SIGKILL,
+        tg.EXIT_PEER_FAILURE,
+    ]
+    assert max(exits) - killed < timeout + SLACK_S
+    report = only_report(tmp_path)
+    assert report["kind"] == "peer_failure" and report["culprits"] == [2]
+    assert report["decided_by"] == report["reporter"] == 0
+    ranks = {r["rank"]: r for r in report["ranks"]}
+    assert ranks[2]["heartbeat_age"] >= timeout
+    assert all(ranks[r]["heartbeat_age"] < timeout for r in (0, 1, 3))
+    for rank in (0, 1, 3):
+        events = tg.read_events(tmp_path, rank)
+        assert [e["watchers"] for e in events if e["kind"] == "watchdog"] == [[0, 2]]
+        failures = [e for e in events if e["kind"] == "peer_failure"]
+        assert len(failures) == 1 and failures[0]["culprits"] == [2]
+
+
 # -- torchrun restarts a job that hung once ---------------------------------------------------
 
 
