@@ -30,7 +30,7 @@ class Heartbeat:
     pid: int = 0
 
     def encode(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        return json.dumps(vars(self), separators=(",", ":"))  # asdict: 4x slower
 
     @staticmethod
     def decode(raw: bytes | str) -> Heartbeat | None:
