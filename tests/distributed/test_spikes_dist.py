@@ -1,5 +1,6 @@
 """Spikes across real processes (gloo): the same verdict on every rank, a skipped spike
-leaves the weights as they were, under DDP and FSDP2, with check() and the sync-free step."""
+leaves the weights as they were, under DDP and FSDP2, each with check() and with the
+sync-free step (the device rule folded into the fused optimizer's found_inf)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ def _train(rank: int, mode: str, run_dir: Path, sync_free: bool) -> dict[str, An
     lines = (run_dir / "events" / f"rank-{rank}.jsonl").read_text().splitlines()
     spikes = [e for e in map(json.loads, lines) if e["kind"] == "spike"]
     return {
+        "sync_free": guard._deferred,  # the device rule and found_inf, not check()
         "ok": [bool(ok) for ok in oks],
         "spikes": [(e["step"], e["metric"], e["action"]) for e in spikes],
         "unchanged": torch.equal(params[SPIKE_STEP - 1], params[SPIKE_STEP]),
@@ -77,14 +79,16 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
         "ddp": _train(rank, "ddp", base / "ddp", sync_free=False),
         "fsdp": _train(rank, "fsdp", base / "fsdp", sync_free=False),
         "ddp_fused": _train(rank, "ddp", base / "ddp_fused", sync_free=True),
+        "fsdp_fused": _train(rank, "fsdp", base / "fsdp_fused", sync_free=True),
     }
 
 
 @pytest.mark.timeout(120)
 def test_a_spike_on_one_rank_is_skipped_on_every_rank(tmp_path: Path) -> None:
     ranks = values(run_ranks(_job, 2, str(tmp_path), timeout=100))
-    for name in ("ddp", "fsdp", "ddp_fused"):
+    for name in ("ddp", "fsdp", "ddp_fused", "fsdp_fused"):
         r0, r1 = ranks[0][name], ranks[1][name]
+        assert r0["sync_free"] == r1["sync_free"] == name.endswith("_fused"), name
         assert r0["ok"] == r1["ok"], name  # the same decision on both ranks
         assert [i for i, ok in enumerate(r0["ok"]) if not ok] == [SPIKE_STEP], name
         assert "loss" in {m for s, m, a in r0["spikes"] if s == SPIKE_STEP}, name
