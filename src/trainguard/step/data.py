@@ -15,6 +15,11 @@ Recovery keeps the rule: batches dropped from the stream (skipped after a rollba
 consumed before a resume) are never counted in ``batches_seen``, and a drop forgets the last
 agreement so that the next step agrees afresh (every rank drops at the same point: the
 rollback is agreed). ``position`` counts every item taken from the iterable, dropped or not.
+
+Lengths at the start: the agreement when the loop starts (one per ``watch()``, which runs in
+any case) also carries each rank's ``len(iterable)`` in its otherwise unused loss column, so
+ranks whose number of batches differs are reported (``uneven_lengths``) before the first
+step, at no extra collective and no per-step cost.
 """
 
 from __future__ import annotations
@@ -24,12 +29,22 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import torch
+
 from trainguard.capture.rng import rng_state
 from trainguard.events import EventLog
 from trainguard.progress import Progress
-from trainguard.step.consensus import Agreement, Consensus
+from trainguard.step.consensus import DEVICE_COLUMNS, Agreement, Consensus, LocalReport
 
 logger = logging.getLogger(__name__)
+
+
+def iterable_length(iterable: Any) -> int:
+    """``len(iterable)`` (batches, for a DataLoader), or -1 when it has none."""
+    try:
+        return len(iterable)
+    except (TypeError, NotImplementedError):  # an iterator, a generator, no __len__
+        return -1
 
 
 class BatchStream:
@@ -114,7 +129,7 @@ class BatchStream:
     def __iter__(self) -> Iterator[Any]:
         iterator = iter(self._iterable)
         self._fill(iterator, (self._lookahead + 1) * self._k)
-        self._set_agreement(self._exchange(), -1)
+        self._set_agreement(self._exchange_at_start(), -1)
         step = 0
         while not self._stop_before(step):
             self._rotate()
@@ -140,6 +155,37 @@ class BatchStream:
 
     def _exchange(self) -> Agreement:
         return self._consensus.exchange_data_state(self._exhausted, self.batches_seen)
+
+    def _exchange_at_start(self) -> Agreement:
+        """The start's agreement, with each rank's ``len(iterable)`` (-1: no ``len``) in the
+        loss column, which the standalone agreement does not otherwise use."""
+        values = torch.zeros(DEVICE_COLUMNS, dtype=torch.float64)
+        values[0] = float(iterable_length(self._iterable))
+        report = LocalReport(values, exhausted=self._exhausted, batches=self.batches_seen)
+        agreement = self._consensus.agree(report, sum_grad_norms=False)
+        self._report_lengths([int(length) for length in agreement.losses])
+        return agreement
+
+    def _report_lengths(self, lengths: list[int]) -> None:
+        """An ``uneven_lengths`` event on every rank when the ranks' lengths differ."""
+        known = [n for n in lengths if n >= 0]
+        if len(set(known)) < 2:
+            return
+        shortest = min(known)
+        self._events.write(
+            "uneven_lengths",
+            self._step_of(),
+            lengths=[n if n >= 0 else None for n in lengths],
+            shortest_ranks=[r for r, n in enumerate(lengths) if n == shortest],
+            steps_at_most=shortest // self._k,
+        )
+        if self._consensus.rank == 0:
+            logger.warning(
+                "trainguard: the ranks' loaders differ in length (batches per rank: %s); "
+                "every rank stops together after at most %d steps, when the shortest runs out",
+                lengths,
+                shortest // self._k,
+            )
 
     def _fill(self, iterator: Iterator[Any], size: int) -> None:
         while not self._exhausted and len(self._queue) < size:
