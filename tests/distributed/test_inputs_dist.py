@@ -47,8 +47,14 @@ def _train(rank: int, run_dir: Path, sync_free: bool) -> dict[str, Any]:
     guard.close()
     lines = (run_dir / "events" / f"rank-{rank}.jsonl").read_text().splitlines()
     events = [e for e in map(json.loads, lines) if e["kind"] == "bad_input"]
+    nonfinite = [e for e in map(json.loads, lines) if e["kind"] == "nonfinite"]
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return {"ok": [bool(ok) for ok in oks], "events": events, "params": params}
+    return {
+        "ok": [bool(ok) for ok in oks],
+        "events": events,
+        "nonfinite": [(e["step"], e["where"], e["ranks"], e["action"]) for e in nonfinite],
+        "params": params,
+    }
 
 
 def _job(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -67,6 +73,8 @@ def test_a_nan_input_on_one_rank_skips_the_step_everywhere(tmp_path: Path) -> No
         assert r0["ok"] == r1["ok"] == expected, name
         assert [(e["step"], e["ranks"]) for e in r0["events"]] == [(BAD_STEP, [1])], name
         assert r0["events"][0]["tensors"] == []  # rank 0's batch was fine
+        # every rank's nonfinite event: the same step, where="input", the bad rank, skipped
+        assert r0["nonfinite"] == r1["nonfinite"] == [(BAD_STEP, "input", [1], "skip")], name
         [event] = r1["events"]
         assert event["tensors"] == [
             {
