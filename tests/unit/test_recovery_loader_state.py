@@ -148,3 +148,27 @@ def test_loader_states_keep_only_what_a_checkpoint_can_still_need() -> None:
     resumed = StatefulDataLoader(Numbered(), batch_size=2)
     resumed.load_state_dict(state)
     assert [int(b[0, 0]) for b in resumed] == [4, 6, 8, 10, 12, 14]
+
+
+def test_sample_indices_never_reshuffle_a_loader() -> None:
+    """Re-iterating a shuffling sampler draws another order (and, for torchdata's, advances
+    the loader's own generator): no indices then, and the next epoch's order is untouched."""
+    from torch.utils.data import DistributedSampler
+
+    from trainguard.recovery.ledger import sample_indices
+
+    def shuffled() -> Any:
+        torch.manual_seed(0)
+        return StatefulDataLoader(Numbered(), batch_size=2, shuffle=True)
+
+    untouched = shuffled()
+    list(untouched)
+    asked = shuffled()
+    list(asked)
+    assert sample_indices(asked, [0, 1]) == {}
+    assert [b.tolist() for b in asked] == [b.tolist() for b in untouched]
+    sampler = DistributedSampler(Numbered(), num_replicas=2, rank=1, shuffle=True, seed=3)
+    sampler.set_epoch(1)
+    sharded = StatefulDataLoader(Numbered(), batch_size=2, sampler=sampler)
+    first = [[int(v) for v in b[:, 0]] for b in sharded]
+    assert sample_indices(sharded, [0, 3]) == {0: first[0], 3: first[3]}

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from torch.utils.data import DistributedSampler, SequentialSampler
+
 
 @dataclass(frozen=True)
 class SkipEntry:
@@ -57,11 +59,20 @@ class SkipLedger:
         return frozenset(entry.batch for entry in self.entries() if entry.epoch == epoch)
 
 
+def replayable(batch_sampler: Any) -> bool:
+    """Whether iterating ``batch_sampler`` again gives the epoch's batches and changes nothing:
+    its sampler is sequential or a DistributedSampler (the order follows from seed and epoch).
+    A shuffling sampler draws a new order from a generator (the global one, or its own, as
+    torchdata's does) when iterated: the indices would be wrong and later epochs reordered."""
+    sampler = getattr(batch_sampler, "sampler", None)
+    return isinstance(sampler, SequentialSampler | DistributedSampler)
+
+
 def sample_indices(iterable: Any, positions: Sequence[int]) -> dict[int, list[int]]:
-    """Dataset indices of the batches at ``positions`` for a DataLoader with a batch sampler
-    (deterministic for a given epoch, e.g. DistributedSampler); {} when unknown."""
+    """Dataset indices of the batches at ``positions`` for a DataLoader (or torchdata's
+    StatefulDataLoader) whose batch sampler is ``replayable``; {} when unknown."""
     batch_sampler = getattr(iterable, "batch_sampler", None)
-    if batch_sampler is None or not positions:
+    if batch_sampler is None or not positions or not replayable(batch_sampler):
         return {}
     wanted = set(positions)
     last = max(wanted)
