@@ -6,7 +6,9 @@ per device, a float64 scalar left on the device (here read back, to time it to t
 Timed against, on the same batch, interleaved in random order each round:
 
 - ``forward``: the training forward of a matching model (autograd on, output discarded);
-- ``naive``: ``bool(torch.isfinite(t).all())`` per floating-point tensor (a host sync each).
+- ``naive``: ``bool(torch.isfinite(t).all())`` per floating-point tensor (a host sync each);
+- ``foreach_f64``: ``torch._foreach_norm(inf, dtype=float64)`` over the tensors: the
+  accelerator path of the check, and what the CPU path ran before it moved to ``aminmax``.
 
 Workloads (``WORKLOADS``): token ids (int64: nothing to check, the cost is the batch walk),
 an image batch 64x3x224x224 with a small conv net, a CIFAR-sized 256x3x32x32 batch with a
@@ -46,7 +48,7 @@ from _common import (
 
 from trainguard.step.inputs import float_tensors, max_abs
 
-METHODS = ("check", "naive", "forward")
+METHODS = ("check", "foreach_f64", "naive", "forward")
 
 
 class TinyLM(nn.Module):
@@ -153,13 +155,20 @@ def _methods(
     def check() -> object:  # what the guard runs, read back so the timing covers it
         return float(max_abs(float_tensors([batch]), device))
 
+    def foreach_f64() -> object:  # the guard's CPU check before aminmax (the CUDA path's op)
+        tensors = float_tensors([batch])
+        if not tensors:
+            return 0.0
+        norms = torch._foreach_norm(tensors, float("inf"), dtype=torch.float64)
+        return float(torch.stack(list(norms)).amax())
+
     def naive() -> object:
         return all(bool(torch.isfinite(t).all()) for t in float_tensors([batch]))
 
     def forward() -> object:
         return model(batch)
 
-    return {"check": check, "naive": naive, "forward": forward}
+    return {"check": check, "foreach_f64": foreach_f64, "naive": naive, "forward": forward}
 
 
 def _time(fn: Callable[[], object], device: torch.device) -> float:
@@ -200,6 +209,7 @@ def summarize(times: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
             **stats,
             "check_over_forward": medians["check"] / medians["forward"],
             "naive_over_forward": medians["naive"] / medians["forward"],
+            "foreach_f64_over_forward": medians["foreach_f64"] / medians["forward"],
             "samples_ms": per,
         }
     return out
@@ -210,6 +220,7 @@ def table(summary: dict[str, Any]) -> str:
         "workload",
         "batch, model",
         "check ms",
+        "foreach_f64 ms",
         "naive ms",
         "forward ms",
         "check / forward",
@@ -220,6 +231,7 @@ def table(summary: dict[str, Any]) -> str:
             name,
             s["batch_and_model"],
             s["check"]["median_ms"],
+            s["foreach_f64"]["median_ms"],
             s["naive"]["median_ms"],
             s["forward"]["median_ms"],
             f"{100 * s['check_over_forward']:.2f}%",

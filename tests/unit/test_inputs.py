@@ -22,6 +22,10 @@ def test_max_abs_is_non_finite_exactly_when_an_input_is() -> None:
     assert torch.isnan(max_abs([big, torch.tensor([1.0, NAN])], cpu))
     assert torch.isinf(max_abs([torch.tensor([-float("inf")])], cpu))
     assert float(max_abs([], cpu)) == 0.0
+    half = torch.tensor([1.0, -7.0], dtype=torch.float16)  # mixed dtypes, a negative maximum
+    assert float(max_abs([half, torch.tensor(-5.0), torch.ones(2, 2)], cpu)) == 7.0
+    assert torch.isinf(max_abs([torch.tensor([1.0, -float("inf")], dtype=torch.float16)], cpu))
+    assert torch.isnan(max_abs([torch.tensor([NAN], dtype=torch.bfloat16), big], cpu))
 
 
 def test_bad_tensors_name_path_positions_and_dataset_indices() -> None:
