@@ -21,9 +21,10 @@ timeouts also tick every second) and dead_after 10 s. Two faults per N, on the l
 * ``kill``: its watchdog stops right after a heartbeat (a killed process); the others go on.
   Expected: a peer failure naming it.
 
-``detect`` = the deciding rank's act time minus the fault time; ``all_saw`` = the last
-surviving rank's; ``ok`` = every survivor acted on one verdict of the right kind naming the
-faulty rank. ``late`` counts ticks that began more than half a tick late (client overload:
+Each rank ticks at its own phase within the tick (real ranks are not in lockstep).
+``detect`` = the deciding rank's act time minus the fault time (when the faulty rank
+stalled or died); ``all_saw`` = the last surviving rank's; ``ok`` = every survivor acted on
+one verdict of the right kind naming the faulty rank. ``late`` counts ticks that began more than half a tick late (client overload:
 the clients share the machine's cores with the server). ``ops/s`` and ``MB/s`` are the
 requests the store served and the bytes of values it returned (counted on the client side).
 
@@ -87,6 +88,8 @@ class VirtualRank:
         self.acted: tuple[float, int, list[int], str] | None = None
         self.late = self.ticks = 0
         self.tick_cpu: list[float] = []
+        self.fault_time: float | None = None
+        """When the faulty rank stalled or died (unix time)."""
         """CPU seconds of each ``tick_once`` (this thread's own, not the time it waited)."""
         self.t0 = 0.0
         self.wd = Watchdog(
@@ -116,10 +119,11 @@ class VirtualRank:
         faulty = self.rank == cfg["n"] - 1
         fault_at, end = t0 + FAULT_AT_S, t0 + cfg["run_s"]
         fault_step = int(FAULT_AT_S / tick)
+        offset = tick * self.rank / cfg["n"]  # ranks do not tick in lockstep
         k = 0
         while self.acted is None:
             k += 1
-            scheduled = t0 + k * tick
+            scheduled = t0 + offset + k * tick
             time.sleep(max(0.0, scheduled - time.time()))
             now = time.time()
             if now > end:
@@ -128,12 +132,14 @@ class VirtualRank:
                 self.progress.enter("step", k)
             elif self.progress.step != fault_step:  # the stall: everyone stops at one step
                 self.progress.enter("data" if faulty else "check", fault_step)
+                self.fault_time = self.fault_time or (now if faulty else None)
             self.late += now - scheduled > tick / 2
             self.ticks += 1
             cpu = time.thread_time()
             self.wd.tick_once()
             self.tick_cpu.append(time.thread_time() - cpu)
             if faulty and now >= fault_at and cfg["mode"] == "kill":
+                self.fault_time = time.time()
                 return  # killed right after its last heartbeat (the slowest case to detect)
 
 
@@ -175,6 +181,7 @@ def _run_client(ranks: list[int], cfg: dict[str, Any], out: Any, run_dir: Path) 
             "late": sum(h.late for h in hosted),
             "ticks": sum(h.ticks for h in hosted),
             "acted": {h.rank: h.acted for h in hosted if h.acted},
+            "fault_time": max([h.fault_time for h in hosted if h.fault_time] or [0.0]),
         }
     )
 
@@ -246,7 +253,7 @@ def _summary(
     acted: dict[int, tuple[float, int, list[int], str]] = {}
     for r in results:
         acted.update(r["acted"])
-    fault = t0 + FAULT_AT_S
+    fault = max([r["fault_time"] for r in results] + [0.0]) or t0 + FAULT_AT_S
     deciders = [a[0] for rank, a in acted.items() if a[1] == rank]
     survivors = n - 1 if mode == "kill" else n
     kind = "peer_failure" if mode == "kill" else "hang"
