@@ -24,8 +24,9 @@ timeouts also tick every second) and dead_after 10 s. Two faults per N, on the l
 Each rank ticks at its own phase within the tick (real ranks are not in lockstep).
 ``detect`` = the deciding rank's act time minus the fault time (when the faulty rank
 stalled or died); ``all_saw`` = the last surviving rank's; ``ok`` = every survivor acted on
-one verdict of the right kind naming the faulty rank. ``late`` counts ticks that began more than half a tick late (client overload:
-the clients share the machine's cores with the server). ``ops/s`` and ``MB/s`` are the
+one verdict of the right kind naming the faulty rank. ``late`` counts ticks that began more
+than half a tick late (client overload: the clients share the machine's cores with the
+server). ``ops/s`` and ``MB/s`` are the
 requests the store served and the bytes of values it returned (counted on the client side).
 
     python benchmarks/watchdog_scale.py                  # both designs, N = 64 256 1024 4096
@@ -212,7 +213,7 @@ def measure(n: int, design: str, mode: str, timeout: float, procs: int) -> dict[
         "timeout": timeout,
         "tick": tick,
     }
-    cfg.update(mode=mode, run_s=FAULT_AT_S + timeout + 8.0, watchers=watchers)
+    cfg.update(mode=mode, run_s=FAULT_AT_S + timeout + 20.0, watchers=watchers)
     clients = [
         ctx.Process(target=_client, args=(ranks, cfg, out), daemon=True)
         for ranks in _placement(n, watchers, procs)
