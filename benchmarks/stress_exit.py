@@ -60,13 +60,20 @@ non-finite step (a finding)."""
 
 
 def worker(scenario: str, run_dir: Path, steps: int) -> None:
-    """One rank of the job: the demo's classifier under DDP, guarded unless ``bare``."""
+    """One rank of the job: the demo's classifier under DDP, guarded unless ``bare``.
+
+    A rank still alive shortly before the driver's timeout writes every thread's Python stack
+    to the job log (faulthandler), so a hung run says where it hung: in training, in the
+    guard, or after ``worker`` returned (the destructors of its locals)."""
+    import faulthandler
+
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from trainguard.demo import DemoData, DemoNet, RankBatches, balanced_loss
 
+    faulthandler.dump_traceback_later(max(RUN_TIMEOUT_S - 10.0, 1.0), exit=False)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
