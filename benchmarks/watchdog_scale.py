@@ -146,6 +146,10 @@ class VirtualRank:
 
 def _client(ranks: list[int], cfg: dict[str, Any], out: Any) -> None:
     raise_fd_limit(16384)
+    if not set(ranks) & set(cfg["watchers"]):
+        # Linux shares the CPU per thread: 4,000 ranks' threads would starve the 2 watcher
+        # threads, which on a real job share their CPU only with their own rank.
+        os.nice(10)
     exit_path.write_stack_dump = lambda path, header: False  # type: ignore[attr-defined]
     logging.getLogger("trainguard").addHandler(logging.NullHandler())  # N exit lines
     logging.getLogger("trainguard").propagate = False
