@@ -184,6 +184,10 @@ MODES: dict[str, ModeSpec] = {
     "guard": ModeSpec(
         "trainguard defaults: Guard(capture=True), watch() + check(loss) as in the README"
     ),
+    "guard_lean": ModeSpec(
+        "trainguard defaults without the spike rule and the input check "
+        "(on_spike='off', check_inputs=False): their cost is guard / guard_lean"
+    ),
     "bare_clip": ModeSpec("bare + torch.nn.utils.clip_grad_norm_(max_norm)"),
     "guard_clip": ModeSpec("trainguard defaults with grad_clip=max_norm", "bare_clip"),
     "nancapture": ModeSpec(
@@ -343,11 +347,10 @@ class AnomalyRunner(Runner):
 class GuardRunner(Runner):
     """Driven exactly like the README loop; ``watch()`` is advanced one step at a time."""
 
-    def __init__(self, ctx: ModeContext, grad_clip: float | None) -> None:
+    def __init__(self, ctx: ModeContext, grad_clip: float | None, **options: Any) -> None:
         super().__init__(ctx)
-        self.guard = tg.Guard(
-            ctx.model, ctx.optimizer, run_dir=ctx.run_dir, capture=True, grad_clip=grad_clip
-        )
+        config = tg.GuardConfig(run_dir=ctx.run_dir, capture=True, grad_clip=grad_clip, **options)
+        self.guard = tg.Guard(ctx.model, ctx.optimizer, config=config)
         self.stream = iter(self.guard.watch(ctx.batches))
 
     def fetch(self) -> Batch:
@@ -377,6 +380,8 @@ class GuardStepRunner(GuardRunner):
 def make_runner(mode: str, ctx: ModeContext) -> Runner:
     if mode == "guard":
         return GuardRunner(ctx, grad_clip=None)
+    if mode == "guard_lean":
+        return GuardRunner(ctx, grad_clip=None, on_spike="off", check_inputs=False)
     if mode == "guard_step":
         return GuardStepRunner(ctx, grad_clip=None)
     if mode == "guard_clip":
