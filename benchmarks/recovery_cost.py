@@ -57,8 +57,30 @@ def _guard(mode: str, model: torch.nn.Module, opt: Any, run_dir: Path, args: Any
     return tg.Guard(model, opt, config=config)
 
 
-def time_mode(mode: str, work: Workload, steps: int, root: Path, args: Any) -> float:
-    """Seconds per step over ``steps`` guarded steps (after 2 warm-up steps)."""
+class HookClock:
+    """Wall time spent inside the recovery part's per-step hooks (``step_boundary``: the
+    snapshot copy and the checkpoint start; ``after_step``: marking good, retention): the
+    direct cost of recovery on the step, free of the step-to-step noise of a shared machine."""
+
+    def __init__(self, recovery: Any) -> None:
+        self.seconds = 0.0
+        for name in ("step_boundary", "after_step"):
+            setattr(recovery, name, self._timed(getattr(recovery, name)))
+
+    def _timed(self, hook: Any) -> Any:
+        def timed(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return hook(*args)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+
+def time_mode(mode: str, work: Workload, steps: int, root: Path, args: Any) -> tuple[float, float]:
+    """Seconds per step over ``steps`` guarded steps (after 2 warm-up steps), and of those the
+    seconds per step spent in the recovery hooks (0 without recovery)."""
     torch.manual_seed(0)
     model = work.build()
     opt = torch.optim.AdamW(model.parameters(), lr=work.lr)
@@ -66,20 +88,23 @@ def time_mode(mode: str, work: Workload, steps: int, root: Path, args: Any) -> f
     batches = [work.batch(gen) for _ in range(8)]
     data = (batches[i % len(batches)] for i in range(steps + 2))
     if mode == "bare":
-        return _time_bare(work, model, opt, data, steps)
+        return _time_bare(work, model, opt, data, steps), 0.0
     run_dir = root / f"{mode}-{time.monotonic_ns()}"
     guard = _guard(mode, model, opt, run_dir, args)
+    hooks = HookClock(guard.recovery) if guard.recovery is not None else None
     start = 0.0
     with guard:
         for i, batch in enumerate(guard.watch(data)):
             if i == 2:
                 start = time.perf_counter()
+                if hooks is not None:
+                    hooks.seconds = 0.0
             loss = work.loss(model, batch)
             loss.backward()  # type: ignore[no-untyped-call]
             guard.step(loss)
     elapsed = time.perf_counter() - start
     shutil.rmtree(run_dir, ignore_errors=True)
-    return elapsed / steps
+    return elapsed / steps, (hooks.seconds / steps if hooks is not None else 0.0)
 
 
 def _time_bare(work: Workload, model: torch.nn.Module, opt: Any, data: Any, steps: int) -> float:
@@ -148,21 +173,32 @@ def main() -> None:
         args.checkpoint_every = 10 if args.quick else 100
     root = Path(tempfile.mkdtemp(prefix="tg-recovery-cost-"))
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    hooks: dict[str, list[float]] = {mode: [] for mode in MODES}
     try:
         order = random.Random(0)
         for _ in range(args.rounds):
             modes = list(MODES)
             order.shuffle(modes)  # interleaved, in a new order each round
             for mode in modes:
-                times[mode].append(time_mode(mode, work, steps, root, args))
+                per_step, in_hooks = time_mode(mode, work, steps, root, args)
+                times[mode].append(per_step)
+                hooks[mode].append(in_hooks)
         blocking = blocking_checkpoint(work, args.runs, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = [
-        [mode, median(times[mode]) * 1e3, _ratio(times, mode, "bare"), _ratio(times, mode, "guard")]
+        [
+            mode,
+            median(times[mode]) * 1e3,
+            _ratio(times, mode, "bare"),
+            _ratio(times, mode, "guard"),
+            median(hooks[mode]) * 1e3,
+            median([h / t for h, t in zip(hooks[mode], times["guard"], strict=True)]),
+        ]
         for mode in MODES
     ]
-    print(markdown_table(["mode", "ms/step (median)", "x bare", "x guard"], rows))
+    headers = ["mode", "ms/step (median)", "x bare", "x guard", "in recovery hooks ms/step"]
+    print(markdown_table([*headers, "hooks / guard step"], rows))
     print(
         f"\nblocking time of one checkpoint: async_save {blocking['checkpoint_async_s'] * 1e3:.1f}"
         f" ms, synchronous {blocking['checkpoint_s'] * 1e3:.1f} ms (plain torch.save of the "
@@ -179,6 +215,8 @@ def main() -> None:
         "seconds_per_step": times,
         "ratio_to_bare": {row[0]: row[2] for row in rows},
         "ratio_to_guard": {row[0]: row[3] for row in rows},
+        "recovery_hooks_seconds_per_step": hooks,
+        "recovery_hooks_over_guard_step": {row[0]: row[5] for row in rows},
         "blocking": blocking,
     }
     write_json(args.out, result)
