@@ -22,6 +22,7 @@ MODES = (
     "foreach_norm",
     "norm_allreduce",
     "guard",
+    "guard_lean",
     "bare_clip",
     "guard_clip",
     "nancapture",
