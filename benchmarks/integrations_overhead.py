@@ -18,7 +18,16 @@ transformer workload on CPU (vocab 4096, dim 256, 4 layers, 4 heads, seq 128, ba
 workload the issue's 1.02x target names; ``--workload tiny`` (vocab 256, dim 128, 2 layers,
 seq 64, batch 4) has a step of a few ms, where any fixed per-step cost shows.
 
+``--by-step``: the runs of this VM differ by up to +-15% from one another in step time (the
+same mode, the same process, minutes apart), more than the 2% being measured. With
+``--by-step`` each mode's callback acts only on even steps of its run, and the run's ratio is
+the median even-step time over the median odd-step time: every comparison is between steps
+of one run (same model, same memory, same minute). ``bare`` then gives the null ratio of the
+alternation itself. What it cannot see: a cost the callback's presence puts on every step of
+its run, the unguarded ones too (it cancels out of the ratio); compare whole runs for that.
+
     python benchmarks/integrations_overhead.py --rounds 7 --out results/integrations.json
+    python benchmarks/integrations_overhead.py --by-step --frameworks transformers
 """
 
 from __future__ import annotations
@@ -61,6 +70,20 @@ class StepClock:
         kept = self.times[self.warmup :]
         return median([b - a for a, b in itertools.pairwise(kept)])
 
+    def parity_ratio(self) -> float:
+        """Median time of the even steps over that of the odd steps (tick k ends step k)."""
+        ticks = list(enumerate(self.times))[self.warmup :]
+        by_parity: dict[int, list[float]] = {0: [], 1: []}
+        for (_, a), (k, b) in itertools.pairwise(ticks):
+            by_parity[k % 2].append(b - a)
+        return median(by_parity[0]) / median(by_parity[1])
+
+
+def acts_on(step: int, by_step: bool) -> bool:
+    """Whether a mode's callback acts on ``step``: every step, or the even ones with
+    ``--by-step``."""
+    return not by_step or step % 2 == 0
+
 
 def nan_capture_check(params: list[nn.Parameter]) -> None:
     """What NaNCapture did before every optimizer step (isnan only; one host sync)."""
@@ -95,8 +118,8 @@ def token_ids(sizes: dict[str, int], steps: int) -> torch.Tensor:
 
 
 def run_lightning(
-    mode: str, steps: int, warmup: int, sizes: dict[str, int], run_dir: Path
-) -> float:
+    mode: str, steps: int, warmup: int, sizes: dict[str, int], run_dir: Path, by_step: bool
+) -> StepClock:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -111,7 +134,24 @@ def run_lightning(
 
     class NanCapture(pl.Callback):  # type: ignore[misc]
         def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
-            nan_capture_check(list(module.parameters()))
+            if acts_on(trainer.global_step, by_step):
+                nan_capture_check(list(module.parameters()))
+
+    class EvenSteps(TrainGuard):  # type: ignore[misc]
+        """``--by-step``: the guard on even steps only (``global_step`` is the step's index
+        in all three hooks; the guard sees every other step as its own steps)."""
+
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            if acts_on(trainer.global_step, by_step):
+                super().on_train_batch_start(trainer, *args)
+
+        def on_before_backward(self, trainer: Any, *args: Any) -> None:
+            if acts_on(trainer.global_step, by_step):
+                super().on_before_backward(trainer, *args)
+
+        def on_before_optimizer_step(self, trainer: Any, *args: Any) -> None:
+            if acts_on(trainer.global_step, by_step):
+                super().on_before_optimizer_step(trainer, *args)
 
     class Model(pl.LightningModule):
         def __init__(self) -> None:
@@ -129,7 +169,8 @@ def run_lightning(
     data = TensorDataset(token_ids(sizes, steps))
     callbacks: list[Any] = [Clock()]
     if mode == "trainguard":
-        callbacks.append(TrainGuard(run_dir=run_dir, hang_timeout=0))
+        guard_class = EvenSteps if by_step else TrainGuard
+        callbacks.append(guard_class(run_dir=run_dir, hang_timeout=0))
     elif mode == "nancapture":
         callbacks.append(NanCapture())
     trainer = pl.Trainer(
@@ -143,15 +184,15 @@ def run_lightning(
         enable_model_summary=False,
     )
     trainer.fit(Model(), DataLoader(data, batch_size=sizes["batch"]))
-    return clock.step_time()
+    return clock
 
 
 # -- Hugging Face Trainer -------------------------------------------------------------------
 
 
 def run_transformers(
-    mode: str, steps: int, warmup: int, sizes: dict[str, int], run_dir: Path
-) -> float:
+    mode: str, steps: int, warmup: int, sizes: dict[str, int], run_dir: Path, by_step: bool
+) -> StepClock:
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     from trainguard.integrations.transformers import TrainGuardCallback, TrainGuardMixin
@@ -164,8 +205,27 @@ def run_transformers(
             clock.tick()
 
     class NanCapture(TrainerCallback):  # type: ignore[misc]
-        def on_pre_optimizer_step(self, *args: Any, **kwargs: Any) -> None:
-            nan_capture_check(list(model.parameters()))
+        def on_pre_optimizer_step(self, args: Any, state: Any, *rest: Any, **kwargs: Any) -> None:
+            if acts_on(state.global_step, by_step):
+                nan_capture_check(list(model.parameters()))
+
+    class EvenSteps(TrainGuardCallback):  # type: ignore[misc]
+        """``--by-step``: the guard on even steps only (one micro-batch per step here)."""
+
+        step = 0
+
+        def before_micro_batch(self, inputs: Any) -> None:
+            if acts_on(self.step, by_step):
+                super().before_micro_batch(inputs)
+
+        def after_micro_batch(self, loss: torch.Tensor, last_of_step: bool) -> None:
+            if acts_on(self.step, by_step):
+                super().after_micro_batch(loss, last_of_step)
+            else:
+                self._checked = True  # the mixin is there; this step is left unguarded
+
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            self.step += 1
 
     class Guarded(TrainGuardMixin, Trainer):  # type: ignore[misc]
         pass
@@ -175,7 +235,8 @@ def run_transformers(
     callbacks: list[Any] = [Clock()]
     trainer_class: Any = Trainer
     if mode == "trainguard":
-        callbacks.append(TrainGuardCallback(run_dir=run_dir, hang_timeout=0))
+        guard_class = EvenSteps if by_step else TrainGuardCallback
+        callbacks.append(guard_class(run_dir=run_dir, hang_timeout=0))
         trainer_class = Guarded
     elif mode == "nancapture":
         callbacks.append(NanCapture())
@@ -192,10 +253,10 @@ def run_transformers(
     trainer = trainer_class(model=model, args=args, train_dataset=data, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # no metrics dict printed per run
     trainer.train()
-    return clock.step_time()
+    return clock
 
 
-RUNNERS: dict[str, Callable[[str, int, int, dict[str, int], Path], float]] = {
+RUNNERS: dict[str, Callable[[str, int, int, dict[str, int], Path, bool], StepClock]] = {
     "lightning": run_lightning,
     "transformers": run_transformers,
 }
@@ -208,39 +269,56 @@ def quiet() -> None:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    times: dict[str, dict[str, list[float]]] = {f: {m: [] for m in MODES} for f in args.frameworks}
+    clocks: dict[str, dict[str, list[StepClock]]] = {
+        f: {m: [] for m in MODES} for f in args.frameworks
+    }
     sizes = WORKLOADS[args.workload]
     order = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
         for framework in args.frameworks:  # untimed: imports, first kernels, allocator
-            RUNNERS[framework]("bare", args.steps, args.warmup, sizes, Path(tmp) / "warm")
+            warm = Path(tmp) / "warm"
+            RUNNERS[framework]("bare", args.steps, args.warmup, sizes, warm, args.by_step)
         for r in range(args.rounds):
             for framework in args.frameworks:
                 modes = list(MODES)
                 order.shuffle(modes)
                 for mode in modes:
                     run_dir = Path(tmp) / f"{framework}-{mode}-{r}"
-                    seconds = RUNNERS[framework](mode, args.steps, args.warmup, sizes, run_dir)
-                    times[framework][mode].append(seconds)
-    results = []
-    for framework, by_mode in times.items():
-        for mode in MODES:
-            ratios = [t / b for t, b in zip(by_mode[mode], by_mode["bare"], strict=True)]
-            results.append(
-                {
-                    "framework": framework,
-                    "mode": mode,
-                    "step_ms": median(by_mode[mode]) * 1e3,
-                    "ratio": median(ratios),
-                    "step_ms_per_round": [t * 1e3 for t in by_mode[mode]],
-                }
-            )
+                    clock = RUNNERS[framework](
+                        mode, args.steps, args.warmup, sizes, run_dir, args.by_step
+                    )
+                    clocks[framework][mode].append(clock)
+    results = [
+        summarize(framework, mode, by_mode[mode], by_mode["bare"], args.by_step)
+        for framework, by_mode in clocks.items()
+        for mode in MODES
+    ]
     return {
         "benchmark": "integrations_overhead",
         "when": now_iso(),
         "machine": machine_info(),
         "settings": vars(args) | {"out": str(args.out) if args.out else None},
         "results": results,
+    }
+
+
+def summarize(
+    framework: str, mode: str, runs: list[StepClock], bare: list[StepClock], by_step: bool
+) -> dict[str, Any]:
+    """One mode's row: the median step time and the median of the per-round ratios (to the
+    bare run of the round, or, ``--by-step``, of the run's even steps to its odd steps)."""
+    step_times = [c.step_time() for c in runs]
+    if by_step:
+        ratios = [c.parity_ratio() for c in runs]
+    else:
+        ratios = [c.step_time() / b.step_time() for c, b in zip(runs, bare, strict=True)]
+    return {
+        "framework": framework,
+        "mode": mode,
+        "step_ms": median(step_times) * 1e3,
+        "ratio": median(ratios),
+        "ratio_per_round": ratios,
+        "step_ms_per_round": [t * 1e3 for t in step_times],
     }
 
 
@@ -252,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="transformer")
     parser.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS))
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    parser.add_argument(
+        "--by-step",
+        action="store_true",
+        help="callbacks act on even steps only; ratio = even-step / odd-step time of each run",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.quick:
@@ -264,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         [r["framework"], r["mode"], round(r["step_ms"], 3), round(r["ratio"], 4)]
         for r in data["results"]
     ]
-    print(markdown_table(["framework", "mode", "step ms (median)", "x bare"], rows))
+    ratio_name = "even / odd steps" if args.by_step else "x bare"
+    print(markdown_table(["framework", "mode", "step ms (median)", ratio_name], rows))
     load = data["machine"].get("load_average")
     print(
         f"\n{args.workload} workload {WORKLOADS[args.workload]}; {args.rounds} interleaved "

@@ -1,0 +1,69 @@
+"""The integrations overhead benchmark still runs, and its by-step ratio means what it says.
+
+``benchmarks/integrations_overhead.py --quick`` runs in a subprocess (both frameworks, tiny
+sizes, two rounds); the step clock's parity ratio is checked on known tick times.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "integrations_overhead.py"
+
+pytest.importorskip("lightning")
+pytest.importorskip("transformers")
+
+
+@pytest.fixture()
+def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import integrations_overhead
+
+    return integrations_overhead
+
+
+def test_parity_ratio_is_even_over_odd_step_time(bench: Any) -> None:
+    clock = bench.StepClock(warmup=2)
+    t = 0.0
+    for step in range(12):  # tick k ends step k: even steps take 3 s, odd ones 1 s
+        t += 3.0 if step % 2 == 0 else 1.0
+        clock.times.append(t)
+    assert clock.parity_ratio() == pytest.approx(3.0)
+    # steps 3..11 after the warm-up: five odd ones (1 s) and four even ones (3 s)
+    assert clock.step_time() == pytest.approx(1.0)
+
+
+def test_acts_on(bench: Any) -> None:
+    acts_on = bench.acts_on
+    assert [acts_on(s, True) for s in range(4)] == [True, False, True, False]
+    assert all(acts_on(s, False) for s in range(4))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("by_step", [False, True])
+def test_quick_run_writes_every_mode(tmp_path: Path, by_step: bool) -> None:
+    out = tmp_path / "integrations.json"
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(out)]
+    cmd += ["--by-step"] if by_step else []
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert ("even / odd steps" in proc.stdout) == by_step
+    report = json.loads(out.read_text(encoding="utf-8"))
+    assert report["settings"]["by_step"] is by_step
+    rows = {(r["framework"], r["mode"]): r for r in report["results"]}
+    assert set(rows) == {
+        (f, m) for f in ("lightning", "transformers") for m in ("bare", "trainguard", "nancapture")
+    }
+    for key, row in rows.items():
+        assert len(row["ratio_per_round"]) == 2, key
+        assert all(r > 0 for r in row["ratio_per_round"]), key
+        assert row["step_ms"] > 0, key
+        if not by_step and key[1] == "bare":
+            assert row["ratio"] == 1.0
