@@ -17,7 +17,13 @@ optimizer state, ``--runs`` times each.
     python benchmarks/recovery_cost.py              # cpu sizes
     python benchmarks/recovery_cost.py --quick      # tiny sizes (smoke test)
 
-Numbers from a shared machine are noisy: take the final ones on a quiet one.
+Numbers from a shared machine are noisy: take the final ones on a quiet one. Whole runs of
+the same mode differ by several percent here, so ``--blocks`` also times each recovery mode
+within one run: its recovery hooks on in alternate ``--block``-step blocks and off (no-ops)
+in the others, the ratio being the mean step time of the on blocks over the off blocks
+(snapshot and checkpoint steps included, same run, same memory, same minute).
+
+    python benchmarks/recovery_cost.py --blocks --rounds 3
 """
 
 from __future__ import annotations
@@ -107,6 +113,60 @@ def time_mode(mode: str, work: Workload, steps: int, root: Path, args: Any) -> t
     return elapsed / steps, (hooks.seconds / steps if hooks is not None else 0.0)
 
 
+def time_blocks(
+    mode: str, work: Workload, steps: int, root: Path, args: Any
+) -> tuple[float, float]:
+    """Mean seconds per step of the blocks with the recovery hooks on and of those with them
+    off, in one run of ``mode`` (blocks of ``args.block`` steps, on first)."""
+    torch.manual_seed(0)
+    model = work.build()
+    opt = torch.optim.AdamW(model.parameters(), lr=work.lr)
+    gen = torch.Generator().manual_seed(1)
+    batches = [work.batch(gen) for _ in range(8)]
+    data = (batches[i % len(batches)] for i in range(steps + 2))
+    run_dir = root / f"{mode}-blocks-{time.monotonic_ns()}"
+    guard = _guard(mode, model, opt, run_dir, args)
+    recovery = guard.recovery
+    hooks = {name: getattr(recovery, name) for name in ("step_boundary", "after_step")}
+    times: dict[bool, list[float]] = {True: [], False: []}
+    with guard:
+        last = time.perf_counter()
+        for i, batch in enumerate(guard.watch(data)):
+            on = (i // args.block) % 2 == 0
+            for name, hook in hooks.items():
+                setattr(recovery, name, hook if on else _no_op)
+            loss = work.loss(model, batch)
+            loss.backward()  # type: ignore[no-untyped-call]
+            guard.step(loss)
+            now = time.perf_counter()
+            if i >= 2:
+                times[on].append(now - last)
+            last = now
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return sum(times[True]) / len(times[True]), sum(times[False]) / len(times[False])
+
+
+def _no_op(*args: Any) -> None:
+    return None
+
+
+def blocks_table(work: Workload, steps: int, root: Path, args: Any) -> dict[str, Any]:
+    """``--blocks``: each recovery mode ``args.rounds`` times; the per-run on/off ratios."""
+    out: dict[str, Any] = {}
+    for mode in MODES[2:]:
+        runs = [time_blocks(mode, work, steps, root, args) for _ in range(args.rounds)]
+        ratios = [on / off for on, off in runs]
+        out[mode] = {
+            "on_ms": [on * 1e3 for on, _ in runs],
+            "off_ms": [off * 1e3 for _, off in runs],
+            "ratios": ratios,
+            "ratio": median(ratios),
+        }
+    rows = [[m, median(v["on_ms"]), median(v["off_ms"]), v["ratio"]] for m, v in out.items()]
+    print(markdown_table(["mode", "on blocks ms/step", "off blocks ms/step", "on / off"], rows))
+    return out
+
+
 def _time_bare(work: Workload, model: torch.nn.Module, opt: Any, data: Any, steps: int) -> float:
     start = 0.0
     for i, batch in enumerate(data):
@@ -162,6 +222,8 @@ def main() -> None:
     parser.add_argument(
         "--checkpoint-every", type=int, default=None, help="default 100 (10 --quick)"
     )
+    parser.add_argument("--blocks", action="store_true", help="also the within-run block test")
+    parser.add_argument("--block", type=int, default=20, help="steps per block (--blocks)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/recovery_cost.json"))
     args = parser.parse_args()
     logging.disable(logging.WARNING)
@@ -184,6 +246,7 @@ def main() -> None:
                 times[mode].append(per_step)
                 hooks[mode].append(in_hooks)
         blocking = blocking_checkpoint(work, args.runs, root)
+        blocks = blocks_table(work, steps, root, args) if args.blocks else None
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = [
@@ -218,6 +281,7 @@ def main() -> None:
         "recovery_hooks_seconds_per_step": hooks,
         "recovery_hooks_over_guard_step": {row[0]: row[5] for row in rows},
         "blocking": blocking,
+        "blocks": blocks,
     }
     write_json(args.out, result)
 
