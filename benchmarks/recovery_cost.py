@@ -84,15 +84,20 @@ class HookClock:
         return timed
 
 
-def time_mode(mode: str, work: Workload, steps: int, root: Path, args: Any) -> tuple[float, float]:
-    """Seconds per step over ``steps`` guarded steps (after 2 warm-up steps), and of those the
-    seconds per step spent in the recovery hooks (0 without recovery)."""
+def _training(work: Workload, steps: int) -> tuple[torch.nn.Module, Any, Any]:
+    """The run's model, AdamW and ``steps + 2`` batches (8 distinct ones, cycled), seeded."""
     torch.manual_seed(0)
     model = work.build()
     opt = torch.optim.AdamW(model.parameters(), lr=work.lr)
     gen = torch.Generator().manual_seed(1)
     batches = [work.batch(gen) for _ in range(8)]
-    data = (batches[i % len(batches)] for i in range(steps + 2))
+    return model, opt, (batches[i % len(batches)] for i in range(steps + 2))
+
+
+def time_mode(mode: str, work: Workload, steps: int, root: Path, args: Any) -> tuple[float, float]:
+    """Seconds per step over ``steps`` guarded steps (after 2 warm-up steps), and of those the
+    seconds per step spent in the recovery hooks (0 without recovery)."""
+    model, opt, data = _training(work, steps)
     if mode == "bare":
         return _time_bare(work, model, opt, data, steps), 0.0
     run_dir = root / f"{mode}-{time.monotonic_ns()}"
@@ -118,12 +123,7 @@ def time_blocks(
 ) -> tuple[float, float]:
     """Mean seconds per step of the blocks with the recovery hooks on and of those with them
     off, in one run of ``mode`` (blocks of ``args.block`` steps, on first)."""
-    torch.manual_seed(0)
-    model = work.build()
-    opt = torch.optim.AdamW(model.parameters(), lr=work.lr)
-    gen = torch.Generator().manual_seed(1)
-    batches = [work.batch(gen) for _ in range(8)]
-    data = (batches[i % len(batches)] for i in range(steps + 2))
+    model, opt, data = _training(work, steps)
     run_dir = root / f"{mode}-blocks-{time.monotonic_ns()}"
     guard = _guard(mode, model, opt, run_dir, args)
     recovery = guard.recovery
