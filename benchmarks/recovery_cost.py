@@ -47,6 +47,9 @@ from trainguard.recovery import checkpoint as ckpt
 from trainguard.recovery.snapshot import TrainingObjects
 
 MODES = ("bare", "guard", "guard+snapshots", "guard+snapshots+checkpoints")
+RECOVERY_HOOKS = ("step_boundary", "after_step")
+"""The recovery part's per-step hooks: the snapshot copy and the checkpoint start (before a
+step's first batch), marking good and retention (after the step's decision)."""
 
 
 def _guard(mode: str, model: torch.nn.Module, opt: Any, run_dir: Path, args: Any) -> tg.Guard:
@@ -70,7 +73,7 @@ class HookClock:
 
     def __init__(self, recovery: Any) -> None:
         self.seconds = 0.0
-        for name in ("step_boundary", "after_step"):
+        for name in RECOVERY_HOOKS:
             setattr(recovery, name, self._timed(getattr(recovery, name)))
 
     def _timed(self, hook: Any) -> Any:
@@ -122,32 +125,44 @@ def time_blocks(
     mode: str, work: Workload, steps: int, root: Path, args: Any
 ) -> tuple[float, float]:
     """Mean seconds per step of the blocks with the recovery hooks on and of those with them
-    off, in one run of ``mode`` (blocks of ``args.block`` steps, on first)."""
+    off, in one run of ``mode`` (blocks of ``args.block`` steps, on first).
+
+    The switch is installed before ``watch()`` starts (its stream keeps the ``step_boundary``
+    it was given) and set for step ``i + 1`` at the end of step ``i``: the boundary hook of a
+    step runs inside ``watch()`` before that step's batch is handed out."""
     model, opt, data = _training(work, steps)
     run_dir = root / f"{mode}-blocks-{time.monotonic_ns()}"
     guard = _guard(mode, model, opt, run_dir, args)
-    recovery = guard.recovery
-    hooks = {name: getattr(recovery, name) for name in ("step_boundary", "after_step")}
+    switch = HookSwitch(guard.recovery)
     times: dict[bool, list[float]] = {True: [], False: []}
     with guard:
         last = time.perf_counter()
         for i, batch in enumerate(guard.watch(data)):
-            on = (i // args.block) % 2 == 0
-            for name, hook in hooks.items():
-                setattr(recovery, name, hook if on else _no_op)
             loss = work.loss(model, batch)
             loss.backward()  # type: ignore[no-untyped-call]
             guard.step(loss)
             now = time.perf_counter()
             if i >= 2:
-                times[on].append(now - last)
+                times[(i // args.block) % 2 == 0].append(now - last)
             last = now
+            switch.on = ((i + 1) // args.block) % 2 == 0
     shutil.rmtree(run_dir, ignore_errors=True)
     return sum(times[True]) / len(times[True]), sum(times[False]) / len(times[False])
 
 
-def _no_op(*args: Any) -> None:
-    return None
+class HookSwitch:
+    """The recovery part's per-step hooks, run only while ``on``."""
+
+    def __init__(self, recovery: Any) -> None:
+        self.on = True
+        for name in RECOVERY_HOOKS:
+            setattr(recovery, name, self._switched(getattr(recovery, name)))
+
+    def _switched(self, hook: Any) -> Any:
+        def switched(*args: Any) -> Any:
+            return hook(*args) if self.on else None
+
+        return switched
 
 
 def blocks_table(work: Workload, steps: int, root: Path, args: Any) -> dict[str, Any]:
