@@ -123,9 +123,10 @@ def time_mode(mode: str, work: Workload, steps: int, root: Path, args: Any) -> t
 
 def time_blocks(
     mode: str, work: Workload, steps: int, root: Path, args: Any
-) -> tuple[float, float]:
+) -> tuple[float, float, dict[str, dict[str, int]]]:
     """Mean seconds per step of the blocks with the recovery hooks on and of those with them
-    off, in one run of ``mode`` (blocks of ``args.block`` steps, on first).
+    off, in one run of ``mode`` (blocks of ``args.block`` steps, on first), and the hook calls
+    that ran and that were skipped.
 
     The switch is installed before ``watch()`` starts (its stream keeps the ``step_boundary``
     it was given) and set for step ``i + 1`` at the end of step ``i``: the boundary hook of a
@@ -147,7 +148,8 @@ def time_blocks(
             last = now
             switch.on = ((i + 1) // args.block) % 2 == 0
     shutil.rmtree(run_dir, ignore_errors=True)
-    return sum(times[True]) / len(times[True]), sum(times[False]) / len(times[False])
+    on, off = (sum(times[b]) / len(times[b]) for b in (True, False))
+    return on, off, switch.calls
 
 
 class HookSwitch:
@@ -155,11 +157,14 @@ class HookSwitch:
 
     def __init__(self, recovery: Any) -> None:
         self.on = True
+        self.calls = {name: {"ran": 0, "skipped": 0} for name in RECOVERY_HOOKS}
+        """Calls of each hook that ran and that were skipped (the switch is really in use)."""
         for name in RECOVERY_HOOKS:
-            setattr(recovery, name, self._switched(getattr(recovery, name)))
+            setattr(recovery, name, self._switched(name, getattr(recovery, name)))
 
-    def _switched(self, hook: Any) -> Any:
+    def _switched(self, name: str, hook: Any) -> Any:
         def switched(*args: Any) -> Any:
+            self.calls[name]["ran" if self.on else "skipped"] += 1
             return hook(*args) if self.on else None
 
         return switched
@@ -170,10 +175,11 @@ def blocks_table(work: Workload, steps: int, root: Path, args: Any) -> dict[str,
     out: dict[str, Any] = {}
     for mode in MODES[2:]:
         runs = [time_blocks(mode, work, steps, root, args) for _ in range(args.rounds)]
-        ratios = [on / off for on, off in runs]
+        ratios = [on / off for on, off, _ in runs]
         out[mode] = {
-            "on_ms": [on * 1e3 for on, _ in runs],
-            "off_ms": [off * 1e3 for _, off in runs],
+            "on_ms": [on * 1e3 for on, _, _ in runs],
+            "off_ms": [off * 1e3 for _, off, _ in runs],
+            "hook_calls": [calls for _, _, calls in runs],
             "ratios": ratios,
             "ratio": median(ratios),
         }

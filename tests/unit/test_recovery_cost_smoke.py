@@ -40,3 +40,6 @@ def test_quick_run_with_blocks(tmp_path: Path) -> None:
     for mode, row in blocks.items():
         assert row["on_ms"][0] > 0 and row["off_ms"][0] > 0, mode
         assert row["ratio"] == pytest.approx(row["on_ms"][0] / row["off_ms"][0]), mode
+        # the switch is what the stream and the guard call: hooks ran and were skipped
+        for hook, calls in row["hook_calls"][0].items():
+            assert calls["ran"] > 0 and calls["skipped"] > 0, (mode, hook, calls)
