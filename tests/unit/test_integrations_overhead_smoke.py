@@ -67,3 +67,28 @@ def test_quick_run_writes_every_mode(tmp_path: Path, by_step: bool) -> None:
         assert row["step_ms"] > 0, key
         if not by_step and key[1] == "bare":
             assert row["ratio"] == 1.0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("framework", ["transformers", "lightning"])
+def test_by_step_guard_checks_every_other_step(
+    bench: Any, framework: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --by-step the guard checks 6 of 12 steps; without it, all 12."""
+    from trainguard.integrations.lightning import TrainGuard
+    from trainguard.integrations.transformers import TrainGuardCallback
+
+    checked: list[int] = []
+    for cls, name in ((TrainGuardCallback, "close"), (TrainGuard, "_close")):
+        original = getattr(cls, name)
+
+        def close(self: Any, original: Any = original) -> None:
+            if self.guard is not None:
+                checked.append(self.guard.state.step)
+            original(self)
+
+        monkeypatch.setattr(cls, name, close)
+    tiny = bench.WORKLOADS["tiny"]
+    for by_step in (False, True):
+        bench.RUNNERS[framework]("trainguard", 12, 3, tiny, tmp_path / str(by_step), by_step)
+    assert checked == [12, 6]
