@@ -26,8 +26,7 @@ from torch import Tensor, nn
 import trainguard as tg
 from trainguard.capture.rng import rng_state
 from trainguard.step.deferred import FoundInf, HostStager
-from trainguard.step.detect import grad_stats
-from trainguard.step.guard import named_parameters
+from trainguard.step.detect import grad_stats, named_parameters
 
 
 def _build(device: str) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -152,6 +152,16 @@ class GuardConfig:
         _check_recovery(self)
         _check_spikes(self)
 
+    def start_fields(self) -> dict[str, object]:
+        """What the ``start`` event records of the options (and ``extra``)."""
+        return {
+            "on_nonfinite": self.on_nonfinite,
+            "max_consecutive": self.max_consecutive,
+            "grad_clip": self.grad_clip,
+            "accumulation_steps": self.accumulation_steps,
+            **self.extra,
+        }
+
 
 def _check_recovery(config: GuardConfig) -> None:
     if config.on_escalation not in ("raise", "rollback"):

@@ -31,8 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from trainguard.errors import ConfigError
-from trainguard.step.detect import local_grad
-from trainguard.step.guard import named_parameters
+from trainguard.step.detect import local_grad, named_parameters
 
 
 def _rank() -> int:

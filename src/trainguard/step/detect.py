@@ -104,6 +104,20 @@ def loss_value(loss: Tensor) -> Tensor:
     return value.double().mean()
 
 
+def loss_columns(
+    loss: Tensor, micro_losses: list[Tensor], device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """The step's two loss columns on ``device``: the last micro-batch's loss (reported), and
+    the check: that loss, or under gradient accumulation the sum over every micro-batch's."""
+    last = loss_value(loss)
+    if last.device != device:
+        last = last.to(device, non_blocking=True)
+    if len(micro_losses) <= 1:
+        return last, last
+    micro = [loss_value(m).to(device, non_blocking=True) for m in micro_losses]
+    return last, torch.stack(micro).double().sum()
+
+
 def clip_(grads: list[Tensor], total_norm: float, max_norm: float) -> float:
     """Scale the gradients in place so their total norm is at most ``max_norm``.
 
@@ -132,3 +146,16 @@ def clip_on_device_(grads: list[Tensor], total_norm: Tensor, max_norm: float) ->
         by_device.setdefault(grad.device, []).append(grad)
     for device, group in by_device.items():
         torch._foreach_mul_(group, coef.to(device, non_blocking=True))
+
+
+def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Parameters under the user's own names (no ``module.`` / ``_orig_mod.`` wrapper prefix)."""
+    inner = model
+    for attr in ("module", "_orig_mod"):  # DDP, torch.compile
+        wrapped = getattr(inner, attr, None)
+        if isinstance(wrapped, nn.Module) and type(inner).__name__ in (
+            "DistributedDataParallel",
+            "OptimizedModule",
+        ):
+            inner = wrapped
+    return list(inner.named_parameters())

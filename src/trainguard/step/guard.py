@@ -8,8 +8,6 @@ policy (one decision, identical on every rank) -> apply (clear, clip, raise) + e
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import logging
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -22,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from trainguard.config import EscalationAction, GuardConfig, NonFiniteAction, SpikeAction
-from trainguard.errors import ConfigError, LossScaleCollapseError, NonFiniteError
+from trainguard.errors import ConfigError, NonFiniteError
 from trainguard.events import EventLog
 from trainguard.hang.watchdog import Watchdog, start_watchdog
 from trainguard.progress import Progress
@@ -31,45 +29,25 @@ from trainguard.step import amp
 from trainguard.step.capturer import Capturer, step_evidence
 from trainguard.step.consensus import Agreement, Consensus, LocalReport
 from trainguard.step.data import BatchStream
-from trainguard.step.deferred import (
-    FoundInf,
-    HostStager,
-    PendingStep,
-    StepOutcome,
-    set_found_inf,
-    uses_fused,
-)
+from trainguard.step.deferred import PendingStep, StepOutcome, uses_fused
 from trainguard.step.detect import (
     GradStats,
     clip_,
-    clip_on_device_,
     grad_stats,
     is_sharded,
-    loss_value,
+    loss_columns,
+    named_parameters,
 )
 from trainguard.step.history import StepHistory
 from trainguard.step.inputs import InputCheck
 from trainguard.step.manual import RecordedBatches
 from trainguard.step.metrics import MetricsLog, metrics_path
+from trainguard.step.nonfinite import log_nonfinite, stop_error
 from trainguard.step.policy import Decision, decide
 from trainguard.step.sampler import SamplerEpochs
 from trainguard.step.spikewatch import SpikeWatch
 from trainguard.step.state import GuardState
-
-logger = logging.getLogger(__name__)
-
-
-def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Parameters under the user's own names (no ``module.`` / ``_orig_mod.`` wrapper prefix)."""
-    inner = model
-    for attr in ("module", "_orig_mod"):  # DDP, torch.compile
-        wrapped = getattr(inner, attr, None)
-        if isinstance(wrapped, nn.Module) and type(inner).__name__ in (
-            "DistributedDataParallel",
-            "OptimizedModule",
-        ):
-            inner = wrapped
-    return list(inner.named_parameters())
+from trainguard.step.syncfree import SyncFreeStep
 
 
 class Guard:
@@ -146,11 +124,9 @@ class Guard:
         metrics = MetricsLog(metrics_path(self.run_dir)) if self.rank == 0 else None
         self.history = StepHistory(self.config.history_steps, metrics)
         # Recovery restores at step boundaries: it needs the decision before the update.
-        self._deferred = uses_fused(optimizer) and scaler is None
-        self._deferred = self._deferred and not recovery_enabled(self.config)
-        self._pending: PendingStep | None = None
-        self._stager = HostStager()
-        self._found_inf = FoundInf()
+        sync_free = uses_fused(optimizer) and scaler is None
+        sync_free = sync_free and not recovery_enabled(self.config)
+        self._sync_free = SyncFreeStep(self) if sync_free else None
         self._is_sharded: bool | None = None
         self._closed = False
         self.recovery = build_recovery(
@@ -162,17 +138,8 @@ class Guard:
             self._consensus.device,
             self.rank,
         )
-        self.events.write(
-            "start",
-            self.state.step,
-            world_size=self.world_size,
-            on_nonfinite=self.config.on_nonfinite,
-            max_consecutive=self.config.max_consecutive,
-            grad_clip=self.config.grad_clip,
-            accumulation_steps=self.config.accumulation_steps,
-            torch=torch.__version__,
-            **self.config.extra,
-        )
+        fields = self.config.start_fields() | {"torch": torch.__version__}
+        self.events.write("start", self.state.step, world_size=self.world_size, **fields)
         self._watchdog: Watchdog | None = start_watchdog(
             self.progress, self.events, self.config.hang_timeout, self.run_dir, process_group
         )
@@ -253,8 +220,8 @@ class Guard:
         ``step()``/``check()``/``close()``, or when the returned outcome is tested. So a
         "raise" or an escalation surfaces one step later; the skipped update does not.
         """
-        if self._deferred:
-            return self._step_on_device(loss)
+        if self._sync_free is not None:
+            return self._sync_free.step(loss)
         ok = self.check(loss)
         if ok:
             if self.scaler is not None:
@@ -266,82 +233,15 @@ class Guard:
         self.optimizer.zero_grad(set_to_none=True)
         return StepOutcome(ok)
 
-    def _step_on_device(self, loss: Tensor) -> StepOutcome:
-        step = self.state.step
-        self.progress.enter("check", step)
-        self.record_loss(loss)
-        sharded = self._sharded()
-        stats = grad_stats(self._params, self._consensus.device, sharded)
-        reduced = self._consensus.reduce(self._report(stats, loss), sharded)
-        found_inf = self._found_inf.of(reduced.buf, self._optimizer_device(stats))
-        spike = self.spikes.on_device(self._consensus, reduced, self.optimizer, found_inf)
-        if self.config.grad_clip is not None:
-            norm = self._consensus.global_grad_norm(reduced)
-            clip_on_device_(stats.grads, norm, self.config.grad_clip)
-        host_values, ready = self._stager.stage(reduced.buf)
-        stream = self._stream
-        pending = PendingStep(
-            step,
-            host_values,
-            ready,
-            dataclasses.replace(stats, grads=[]),  # keep no reference to the gradients
-            reduced,
-            batches=list(stream.current) if stream is not None else [],
-            rng=stream.current_rng if stream is not None else None,
-            losses=self._micro_losses,
-            spike=spike,
-        )
-        self._micro_losses = []
-        self.state.step = step + 1
-        self._resolve_pending()  # the step before, ahead of this update: weights still pre-update
-        set_found_inf(self.optimizer, found_inf)
-        try:
-            self.optimizer.step()
-        finally:
-            set_found_inf(self.optimizer, None)
-        self.optimizer.zero_grad(set_to_none=True)
-        self._pending = pending
-        self.progress.enter("step", step + 1)
-        return StepOutcome(read=lambda: self._read_outcome(pending))
-
-    def _optimizer_device(self, stats: GradStats) -> torch.device:
-        return stats.grads[0].device if stats.grads else self._consensus.device
-
-    def _read_outcome(self, pending: PendingStep) -> bool:
-        if pending.ok is None:
-            self._resolve_pending()
-        return bool(pending.ok)
+    @property
+    def _deferred(self) -> bool:
+        """Whether ``step()`` is sync-free (fused optimizer, no GradScaler, no recovery)."""
+        return self._sync_free is not None
 
     def _resolve_pending(self, raise_errors: bool = True) -> None:
-        """Read the last sync-free step's flags on the host and act on them.
-
-        Called only where every rank calls it (``step()``, ``check()``, ``close()``, the
-        outcome), since acting may capture (a collective) or raise."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        agreement = self._consensus.read(pending.values(), pending.reduced)
-        if self._stream is not None:
-            self._stream.agreed(agreement, steps_ago=self.state.step - 1 - pending.step)
-        decision = self._decide(agreement)
-        self.history.record(pending.step, agreement, decision, self.optimizer)
-        pending.ok = decision is Decision.OK
-        if pending.ok:
-            self.state.record_good(pending.step, agreement.mean_loss)
-            spike = self._late_spike(agreement, pending)
-            if spike is not None:
-                pending.ok = False  # skipped on the device (found_inf)
-                self._resolve_spike(spike, agreement, pending, raise_errors)
-            return
-        self.state.record_bad(pending.step)
-        self._log_nonfinite(decision, agreement, pending.stats, pending.step)
-        bundle = None  # capture: weights and moments are as before the skipped step
-        if raise_errors:  # not while unwinding: other ranks may not join the capture
-            bundle = self._capture(decision, agreement, pending.stats, pending.step, pending)
-        if decision in (Decision.SKIP, Decision.WARN):
-            self.events.write("skip", pending.step, consecutive=self.state.consecutive_nonfinite)
-        elif raise_errors:
-            raise self._stop_error(decision, agreement, pending.step, bundle)
+        """Read the last sync-free step on the host and act on it (see ``SyncFreeStep``)."""
+        if self._sync_free is not None:
+            self._sync_free.resolve(raise_errors)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -372,13 +272,7 @@ class Guard:
 
     def _report(self, stats: GradStats, loss: Tensor) -> LocalReport:
         device = self._consensus.device
-        last = loss_value(loss)
-        if last.device != device:
-            last = last.to(device, non_blocking=True)
-        check = last  # one micro-batch: the loss is its own check
-        if len(self._micro_losses) > 1:  # gradient accumulation: every micro-batch counts
-            micro = [loss_value(m).to(device, non_blocking=True) for m in self._micro_losses]
-            check = torch.stack(micro).double().sum()
+        last, check = loss_columns(loss, self._micro_losses, device)
         stream = self._stream
         batches = stream.current if stream is not None else []
         inputs = self._inputs.value(self.state.step, batches, device)
@@ -441,29 +335,6 @@ class Guard:
         self.events.write("skip", step, reason="spike", consecutive=self.spikes.consecutive)
         return False
 
-    def _late_spike(self, agreement: Agreement, pending: PendingStep) -> Decision | None:
-        """The sync-free step's spike verdict: judged on the device when a spike must skip
-        the update (``found_inf``), else judged now on the host from the agreed values."""
-        if pending.spike is not None:
-            return self.spikes.read_staged(pending.spike, pending.step)
-        self.spikes.judge(agreement, self.optimizer, pending.step)  # "warn": events only
-        return None
-
-    def _resolve_spike(
-        self, decision: Decision, agreement: Agreement, pending: PendingStep, raise_errors: bool
-    ) -> None:
-        """A spike the sync-free step skipped on the device, read a step late."""
-        bundle = None
-        if raise_errors:  # weights and moments are as before the skipped step
-            bundle = self._capture(
-                decision, agreement, pending.stats, pending.step, pending, spike=True
-            )
-        if decision is Decision.ESCALATE:
-            if raise_errors:
-                raise self.spikes.error(pending.step, bundle)
-            return
-        self.events.write("skip", pending.step, reason="spike", consecutive=self.spikes.consecutive)
-
     # -- capture: a replay bundle of the bad step; the logic is in capture.py ------------------
 
     def _capture(
@@ -510,54 +381,14 @@ class Guard:
         self, decision: Decision, agreement: Agreement, stats: GradStats, step: int
     ) -> None:
         self._inputs.report(agreement, step)
-        bad_params = stats.bad_names()
-        self.events.write(
-            "nonfinite",
-            step,
-            where=agreement.where,
-            ranks=agreement.ranks,
-            loss_ranks=agreement.loss_ranks,
-            grad_ranks=agreement.grad_ranks,
-            params=bad_params,
-            loss=agreement.losses[self.rank],
-            action=decision.value,
-            consecutive=self.state.consecutive_nonfinite,
-        )
-        log = logger.warning if self.rank == 0 else logger.debug
-        log(
-            "trainguard: step %d non-finite %s on ranks %s (%d in a row): %s",
-            step,
-            agreement.where,
-            agreement.ranks,
-            self.state.consecutive_nonfinite,
-            decision.value,
-        )
+        consecutive = self.state.consecutive_nonfinite
+        log_nonfinite(self.events, self.rank, decision, agreement, stats, step, consecutive)
 
     def _stop_error(
         self, decision: Decision, agreement: Agreement, step: int, bundle: Path | None = None
     ) -> NonFiniteError:
-        if decision is Decision.RAISE:
-            message = f"step {step}: non-finite {agreement.where} on ranks {agreement.ranks}"
-            return NonFiniteError(message, step=step, ranks=agreement.ranks, bundle=bundle)
-        if not agreement.loss_ranks and self.scaler is not None:
-            scale = amp.current_scale(self.scaler)
-            message = (
-                f"step {step}: fp16 loss scale collapsed to {scale} (below min_loss_scale="
-                f"{self.config.min_loss_scale}); gradients overflow at any scale"
-            )
-            self.events.write("escalate", step, reason="loss_scale", scale=scale)
-            return LossScaleCollapseError(message, step=step, ranks=agreement.ranks, bundle=bundle)
-        message = (
-            f"step {step}: {self.state.consecutive_nonfinite} non-finite steps in a row "
-            f"(max_consecutive={self.config.max_consecutive}); last on ranks {agreement.ranks}"
-        )
-        self.events.write(
-            "escalate",
-            step,
-            reason="max_consecutive",
-            consecutive=self.state.consecutive_nonfinite,
-        )
-        return NonFiniteError(message, step=step, ranks=agreement.ranks, bundle=bundle)
+        streak, config, scaler = self.state.consecutive_nonfinite, self.config, self.scaler
+        return stop_error(decision, agreement, step, bundle, config, streak, scaler, self.events)
 
     # -- lifecycle ------------------------------------------------------------------------
 

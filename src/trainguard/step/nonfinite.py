@@ -1,0 +1,86 @@
+"""What a non-finite step leaves: its ``nonfinite`` event and log line, and the error that
+stops the run (``raise``, escalation after ``max_consecutive``, an fp16 loss-scale collapse).
+
+Functions of agreed data only, so every rank writes the same event and raises the same error.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from trainguard.config import GuardConfig
+from trainguard.errors import LossScaleCollapseError, NonFiniteError
+from trainguard.events import EventLog
+from trainguard.step import amp
+from trainguard.step.consensus import Agreement
+from trainguard.step.detect import GradStats
+from trainguard.step.policy import Decision
+
+logger = logging.getLogger(__name__)
+
+
+def log_nonfinite(
+    events: EventLog,
+    rank: int,
+    decision: Decision,
+    agreement: Agreement,
+    stats: GradStats,
+    step: int,
+    consecutive: int,
+) -> None:
+    """The ``nonfinite`` event (which ranks, loss or gradients, which parameters here) and a
+    warning on rank 0."""
+    events.write(
+        "nonfinite",
+        step,
+        where=agreement.where,
+        ranks=agreement.ranks,
+        loss_ranks=agreement.loss_ranks,
+        grad_ranks=agreement.grad_ranks,
+        params=stats.bad_names(),
+        loss=agreement.losses[rank],
+        action=decision.value,
+        consecutive=consecutive,
+    )
+    log = logger.warning if rank == 0 else logger.debug
+    log(
+        "trainguard: step %d non-finite %s on ranks %s (%d in a row): %s",
+        step,
+        agreement.where,
+        agreement.ranks,
+        consecutive,
+        decision.value,
+    )
+
+
+def stop_error(
+    decision: Decision,
+    agreement: Agreement,
+    step: int,
+    bundle: Path | None,
+    config: GuardConfig,
+    consecutive: int,
+    scaler: Any,
+    events: EventLog,
+) -> NonFiniteError:
+    """The error every rank raises for a ``RAISE`` or ``ESCALATE`` decision (escalations
+    also write their ``escalate`` event)."""
+    if decision is Decision.RAISE:
+        message = f"step {step}: non-finite {agreement.where} on ranks {agreement.ranks}"
+        return NonFiniteError(message, step=step, ranks=agreement.ranks, bundle=bundle)
+    if not agreement.loss_ranks and scaler is not None:
+        scale = amp.current_scale(scaler)
+        message = (
+            f"step {step}: fp16 loss scale collapsed to {scale} (below min_loss_scale="
+            f"{config.min_loss_scale}); gradients overflow at any scale"
+        )
+        events.write("escalate", step, reason="loss_scale", scale=scale)
+        return LossScaleCollapseError(message, step=step, ranks=agreement.ranks, bundle=bundle)
+    message = (
+        f"step {step}: {consecutive} non-finite steps in a row "
+        f"(max_consecutive={config.max_consecutive}); last on ranks {agreement.ranks}"
+    )
+    events.write("escalate", step, reason="max_consecutive", consecutive=consecutive)
+    return NonFiniteError(message, step=step, ranks=agreement.ranks, bundle=bundle)
