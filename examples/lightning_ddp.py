@@ -21,7 +21,9 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils.data import DataLoader, Dataset
 
 from trainguard import read_events
@@ -52,6 +54,13 @@ class Regressor(L.LightningModule):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
 
+    def configure_model(self) -> None:
+        """Under ``--strategy fsdp2`` (Lightning's ``ModelParallelStrategy``): shard the net
+        with FSDP2's ``fully_shard`` over the data-parallel ranks (no-op otherwise)."""
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is not None and not isinstance(self.net, FSDPModule):
+            fully_shard(self.net, mesh=mesh["data_parallel"])
+
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         loss = F.mse_loss(self.net(x), y)
@@ -71,13 +80,34 @@ def make_replay() -> Any:
     return replay_spec(Regressor())
 
 
+def strategy(name: str, devices: int) -> Any:
+    """``fsdp2``: Lightning's FSDP2 route (``strategy="fsdp"`` is FSDP1, GPU-only in torch
+    2.13: "FSDP needs a non-CPU accelerator device"); other names go to Lightning as they are."""
+    if name == "fsdp2":
+        return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    return name
+
+
+def full_weights(model: nn.Module) -> dict[str, list[float]]:
+    """Every weight, whole (FSDP2 shards are gathered: a collective, on every rank)."""
+    weights = {}
+    for name, value in model.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        weights[name] = full.float().flatten().tolist()
+    return weights
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run-dir", default="runs/lightning")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--precision", default="32-true")
-    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument(
+        "--strategy",
+        default="ddp",
+        help="ddp, ddp_spawn, or fsdp2 (ModelParallelStrategy + fully_shard, CPU-capable)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -88,7 +118,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=args.strategy,
+        strategy=strategy(args.strategy, args.devices),
         precision=args.precision,
         accumulate_grad_batches=args.accumulate,
         max_epochs=1,
@@ -118,7 +148,7 @@ def main() -> None:
             "rank": trainer.global_rank,
             "global_step": trainer.global_step,
             "state": state,
-            "params": {k: v.float().flatten().tolist() for k, v in model.state_dict().items()},
+            "params": full_weights(model),
         }
         (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

@@ -120,3 +120,16 @@ def test_ddp_spawn(tmp_path: Path) -> None:
     assert all(math.isfinite(v) for values in result["params"].values() for v in values)
     bundle = run_dir / "captures" / f"step-{skips[0][0]:08d}"
     assert _replay(bundle).phase == "loss"
+
+
+@pytest.mark.timeout(180)
+def test_fsdp2_model_parallel_strategy(tmp_path: Path) -> None:
+    """FSDP2 under Lightning (``ModelParallelStrategy`` + ``fully_shard`` in
+    ``configure_model``): the gradients are DTensor shards; the guard combines the shards'
+    norms, both ranks skip the same step, the gathered weights are identical and finite, and
+    the bundle (weights saved with DCP) replays to the loss on rank 1."""
+    ranks, run_dir = _run(tmp_path, "--strategy", "fsdp2")
+    _check_run(ranks, run_dir, steps=8)
+    bundle = tg.load_bundle(next((run_dir / "captures").glob("step-*")))
+    assert bundle.sharded  # the model really was FSDP2-sharded: weights saved with DCP
+    assert "dcp/.metadata" in bundle.files
