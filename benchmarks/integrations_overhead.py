@@ -18,6 +18,11 @@ transformer workload on CPU (vocab 4096, dim 256, 4 layers, 4 heads, seq 128, ba
 workload the issue's 1.02x target names; ``--workload tiny`` (vocab 256, dim 128, 2 layers,
 seq 64, batch 4) has a step of a few ms, where any fixed per-step cost shows.
 
+CPU time: each step is also timed in the process's CPU time (``time.process_time``, all its
+threads). With ``--threads 1`` a step's CPU time is its compute cost, not counting the time
+the VM's other tenants or processes took the core away; the ``cpu_`` ratios are formed the
+same way as the wall-time ones.
+
 ``--by-step``: the runs of this VM differ by up to +-15% from one another in step time (the
 same mode, the same process, minutes apart), more than the 2% being measured. With
 ``--by-step`` each mode's callback acts only on even steps of its run, and the run's ratio is
@@ -57,22 +62,25 @@ WORKLOADS: dict[str, dict[str, int]] = {
 
 
 class StepClock:
-    """Step-to-step intervals, after ``warmup`` steps."""
+    """Step-to-step intervals, after ``warmup`` steps: wall time, and the process's CPU time
+    (every thread of it: a background thread of the callback counts)."""
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
 
     def tick(self) -> None:
         self.times.append(time.perf_counter())
+        self.cpu_times.append(time.process_time())
 
-    def step_time(self) -> float:
-        kept = self.times[self.warmup :]
+    def step_time(self, cpu: bool = False) -> float:
+        kept = (self.cpu_times if cpu else self.times)[self.warmup :]
         return median([b - a for a, b in itertools.pairwise(kept)])
 
-    def parity_ratio(self) -> float:
+    def parity_ratio(self, cpu: bool = False) -> float:
         """Median time of the even steps over that of the odd steps (tick k ends step k)."""
-        ticks = list(enumerate(self.times))[self.warmup :]
+        ticks = list(enumerate(self.cpu_times if cpu else self.times))[self.warmup :]
         by_parity: dict[int, list[float]] = {0: [], 1: []}
         for (_, a), (k, b) in itertools.pairwise(ticks):
             by_parity[k % 2].append(b - a)
@@ -307,19 +315,20 @@ def summarize(
 ) -> dict[str, Any]:
     """One mode's row: the median step time and the median of the per-round ratios (to the
     bare run of the round, or, ``--by-step``, of the run's even steps to its odd steps)."""
-    step_times = [c.step_time() for c in runs]
-    if by_step:
-        ratios = [c.parity_ratio() for c in runs]
-    else:
-        ratios = [c.step_time() / b.step_time() for c, b in zip(runs, bare, strict=True)]
-    return {
-        "framework": framework,
-        "mode": mode,
-        "step_ms": median(step_times) * 1e3,
-        "ratio": median(ratios),
-        "ratio_per_round": ratios,
-        "step_ms_per_round": [t * 1e3 for t in step_times],
-    }
+    row: dict[str, Any] = {"framework": framework, "mode": mode}
+    for prefix, cpu in (("", False), ("cpu_", True)):
+        step_times = [c.step_time(cpu) for c in runs]
+        if by_step:
+            ratios = [c.parity_ratio(cpu) for c in runs]
+        else:
+            ratios = [c.step_time(cpu) / b.step_time(cpu) for c, b in zip(runs, bare, strict=True)]
+        row |= {
+            f"{prefix}step_ms": median(step_times) * 1e3,
+            f"{prefix}ratio": median(ratios),
+            f"{prefix}ratio_per_round": ratios,
+            f"{prefix}step_ms_per_round": [t * 1e3 for t in step_times],
+        }
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,20 +344,30 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="callbacks act on even steps only; ratio = even-step / odd-step time of each run",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads (0: torch's default); 1 makes CPU time a step's cost",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.warmup, args.workload = 2, 12, 3, "tiny"
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.ERROR)
     warnings.simplefilter("ignore")
     quiet()
     data = measure(args)
     rows = [
-        [r["framework"], r["mode"], round(r["step_ms"], 3), round(r["ratio"], 4)]
+        [r["framework"], r["mode"]]
+        + [round(r[key], 4) for key in ("step_ms", "ratio", "cpu_step_ms", "cpu_ratio")]
         for r in data["results"]
     ]
     ratio_name = "even / odd steps" if args.by_step else "x bare"
-    print(markdown_table(["framework", "mode", "step ms (median)", ratio_name], rows))
+    header = ["framework", "mode", "step ms (median)", ratio_name, "CPU ms", f"CPU {ratio_name}"]
+    print(markdown_table(header, rows))
     load = data["machine"].get("load_average")
     print(
         f"\n{args.workload} workload {WORKLOADS[args.workload]}; {args.rounds} interleaved "
