@@ -40,6 +40,15 @@ def test_parity_ratio_is_even_over_odd_step_time(bench: Any) -> None:
     assert clock.step_time() == pytest.approx(1.0)
 
 
+def test_step_clock_keeps_process_cpu_time(bench: Any) -> None:
+    clock = bench.StepClock(warmup=0)
+    for _ in range(3):
+        sum(i * i for i in range(20000))  # some CPU work between ticks
+        clock.tick()
+    assert len(clock.cpu_times) == len(clock.times) == 3
+    assert clock.step_time(cpu=True) > 0
+
+
 def test_acts_on(bench: Any) -> None:
     acts_on = bench.acts_on
     assert [acts_on(s, True) for s in range(4)] == [True, False, True, False]
@@ -51,7 +60,7 @@ def test_acts_on(bench: Any) -> None:
 def test_quick_run_writes_every_mode(tmp_path: Path, by_step: bool) -> None:
     out = tmp_path / "integrations.json"
     cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(out)]
-    cmd += ["--by-step"] if by_step else []
+    cmd += ["--by-step"] if by_step else ["--threads", "1"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert ("even / odd steps" in proc.stdout) == by_step
@@ -64,9 +73,11 @@ def test_quick_run_writes_every_mode(tmp_path: Path, by_step: bool) -> None:
     for key, row in rows.items():
         assert len(row["ratio_per_round"]) == 2, key
         assert all(r > 0 for r in row["ratio_per_round"]), key
-        assert row["step_ms"] > 0, key
+        assert row["step_ms"] > 0 and row["cpu_step_ms"] > 0, key
+        assert len(row["cpu_ratio_per_round"]) == 2, key
         if not by_step and key[1] == "bare":
-            assert row["ratio"] == 1.0
+            assert row["ratio"] == row["cpu_ratio"] == 1.0
+    assert report["settings"]["threads"] == (0 if by_step else 1)
 
 
 @pytest.mark.timeout(120)
