@@ -8,6 +8,9 @@ overflows to inf, the all-reduced gradients
 turn NaN on both ranks. The ``TrainGuard`` callback sees it in ``on_before_optimizer_step``,
 skips that step on both ranks (same decision), writes a capture bundle, and training goes
 on. ``--out DIR`` writes each rank's final weights and guard counters (used by the tests).
+
+``--strategy fsdp2`` runs the same with FSDP2: Lightning's ``ModelParallelStrategy`` and
+``fully_shard`` in ``configure_model`` (CPU-capable, unlike ``strategy="fsdp"``, FSDP1).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class Regressor(L.LightningModule):
     def configure_model(self) -> None:
         """Under ``--strategy fsdp2`` (Lightning's ``ModelParallelStrategy``): shard the net
         with FSDP2's ``fully_shard`` over the data-parallel ranks (no-op otherwise)."""
-        mesh = getattr(self, "_device_mesh", None)
+        mesh = self.device_mesh  # set by ModelParallelStrategy, else None
         if mesh is not None and not isinstance(self.net, FSDPModule):
             fully_shard(self.net, mesh=mesh["data_parallel"])
 

@@ -30,6 +30,7 @@ EXAMPLE = ROOT / "examples" / "lightning_ddp.py"
 
 
 def _run(tmp_path: Path, *flags: str) -> tuple[list[dict[str, Any]], Path]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     run_dir, out = tmp_path / "run", tmp_path / "out"
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     env.pop("LOCAL_RANK", None)
@@ -125,11 +126,27 @@ def test_ddp_spawn(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 def test_fsdp2_model_parallel_strategy(tmp_path: Path) -> None:
     """FSDP2 under Lightning (``ModelParallelStrategy`` + ``fully_shard`` in
-    ``configure_model``): the gradients are DTensor shards; the guard combines the shards'
-    norms, both ranks skip the same step, the gathered weights are identical and finite, and
-    the bundle (weights saved with DCP) replays to the loss on rank 1."""
-    ranks, run_dir = _run(tmp_path, "--strategy", "fsdp2")
+    ``configure_model``): the gradients are DTensor shards. Both ranks skip the same step,
+    the gathered weights are identical and finite, and the bundle (weights saved with DCP)
+    replays to the loss on rank 1. Against the same run under DDP: the guard's global
+    gradient norm (combined from the shards' norms) is DDP's at every good step, and the
+    final weights match."""
+    ranks, run_dir = _run(tmp_path / "fsdp2", "--strategy", "fsdp2")
     _check_run(ranks, run_dir, steps=8)
     bundle = tg.load_bundle(next((run_dir / "captures").glob("step-*")))
     assert bundle.sharded  # the model really was FSDP2-sharded: weights saved with DCP
     assert "dcp/.metadata" in bundle.files
+    ddp_ranks, ddp_dir = _run(tmp_path / "ddp")
+    sharded_norms, ddp_norms = _grad_norms(run_dir), _grad_norms(ddp_dir)
+    assert sharded_norms.keys() == ddp_norms.keys() and len(sharded_norms) == 7  # 8 - 1 bad
+    for step, norm in ddp_norms.items():
+        assert sharded_norms[step] == pytest.approx(norm, rel=1e-5), step
+    for name, values in ddp_ranks[0]["params"].items():
+        assert ranks[0]["params"][name] == pytest.approx(values, rel=1e-4, abs=1e-6), name
+
+
+def _grad_norms(run_dir: Path) -> dict[int, float]:
+    """The agreed global gradient norm of each good step (rank 0's metrics log)."""
+    lines = (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    return {r["step"]: r["grad_norm"] for r in records if r["decision"] == "ok"}
