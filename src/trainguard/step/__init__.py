@@ -16,7 +16,7 @@
                 reading live in ``trainguard.capture``)
 - ``history``   the per-step record and the ring of recent steps (``history.json`` in bundles)
 - ``metrics``   rank 0's batched, thinned per-step log ``run_dir/metrics/rank-0.jsonl``
-- ``spikes``    the loss-spike rule (log-space EMA, z-score and ratio floor)
+- ``spikes``    the loss / grad-norm spike rule (log-space EMA, z-score and ratio floor)
 - ``spikewatch`` the rule in the step: judged on the host, or on the device for ``found_inf``
 - ``inputs``    the fused finiteness check of the batch's floating inputs
 - ``sampler``   the ``DistributedSampler.set_epoch`` check at each ``watch()``
