@@ -74,13 +74,16 @@ class StepClock:
         self.times.append(time.perf_counter())
         self.cpu_times.append(time.process_time())
 
+    def _ticks(self, cpu: bool) -> list[float]:
+        return self.cpu_times if cpu else self.times
+
     def step_time(self, cpu: bool = False) -> float:
-        kept = (self.cpu_times if cpu else self.times)[self.warmup :]
+        kept = self._ticks(cpu)[self.warmup :]
         return median([b - a for a, b in itertools.pairwise(kept)])
 
     def parity_ratio(self, cpu: bool = False) -> float:
         """Median time of the even steps over that of the odd steps (tick k ends step k)."""
-        ticks = list(enumerate(self.cpu_times if cpu else self.times))[self.warmup :]
+        ticks = list(enumerate(self._ticks(cpu)))[self.warmup :]
         by_parity: dict[int, list[float]] = {0: [], 1: []}
         for (_, a), (k, b) in itertools.pairwise(ticks):
             by_parity[k % 2].append(b - a)
@@ -305,7 +308,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "integrations_overhead",
         "when": now_iso(),
         "machine": machine_info(),
-        "settings": vars(args) | {"out": str(args.out) if args.out else None},
+        "settings": vars(args)
+        | {"out": str(args.out) if args.out else None, "torch_threads": torch.get_num_threads()},
         "results": results,
     }
 

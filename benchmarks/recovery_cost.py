@@ -35,6 +35,7 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,12 @@ def _guard(mode: str, model: torch.nn.Module, opt: Any, run_dir: Path, args: Any
     return tg.Guard(model, opt, config=config)
 
 
+def wrap_recovery_hooks(recovery: Any, wrap: Callable[[str, Any], Any]) -> None:
+    """Replace each of the recovery part's per-step hooks by ``wrap(name, hook)``."""
+    for name in RECOVERY_HOOKS:
+        setattr(recovery, name, wrap(name, getattr(recovery, name)))
+
+
 class HookClock:
     """Wall time spent inside the recovery part's per-step hooks (``step_boundary``: the
     snapshot copy and the checkpoint start; ``after_step``: marking good, retention): the
@@ -73,8 +80,7 @@ class HookClock:
 
     def __init__(self, recovery: Any) -> None:
         self.seconds = 0.0
-        for name in RECOVERY_HOOKS:
-            setattr(recovery, name, self._timed(getattr(recovery, name)))
+        wrap_recovery_hooks(recovery, lambda _name, hook: self._timed(hook))
 
     def _timed(self, hook: Any) -> Any:
         def timed(*args: Any) -> Any:
@@ -159,8 +165,7 @@ class HookSwitch:
         self.on = True
         self.calls = {name: {"ran": 0, "skipped": 0} for name in RECOVERY_HOOKS}
         """Calls of each hook that ran and that were skipped (the switch is really in use)."""
-        for name in RECOVERY_HOOKS:
-            setattr(recovery, name, self._switched(name, getattr(recovery, name)))
+        wrap_recovery_hooks(recovery, self._switched)
 
     def _switched(self, name: str, hook: Any) -> Any:
         def switched(*args: Any) -> Any:

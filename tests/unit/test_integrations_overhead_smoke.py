@@ -78,6 +78,8 @@ def test_quick_run_writes_every_mode(tmp_path: Path, by_step: bool) -> None:
         if not by_step and key[1] == "bare":
             assert row["ratio"] == row["cpu_ratio"] == 1.0
     assert report["settings"]["threads"] == (0 if by_step else 1)
+    if not by_step:  # --threads 1 really ran torch on one thread
+        assert report["settings"]["torch_threads"] == 1
 
 
 @pytest.mark.timeout(120)
