@@ -104,3 +104,64 @@ def test_replay_name_is_the_function() -> None:
 
     assert callable(trainguard.replay)
     assert trainguard.replay.__module__ == "trainguard.replay.runner"
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The modules ``path`` imports; ``from package import module`` names the module (not
+    the package's ``__init__``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = {f"{node.module}.{alias.name}" for alias in node.names}
+            named = subs & modules
+            found.update(named)
+            if named != subs and node.module in modules:
+                found.add(node.module)
+    return found
+
+
+def import_cycles() -> list[list[str]]:
+    """Cycles among trainguard's modules, counting every import (``TYPE_CHECKING`` blocks and
+    imports inside functions too): a part gets what it needs passed in instead."""
+    graph: dict[str, set[str]] = {}
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    for name, path in modules.items():
+        graph[name] = {m for m in module_imports(path, set(modules)) if m != name}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*trail[trail.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, [*trail, nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    return cycles
+
+
+def test_no_import_circle() -> None:
+    """Issue 23: ``step/syncfree.py`` imported ``Guard`` (under ``TYPE_CHECKING``) while the
+    guard imports it; the sync-free step now gets its parts passed in."""
+    assert import_cycles() == []
+
+
+def test_the_cycle_finder_sees_a_type_checking_circle(tmp_path: Path) -> None:
+    fake = tmp_path / "m.py"
+    fake.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from a.b import C\n")
+    assert module_imports(fake, {"a.b", "a"}) == {"a.b"}

@@ -79,6 +79,9 @@ class StepEvidence:
     extra: dict[str, Any] = field(default_factory=dict)
     history: dict[str, Any] | None = None
     """The recent steps (``StepHistory.bundle_history``): rank 0 writes it as history.json."""
+    buffers: dict[str, Tensor] = field(default_factory=dict)
+    """Buffers the step's forward changed, as they were before it (state-dict names): the
+    bundle's weights start from the step's real start (``buffers.BufferKeeper.pre_step``)."""
 
 
 def step_evidence(
@@ -348,7 +351,9 @@ def write_rank(
         "rng.pt": encode_rng(evidence.rng) if evidence.rng is not None else {},
     }
     if not sharded:
-        files["model.pt"] = {k: v.detach().cpu() for k, v in inner.state_dict().items()}
+        state = inner.state_dict()
+        state.update((k, v) for k, v in evidence.buffers.items() if k in state)
+        files["model.pt"] = {k: v.detach().cpu() for k, v in state.items()}
         files["optimizer.pt"] = optimizer.state_dict()
     records = {
         f"rank-{rank}/{name}": write_torch(folder / name, obj) for name, obj in files.items()

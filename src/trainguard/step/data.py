@@ -34,6 +34,7 @@ import torch
 from trainguard.capture.rng import rng_state
 from trainguard.events import EventLog
 from trainguard.progress import Progress
+from trainguard.step.batches import StepBatches
 from trainguard.step.consensus import DEVICE_COLUMNS, Agreement, Consensus, LocalReport
 
 logger = logging.getLogger(__name__)
@@ -88,13 +89,12 @@ class BatchStream:
         self._agreement: Agreement | None = None
         self._agreement_step = -1
         self._in_step = -1
-        self.current: list[Any] = []
-        """Micro-batches of the step in progress (references, not copies)."""
-        self.current_rng: dict[str, Any] | None = None
-        """RNG states taken before the step's first micro-batch was handed out."""
-        self.previous: list[Any] = []
-        """The step before: kept for a capture decided a step late (sync-free path)."""
-        self.previous_rng: dict[str, Any] | None = None
+        self.unchecked = StepBatches(accumulation_steps, events, consensus.rank)
+        """The batches handed out and not yet decided, in order: the checked step's are the
+        first ``accumulation_steps`` of them, however far the loop fetched ahead."""
+        self.rng_at_yield = True
+        """Take the RNG states when a step's first batch is handed out (the fallback when
+        no forward hook records the step's start: ``start.StepStart``)."""
 
     @property
     def exhausted(self) -> bool:
@@ -132,26 +132,22 @@ class BatchStream:
         self._set_agreement(self._exchange_at_start(), -1)
         step = 0
         while not self._stop_before(step):
-            self._rotate()
             self._in_step = step
-            for _ in range(self._k):
+            for micro in range(self._k):
                 self._fill(iterator, self._lookahead * self._k + 1)
                 if not self._queue:  # dropped after a rollback: the data ran out
                     break
-                if not self.current:
+                rng = None
+                if micro == 0:
                     if self._on_step_start is not None:
                         self._on_step_start()  # recovery: snapshot at the step boundary
-                    self.current_rng = rng_state()
+                    rng = rng_state() if self.rng_at_yield else None
                 batch = self._queue.popleft()[1]
-                self.current.append(batch)
+                self.unchecked.handed_out(batch, rng)
                 self._yielded += 1
                 self._progress.enter("step")
                 yield batch
             step += 1
-
-    def _rotate(self) -> None:
-        self.previous, self.previous_rng = self.current, self.current_rng
-        self.current, self.current_rng = [], None
 
     def _exchange(self) -> Agreement:
         return self._consensus.exchange_data_state(self._exhausted, self.batches_seen)
@@ -242,5 +238,3 @@ class BatchStream:
                     step,
                 )
         self._queue.clear()
-        self._rotate()
-        self.current = []

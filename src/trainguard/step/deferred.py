@@ -45,6 +45,8 @@ class PendingStep:
     """Set when read: the step was applied (finite on every rank)."""
     spike: tuple[Tensor, torch.cuda.Event | None] | None = None
     """The spike verdict staged to the host (``SpikeWatch.on_device``), or None."""
+    autocast: dict[str, Any] | None = None
+    """The autocast state the step's forward ran under (``start.autocast_state``)."""
 
     def values(self) -> list[float]:
         if self.ready is not None:

@@ -8,6 +8,7 @@ policy (one decision, identical on every rank) -> apply (clear, clip, raise) + e
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -46,8 +47,11 @@ from trainguard.step.nonfinite import log_nonfinite, stop_error
 from trainguard.step.policy import Decision, decide
 from trainguard.step.sampler import SamplerEpochs
 from trainguard.step.spikewatch import SpikeWatch
+from trainguard.step.start import StepStart
 from trainguard.step.state import GuardState
-from trainguard.step.syncfree import SyncFreeStep
+from trainguard.step.syncfree import SyncFreeParts, SyncFreeStep
+
+logger = logging.getLogger(__name__)
 
 
 class Guard:
@@ -115,6 +119,7 @@ class Guard:
         self.progress = Progress()
         self._stream: BatchStream | None = None
         self._recorded = RecordedBatches()  # record_batch(): loops without watch()
+        self._start = StepStart(model, step_of=lambda: self.state.step)
         self._micro_losses: list[Tensor] = []
         self._capturer = Capturer(self.run_dir, self._consensus, self.events)
         self.spikes = SpikeWatch(self.config, self.events, self.rank)
@@ -126,7 +131,7 @@ class Guard:
         # Recovery restores at step boundaries: it needs the decision before the update.
         sync_free = uses_fused(optimizer) and scaler is None
         sync_free = sync_free and not recovery_enabled(self.config)
-        self._sync_free = SyncFreeStep(self) if sync_free else None
+        self._sync_free = SyncFreeStep(self._sync_free_parts()) if sync_free else None
         self._is_sharded: bool | None = None
         self._closed = False
         self.recovery = build_recovery(
@@ -186,6 +191,7 @@ class Guard:
     def record_batch(self, batch: Any) -> None:
         """For loops that do not iterate ``watch()``: hand each micro-batch over before its
         forward, so that a bad step's capture holds its batches and RNG (references only)."""
+        self._start.begin(self.state.step)
         self._recorded.record(batch, self.state.step)
 
     def check(self, loss: Tensor) -> bool:
@@ -194,14 +200,11 @@ class Guard:
         self._resolve_pending()
         step = self.state.step
         self.progress.enter("check", step)
-        self.record_loss(loss)
         if self.scaler is not None:
             amp.unscale(self.scaler, self.optimizer)
-        sharded = self._sharded()
-        stats = grad_stats(self._params, self._consensus.device, sharded)
-        agreement = self._consensus.agree(self._report(stats, loss), sharded)
-        if self._stream is not None:
-            self._stream.agreed(agreement)
+        stats, report, sharded = self._measure(loss)
+        agreement = self._consensus.agree(report, sharded)
+        self._agreed(agreement, 0)
         decision = self._decide(agreement)
         self.history.record(step, agreement, decision, self.optimizer)
         self.state.step = step + 1
@@ -209,6 +212,7 @@ class Guard:
             return self._apply(decision, agreement, stats, step)
         finally:
             self._micro_losses = []
+            self._step_taken(step)
             self.progress.enter("step", step + 1)
 
     def step(self, loss: Tensor) -> StepOutcome:
@@ -232,6 +236,27 @@ class Guard:
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return StepOutcome(ok)
+
+    def _sync_free_parts(self) -> SyncFreeParts:
+        return SyncFreeParts(
+            config=self.config,
+            state=self.state,
+            progress=self.progress,
+            consensus=self._consensus,
+            spikes=self.spikes,
+            history=self.history,
+            events=self.events,
+            optimizer=self.optimizer,
+            start=self._start,
+            measure=self._measure,
+            take_losses=self._take_losses,
+            step_batches=self._step_batches_taken,
+            agreed=self._agreed,
+            decide=self._decide,
+            log_nonfinite=self._log_nonfinite,
+            capture=self._capture_late,
+            stop_error=self._stop_error,
+        )
 
     @property
     def _deferred(self) -> bool:
@@ -270,11 +295,52 @@ class Guard:
             self._is_sharded = is_sharded(self._p())
         return self._is_sharded
 
+    def _measure(self, loss: Tensor) -> tuple[GradStats, LocalReport, bool]:
+        """Record the loss, take the one gradient pass, build this rank's report."""
+        self.record_loss(loss)
+        self._start.buffers.learn(self.state.step)
+        sharded = self._sharded()
+        stats = grad_stats(self._params, self._consensus.device, sharded)
+        return stats, self._report(stats, loss), sharded
+
+    def _take_losses(self) -> list[Tensor]:
+        losses, self._micro_losses = self._micro_losses, []
+        return losses
+
+    def _agreed(self, agreement: Agreement, steps_ago: int) -> None:
+        if self._stream is not None:
+            self._stream.agreed(agreement, steps_ago)
+
+    def _step_batches(self, step: int) -> tuple[list[Any], dict[str, Any] | None]:
+        """The micro-batches of ``step`` (being decided) and its RNG states: taken at its
+        first forward, else when its first batch was handed out."""
+        stream = self._stream
+        if self._recorded.used or stream is None:
+            batches, rng = self._recorded.of(step), None
+        else:
+            batches, rng = stream.unchecked.step(), stream.unchecked.step_rng()
+        if self._start.started(step):
+            rng = self._start.rng
+        return batches, rng
+
+    def _step_batches_taken(self, step: int) -> tuple[list[Any], dict[str, Any] | None]:
+        """``_step_batches``, and the step's batches leave the stream (sync-free step)."""
+        found = self._step_batches(step)
+        self._step_taken(step)
+        return found
+
+    def _step_taken(self, step: int) -> None:
+        stream = self._stream
+        if stream is not None:
+            stream.rng_at_yield = not self._start.seen
+            if not self._recorded.used:
+                stream.unchecked.taken(step)
+
     def _report(self, stats: GradStats, loss: Tensor) -> LocalReport:
         device = self._consensus.device
         last, check = loss_columns(loss, self._micro_losses, device)
         stream = self._stream
-        batches = stream.current if stream is not None else []
+        batches = self._step_batches(self.state.step)[0] if stream is not None else []
         inputs = self._inputs.value(self.state.step, batches, device)
         values = torch.stack([last, check, stats.norm, inputs])  # float64: one kernel
         return LocalReport(
@@ -302,7 +368,7 @@ class Guard:
             amp.mark_overflow(self.scaler, self.optimizer)
         if decision is Decision.OVERFLOW:
             self.state.overflow_steps += 1
-            self._clear_grads()
+            self._drop_update(step)
             self.events.write("overflow", step, ranks=agreement.grad_ranks)
             return False
         self.state.record_bad(step)
@@ -313,10 +379,11 @@ class Guard:
         if decision is Decision.ESCALATE and self._rolled_back(step):
             return False
         if decision is Decision.SKIP:
-            self._clear_grads()
-            self.events.write("skip", step, consecutive=self.state.consecutive_nonfinite)
+            restored = self._drop_update(step)
+            consecutive = self.state.consecutive_nonfinite
+            self.events.write("skip", step, consecutive=consecutive, buffers_restored=restored)
         elif decision in (Decision.RAISE, Decision.ESCALATE):
-            self._clear_grads()
+            self._drop_update(step)
             raise self._stop_error(decision, agreement, step, bundle)
         return False
 
@@ -325,14 +392,17 @@ class Guard:
     ) -> bool:
         """A spike skipped (``SPIKE``) or escalated: no update, as for a non-finite step."""
         bundle = self._capture(decision, agreement, stats, step, spike=True)
-        self._clear_grads()
+        restored = self._drop_update(step)
         if self.recovery is not None:
             self.recovery.after_step(step, False, agreement.mean_loss)
         if decision is Decision.ESCALATE:
             if self._rolled_back(step, self.spikes.consecutive):
                 return False
             raise self.spikes.error(step, bundle)
-        self.events.write("skip", step, reason="spike", consecutive=self.spikes.consecutive)
+        consecutive = self.spikes.consecutive
+        self.events.write(
+            "skip", step, reason="spike", consecutive=consecutive, buffers_restored=restored
+        )
         return False
 
     # -- capture: a replay bundle of the bad step; the logic is in capture.py ------------------
@@ -348,34 +418,69 @@ class Guard:
     ) -> Path | None:
         """On the first non-finite step, the first spike (``spike``) and on escalation, every
         rank writes its part of the bundle (collectively, before the gradients are cleared).
-        Never raises; same path on all ranks.
+        Never raises; same path on all ranks. The bundle starts from the step's real start:
+        its buffers as before its first forward, the RNG and autocast state of that forward.
         ``pending``: a sync-free step read late brings its own batches, RNG and losses."""
         if not self.config.capture or not self._capturer.due(decision, spike):
             return None
         if pending is not None:
             batches, rng, losses = pending.batches, pending.rng, pending.losses
+            autocast = pending.autocast
         else:
-            stream = self._stream or self._recorded
-            batches = list(stream.current) if stream is not None else []
-            rng = stream.current_rng if stream is not None else None
+            batches, rng = self._step_batches(step)
             losses = self._micro_losses
+            autocast = self._start.autocast if self._start.started(step) else None
         evidence = step_evidence(step, decision, agreement, stats, batches, rng, losses)
         evidence.history = self.history.bundle_history()
+        evidence.buffers = self._start.buffers.pre_step(step)
+        evidence.extra["autocast"] = autocast
+        evidence.extra["pre_step_buffers"] = sorted(evidence.buffers)
         with self.phase("capture"):
             return self._capturer.capture(self.model, self.optimizer, evidence, spike)
+
+    def _capture_late(
+        self,
+        decision: Decision,
+        agreement: Agreement,
+        stats: GradStats,
+        step: int,
+        pending: PendingStep,
+        spike: bool,
+    ) -> Path | None:
+        return self._capture(decision, agreement, stats, step, pending, spike)
 
     def _rolled_back(self, step: int, consecutive: int | None = None) -> bool:
         """On escalation with ``on_escalation="rollback"``: restore, skip data, go on."""
         if self.recovery is None or self.config.on_escalation != "rollback":
             return False
-        self._clear_grads()
+        self._drop_update(step)
         streak = self.state.consecutive_nonfinite if consecutive is None else consecutive
         return self.recovery.rollback(step, max(streak, 1))
 
-    def _clear_grads(self) -> None:
+    def _drop_update(self, step: int) -> int:
+        """The step is not applied: clear the gradients and put back the buffers its forward
+        changed (BatchNorm statistics, counters). Returns how many buffers were put back."""
         self.optimizer.zero_grad(set_to_none=True)
         for _, param in self._params:
             param.grad = None
+        buffers = self._start.buffers
+        restored = buffers.restore(step)
+        if restored:
+            logger.debug("trainguard: step %d: buffers put back: %s", step, restored)
+        if buffers.uncopied:
+            self._buffers_not_restored(step, buffers.uncopied)
+        return len(restored)
+
+    def _buffers_not_restored(self, step: int, names: list[str]) -> None:
+        """Buffers the step's forward wrote for the first time (no copy was taken)."""
+        self.events.write("buffers_not_restored", step, buffers=names)
+        logger.warning(
+            "trainguard: rank %d: step %d was not applied, but its forward was the first to "
+            "write %s, which could not be put back; they are copied at every step from now on",
+            self.rank,
+            step,
+            ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else ""),
+        )
 
     def _log_nonfinite(
         self, decision: Decision, agreement: Agreement, stats: GradStats, step: int
@@ -430,6 +535,7 @@ class Guard:
             self.events.write("close", self.state.step, total_nonfinite=self.state.total_nonfinite)
             self.events.close()
             self.history.close()
+            self._start.close()
             self._consensus.work.retire()  # released at exit, not by gloo's thread (held_work)
 
     def __enter__(self) -> Guard:

@@ -3,18 +3,26 @@
 The mechanism (``found_inf``, the host stager, the pending step) is in ``deferred.py``; this
 part runs one step with it and, a step later, reads the agreed flags on the host and hands
 them to the guard's policy: the same events, state, history, capture and errors as
-``check()``, one step late. The guard owns the decision logic; this part owns the timing.
+``check()``, one step late. The guard lends the parts this needs (``SyncFreeParts``): the
+shared objects, and its own actions as callables; this module never sees the Guard.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from trainguard.step.consensus import Agreement, Reduced
+from trainguard.config import GuardConfig
+from trainguard.errors import NonFiniteError
+from trainguard.events import EventLog
+from trainguard.progress import Progress
+from trainguard.step.consensus import Agreement, Consensus, LocalReport, Reduced
 from trainguard.step.deferred import (
     FoundInf,
     HostStager,
@@ -22,18 +30,48 @@ from trainguard.step.deferred import (
     StepOutcome,
     set_found_inf,
 )
-from trainguard.step.detect import GradStats, clip_on_device_, grad_stats
+from trainguard.step.detect import GradStats, clip_on_device_
+from trainguard.step.history import StepHistory
 from trainguard.step.policy import Decision
+from trainguard.step.spikewatch import SpikeWatch
+from trainguard.step.start import StepStart
+from trainguard.step.state import GuardState
 
-if TYPE_CHECKING:
-    from trainguard.step.guard import Guard
+Measure = Callable[[Tensor], tuple[GradStats, LocalReport, bool]]
+"""Record the loss, take the gradient pass: ``(stats, this rank's report, sharded)``."""
+
+
+@dataclass
+class SyncFreeParts:
+    """What the guard lends the sync-free step."""
+
+    config: GuardConfig
+    state: GuardState
+    progress: Progress
+    consensus: Consensus
+    spikes: SpikeWatch
+    history: StepHistory
+    events: EventLog
+    optimizer: torch.optim.Optimizer
+    start: StepStart
+    measure: Measure
+    take_losses: Callable[[], list[Tensor]]
+    """Hand over the step's recorded micro-losses (the guard starts a new list)."""
+    step_batches: Callable[[int], tuple[list[Any], dict[str, Any] | None]]
+    """The step's micro-batches and the RNG states taken when its first was handed out."""
+    agreed: Callable[[Agreement, int], None]
+    """Tell the batch stream a step's agreement (``steps_ago``)."""
+    decide: Callable[[Agreement], Decision]
+    log_nonfinite: Callable[[Decision, Agreement, GradStats, int], None]
+    capture: Callable[[Decision, Agreement, GradStats, int, PendingStep, bool], Path | None]
+    stop_error: Callable[[Decision, Agreement, int, Path | None], NonFiniteError]
 
 
 class SyncFreeStep:
     """``guard.step()`` for a fused optimizer without a GradScaler: no host sync per step."""
 
-    def __init__(self, guard: Guard) -> None:
-        self._guard = guard
+    def __init__(self, parts: SyncFreeParts) -> None:
+        self._parts = parts
         self.pending: PendingStep | None = None
         """The last step, decided on the device and not yet read on the host."""
         self._stager = HostStager()
@@ -41,29 +79,28 @@ class SyncFreeStep:
 
     def step(self, loss: Tensor) -> StepOutcome:
         """Check, agree, clip and step on the device; read the step before this one."""
-        guard = self._guard
-        step = guard.state.step
-        guard.progress.enter("check", step)
-        guard.record_loss(loss)
-        sharded = guard._sharded()
-        stats = grad_stats(guard._params, guard._consensus.device, sharded)
-        reduced = guard._consensus.reduce(guard._report(stats, loss), sharded)
+        parts = self._parts
+        step = parts.state.step
+        parts.progress.enter("check", step)
+        stats, report, sharded = parts.measure(loss)
+        reduced = parts.consensus.reduce(report, sharded)
         found_inf = self._found_inf.of(reduced.buf, self._optimizer_device(stats))
-        spike = guard.spikes.on_device(guard._consensus, reduced, guard.optimizer, found_inf)
-        if guard.config.grad_clip is not None:
-            norm = guard._consensus.global_grad_norm(reduced)
-            clip_on_device_(stats.grads, norm, guard.config.grad_clip)
+        spike = parts.spikes.on_device(parts.consensus, reduced, parts.optimizer, found_inf)
+        if parts.config.grad_clip is not None:
+            norm = parts.consensus.global_grad_norm(reduced)
+            clip_on_device_(stats.grads, norm, parts.config.grad_clip)
+        parts.start.buffers.restore_where(found_inf, step)  # a skipped step's forward undone
         pending = self._pending_step(step, stats, reduced, spike)
-        guard.state.step = step + 1
+        parts.state.step = step + 1
         self.resolve()  # the step before, ahead of this update: weights still pre-update
-        set_found_inf(guard.optimizer, found_inf)
+        set_found_inf(parts.optimizer, found_inf)
         try:
-            guard.optimizer.step()
+            parts.optimizer.step()
         finally:
-            set_found_inf(guard.optimizer, None)
-        guard.optimizer.zero_grad(set_to_none=True)
+            set_found_inf(parts.optimizer, None)
+        parts.optimizer.zero_grad(set_to_none=True)
         self.pending = pending
-        guard.progress.enter("step", step + 1)
+        parts.progress.enter("step", step + 1)
         return StepOutcome(read=lambda: self._read_outcome(pending))
 
     def _pending_step(
@@ -74,25 +111,24 @@ class SyncFreeStep:
         spike: tuple[Tensor, torch.cuda.Event | None] | None,
     ) -> PendingStep:
         """The step's staged flags and evidence (batches, RNG, losses: references only)."""
-        guard = self._guard
+        parts = self._parts
         host_values, ready = self._stager.stage(reduced.buf)
-        stream = guard._stream
-        pending = PendingStep(
+        batches, rng = parts.step_batches(step)
+        return PendingStep(
             step,
             host_values,
             ready,
             dataclasses.replace(stats, grads=[]),  # keep no reference to the gradients
             reduced,
-            batches=list(stream.current) if stream is not None else [],
-            rng=stream.current_rng if stream is not None else None,
-            losses=guard._micro_losses,
+            batches=batches,
+            rng=rng,
+            losses=parts.take_losses(),
             spike=spike,
+            autocast=parts.start.autocast if parts.start.started(step) else None,
         )
-        guard._micro_losses = []
-        return pending
 
     def _optimizer_device(self, stats: GradStats) -> torch.device:
-        return stats.grads[0].device if stats.grads else self._guard._consensus.device
+        return stats.grads[0].device if stats.grads else self._parts.consensus.device
 
     def _read_outcome(self, pending: PendingStep) -> bool:
         if pending.ok is None:
@@ -107,53 +143,50 @@ class SyncFreeStep:
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        guard = self._guard
-        agreement = guard._consensus.read(pending.values(), pending.reduced)
-        if guard._stream is not None:
-            guard._stream.agreed(agreement, steps_ago=guard.state.step - 1 - pending.step)
-        decision = guard._decide(agreement)
-        guard.history.record(pending.step, agreement, decision, guard.optimizer)
+        parts = self._parts
+        agreement = parts.consensus.read(pending.values(), pending.reduced)
+        parts.agreed(agreement, parts.state.step - 1 - pending.step)
+        decision = parts.decide(agreement)
+        parts.history.record(pending.step, agreement, decision, parts.optimizer)
         pending.ok = decision is Decision.OK
         if pending.ok:
-            guard.state.record_good(pending.step, agreement.mean_loss)
+            parts.state.record_good(pending.step, agreement.mean_loss)
             spike = self._late_spike(agreement, pending)
             if spike is not None:
                 pending.ok = False  # skipped on the device (found_inf)
                 self._resolve_spike(spike, agreement, pending, raise_errors)
             return
-        guard.state.record_bad(pending.step)
-        guard._log_nonfinite(decision, agreement, pending.stats, pending.step)
+        parts.state.record_bad(pending.step)
+        parts.log_nonfinite(decision, agreement, pending.stats, pending.step)
         bundle = None  # capture: weights and moments are as before the skipped step
         if raise_errors:  # not while unwinding: other ranks may not join the capture
-            bundle = guard._capture(decision, agreement, pending.stats, pending.step, pending)
+            bundle = parts.capture(decision, agreement, pending.stats, pending.step, pending, False)
         if decision in (Decision.SKIP, Decision.WARN):
-            consecutive = guard.state.consecutive_nonfinite
-            guard.events.write("skip", pending.step, consecutive=consecutive)
+            consecutive = parts.state.consecutive_nonfinite
+            parts.events.write("skip", pending.step, consecutive=consecutive)
         elif raise_errors:
-            raise guard._stop_error(decision, agreement, pending.step, bundle)
+            raise parts.stop_error(decision, agreement, pending.step, bundle)
 
     def _late_spike(self, agreement: Agreement, pending: PendingStep) -> Decision | None:
         """The spike verdict: judged on the device when a spike must skip the update
         (``found_inf``), else judged now on the host from the agreed values."""
-        spikes = self._guard.spikes
+        spikes = self._parts.spikes
         if pending.spike is not None:
             return spikes.read_staged(pending.spike, pending.step)
-        spikes.judge(agreement, self._guard.optimizer, pending.step)  # "warn": events only
+        spikes.judge(agreement, self._parts.optimizer, pending.step)  # "warn": events only
         return None
 
     def _resolve_spike(
         self, decision: Decision, agreement: Agreement, pending: PendingStep, raise_errors: bool
     ) -> None:
         """A spike the step skipped on the device, read a step late."""
-        guard = self._guard
+        parts = self._parts
         bundle = None
         if raise_errors:  # weights and moments are as before the skipped step
-            bundle = guard._capture(
-                decision, agreement, pending.stats, pending.step, pending, spike=True
-            )
+            bundle = parts.capture(decision, agreement, pending.stats, pending.step, pending, True)
         if decision is Decision.ESCALATE:
             if raise_errors:
-                raise guard.spikes.error(pending.step, bundle)
+                raise parts.spikes.error(pending.step, bundle)
             return
-        consecutive = guard.spikes.consecutive
-        guard.events.write("skip", pending.step, reason="spike", consecutive=consecutive)
+        consecutive = parts.spikes.consecutive
+        parts.events.write("skip", pending.step, reason="spike", consecutive=consecutive)

@@ -1,0 +1,110 @@
+"""Where a step really starts: its first training forward, not the loop's last fetch.
+
+A fast loop fetches the next batch before the optimizer step (nanoGPT does), so the moment a
+batch is handed out says nothing about which step it serves. What a capture and a skip need
+is the state just before the step's *first forward*: the module buffers (``buffers.py``),
+the RNG states (dropout draws from them), and the autocast state the forward runs under.
+
+``StepStart`` puts a forward pre-hook on the guarded module, on the module inside its
+wrappers (DDP, ``torch.compile``) and on that module's direct children (a LightningModule's
+``training_step`` often calls its children, not ``forward``). The first hook call of a step
+(grad enabled, the module in training mode: an evaluation pass under ``no_grad`` does not
+count) records the step's start; the other calls of the step cost one comparison. Loops
+that hand batches to ``guard.record_batch`` start the step there too (before the forward).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainguard.capture.rng import rng_state
+from trainguard.step.buffers import BufferKeeper
+from trainguard.step.capturer import unwrap
+
+logger = logging.getLogger(__name__)
+
+
+def autocast_state(device_type: str) -> dict[str, Any]:
+    """The autocast state in force now: ``{"enabled", "device_type", "dtype"}``, the first
+    enabled of ``device_type`` and the CPU; disabled: ``dtype`` None."""
+    for kind in dict.fromkeys((device_type, "cpu")):
+        if _autocast_enabled(kind):
+            dtype = _autocast_dtype(kind)
+            return {"enabled": True, "device_type": kind, "dtype": str(dtype).split(".")[-1]}
+    return {"enabled": False, "device_type": device_type, "dtype": None}
+
+
+def _autocast_enabled(kind: str) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(kind))
+    except TypeError:  # torch < 2.4: no device argument
+        if kind == "cpu":
+            return bool(torch.is_autocast_cpu_enabled())
+        return bool(torch.is_autocast_enabled())
+
+
+def _autocast_dtype(kind: str) -> torch.dtype:
+    try:
+        return torch.get_autocast_dtype(kind)
+    except (AttributeError, TypeError):  # torch < 2.4
+        if kind == "cpu":
+            return torch.get_autocast_cpu_dtype()
+        return torch.get_autocast_gpu_dtype()
+
+
+class StepStart:
+    """Records, once per step, the state at the step's first training forward."""
+
+    def __init__(self, model: nn.Module, step_of: Callable[[], int]) -> None:
+        self._model = model
+        self._inner = unwrap(model)
+        self._step_of = step_of
+        self.buffers = BufferKeeper(model)
+        self._device_type = _device_type(model)
+        self.step = -1
+        """The step whose start was recorded last (-1: none yet)."""
+        self.seen = False
+        """Whether a hook has fired at all (then the stream need not take RNG states)."""
+        self.rng: dict[str, Any] | None = None
+        self.autocast: dict[str, Any] | None = None
+        self._handles = [m.register_forward_pre_hook(self._pre_hook) for m in self._hooked()]
+
+    def _hooked(self) -> list[nn.Module]:
+        modules = [self._model, self._inner, *self._inner.children()]
+        return list({id(m): m for m in modules}.values())
+
+    def _pre_hook(self, module: nn.Module, args: Any) -> None:
+        if self.step == self._step_of():
+            return
+        if not torch.is_grad_enabled() or not self._inner.training:
+            return
+        self.seen = True
+        self.begin()
+
+    def begin(self, step: int | None = None) -> None:
+        """Record the step's start now (if not recorded yet): before its first forward."""
+        step = self._step_of() if step is None else step
+        if self.step == step:
+            return
+        self.step = step
+        self.buffers.begin(step)
+        self.rng = rng_state()
+        self.autocast = autocast_state(self._device_type)
+
+    def started(self, step: int) -> bool:
+        return self.step == step
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _device_type(model: nn.Module) -> str:
+    param = next(model.parameters(), None)
+    return param.device.type if param is not None else "cpu"

@@ -1,0 +1,156 @@
+"""A skipped step leaves no trace: buffers its forward wrote are put back, so the model is
+bit-identical to a run whose loader never yielded that batch; a bundle starts from the
+step's real start and holds the step's own micro-batches, however far the loop fetched."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tg_buffer_models import (
+    BufferNet,
+    ZeroStartScale,
+    assert_identical,
+    batches,
+    loss_fn,
+    prefetching_loop,
+    state_of,
+    train_bare,
+    train_guarded,
+)
+
+import trainguard as tg
+from trainguard.replay import ReplaySpec, replay
+
+BAD = 3
+STEPS = 8
+
+
+def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _adam_fused(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+
+
+def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    lines = (run_dir / "events" / "rank-0.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["kind"] == kind]
+
+
+def _reference(make_opt: Any) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = BufferNet()
+    opt = make_opt(model)
+    data = batches(STEPS, bad=BAD)
+    train_bare(model, opt, [b for i, b in enumerate(data) if i != BAD])
+    return state_of(model)
+
+
+@pytest.mark.parametrize(("make_opt", "fused"), [(_sgd, False), (_adam_fused, True)])
+def test_skip_leaves_the_model_as_if_the_batch_never_came(
+    tmp_path: Path, make_opt: Any, fused: bool
+) -> None:
+    torch.manual_seed(0)
+    model = BufferNet()
+    opt = make_opt(model)
+    with tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0, capture=False) as guard:
+        train_guarded(guard, model, opt, batches(STEPS, bad=BAD), fused)
+    assert guard.state.total_nonfinite == 1  # one bad sample costs one step, not the run
+    assert_identical(state_of(model), _reference(make_opt))
+    skips = _events(tmp_path, "skip")
+    assert [e["step"] for e in skips] == [BAD]
+    if not fused:
+        assert skips[0]["buffers_restored"] == 6  # bn: 3 buffers, norm: 3 buffers
+
+
+def test_without_the_restore_one_nan_sample_ends_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failure the restore prevents: the EMA statistic keeps every later step NaN."""
+    from trainguard.step import buffers
+
+    monkeypatch.setattr(buffers.BufferKeeper, "restore", lambda self, step: [])
+    torch.manual_seed(0)
+    model = BufferNet()
+    opt = _sgd(model)
+    guard = tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0, capture=False)
+    with pytest.raises(tg.NonFiniteError):
+        train_guarded(guard, model, opt, batches(12, bad=BAD), fused=False)
+    guard.close()
+
+
+@pytest.mark.parametrize("action", ["skip", "warn"])
+def test_bundle_holds_the_buffers_from_before_the_first_forward(
+    tmp_path: Path, action: str
+) -> None:
+    """A statistic that starts at zero makes step 0 NaN; the bundle must hold the zero (with
+    "warn" the model keeps the forward's write, the bundle still starts before it)."""
+    torch.manual_seed(0)
+    model = ZeroStartScale()
+    opt = _sgd(model)
+    with tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0, on_nonfinite=action) as guard:
+        train_guarded(guard, model, opt, batches(1), fused=False)
+    assert guard.state.nonfinite_steps[0] == 0
+    assert (float(model.scale) > 0) == (action == "warn")
+    bundle = tg.load_bundle(next((tmp_path / "captures").glob("step-*")))
+    assert float(bundle.model_state(0)["scale"]) == 0.0
+    assert bundle.meta(0)["pre_step_buffers"] == ["scale"]
+    report = replay(bundle, ReplaySpec(ZeroStartScale(), loss_fn), repeats=1, bisect=False)
+    assert report.reproduced
+
+
+def test_prefetching_loop_captures_the_steps_own_micro_batches(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = BufferNet()
+    opt = _sgd(model)
+    data = batches(12, bad=7)  # step 3's second micro-batch (accumulation 2)
+    with tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0, accumulation_steps=2) as guard:
+        prefetching_loop(guard, model, opt, data, k=2)
+    assert list(guard.state.nonfinite_steps) == [3]
+    assert not _events(tmp_path, "batch_mismatch")
+    bundle = tg.load_bundle(next((tmp_path / "captures").glob("step-*")))
+    saved = bundle.batches(0)
+    assert len(saved) == 2
+    for got, want in zip(saved, data[6:8], strict=True):
+        assert torch.allclose(got[0], want[0], equal_nan=True) and torch.equal(got[1], want[1])
+    report = replay(bundle, ReplaySpec(BufferNet(), loss_fn), repeats=1, bisect=False)
+    assert report.reproduced
+
+
+def test_a_loop_taking_other_than_k_batches_per_step_is_told(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = BufferNet()
+    opt = _sgd(model)
+    with tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0, accumulation_steps=1) as guard:
+        prefetching_loop(guard, model, opt, batches(12), k=2)  # takes 2, told 1
+    mismatch = _events(tmp_path, "batch_mismatch")
+    assert len(mismatch) == 1
+    assert mismatch[0]["loop_takes"] == "more" and mismatch[0]["accumulation_steps"] == 1
+
+
+def test_the_forward_hook_takes_the_rng_and_autocast_of_the_steps_first_forward(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = BufferNet()
+    opt = _sgd(model)
+    with tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0) as guard:
+        for i, batch in enumerate(guard.watch(batches(4, bad=2))):
+            torch.rand(3)  # the loop draws after the batch is handed out, before the forward
+            if i == 2:
+                expected = torch.get_rng_state()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn(model, batch)
+            loss.float().backward()
+            if guard.check(loss):
+                opt.step()
+            opt.zero_grad()
+    bundle = tg.load_bundle(next((tmp_path / "captures").glob("step-*")))
+    assert torch.equal(bundle.rng(0)["torch"], expected)
+    autocast = bundle.meta(0)["autocast"]
+    assert autocast == {"enabled": True, "device_type": "cpu", "dtype": "bfloat16"}
