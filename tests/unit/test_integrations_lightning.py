@@ -115,3 +115,48 @@ def test_fp16_with_a_grad_scaler_skips_after_lightnings_unscale(tmp_path: Path) 
     assert scaler.get_scale() == 2.0**7  # the skipped step lowered the scale once
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert 1 < state["last_good_loss"] < 20  # unscaled: about 6 here; the scaled one is ~1500
+
+
+def _bn_module(poisoned: int | None, drop: int | None) -> tuple[Any, Any]:
+    """A LightningModule with BatchNorm, and 6 batches of 8; batch ``poisoned`` holds a NaN,
+    batch ``drop`` is left out."""
+
+    class BNRegressor(L.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(4, 8),
+                torch.nn.BatchNorm1d(8),
+                torch.nn.ReLU(),
+                torch.nn.Linear(8, 1),
+            )
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(48, 4, generator=gen), torch.randn(48, generator=gen)
+    if poisoned is not None:
+        x[poisoned * 8 + 2, 0] = float("nan")
+    keep = [i for i in range(48) if drop is None or i // 8 != drop]
+    data = torch.utils.data.TensorDataset(x[keep], y[keep])
+    L.seed_everything(0, verbose=False)
+    return BNRegressor(), DataLoader(data, batch_size=8)
+
+
+def test_a_skipped_step_leaves_batchnorm_as_if_the_batch_never_came(tmp_path: Path) -> None:
+    model, loader = _bn_module(poisoned=2, drop=None)
+    callback = TrainGuard(run_dir=tmp_path, hang_timeout=0, capture=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(callback).fit(model, loader)
+        reference, ref_loader = _bn_module(poisoned=None, drop=2)
+        _trainer(TrainGuard(run_dir=tmp_path / "ref", hang_timeout=0)).fit(reference, ref_loader)
+    assert callback.state_dict()["state"]["nonfinite_steps"] == [2]
+    want = reference.state_dict()
+    for key, got in model.state_dict().items():
+        assert torch.equal(got, want[key]), key  # running_mean/var, num_batches_tracked too
