@@ -120,6 +120,12 @@ class GuardConfig:
     """Check each floating-point tensor of every batch from ``watch()`` for NaN/Inf (on the
     device, no sync): a non-finite input marks the step bad on every rank (``bad_input``)."""
 
+    restore_buffers: bool = True
+    """Put back the module buffers a step's forward wrote (BatchNorm statistics, counters)
+    whenever the step is not applied (skip, spike skip, fp16 overflow, escalation,
+    rollback), so a skipped step leaves the model as if its batch never came. Only buffers
+    the forward changes are copied, at the step's first forward (``step/buffers.py``)."""
+
     extra: dict[str, object] = field(default_factory=dict)
     """Free-form metadata written into the ``start`` event (experiment name, git sha...)."""
 
@@ -129,6 +135,8 @@ class GuardConfig:
             raise ConfigError(
                 "on_nonfinite", f"got {self.on_nonfinite!r}; use one of {', '.join(_ACTIONS)}"
             )
+        if not isinstance(self.restore_buffers, bool):
+            raise ConfigError("restore_buffers", f"got {self.restore_buffers!r}; use True or False")
         if not isinstance(self.max_consecutive, int) or self.max_consecutive < 1:
             raise ConfigError(
                 "max_consecutive", f"got {self.max_consecutive!r}; use an integer >= 1"

@@ -119,7 +119,9 @@ class Guard:
         self.progress = Progress()
         self._stream: BatchStream | None = None
         self._recorded = RecordedBatches()  # record_batch(): loops without watch()
-        self._start = StepStart(model, step_of=lambda: self.state.step)
+        self._start = StepStart(
+            model, lambda: self.state.step, restore_buffers=self.config.restore_buffers
+        )
         self._micro_losses: list[Tensor] = []
         self._capturer = Capturer(self.run_dir, self._consensus, self.events)
         self.spikes = SpikeWatch(self.config, self.events, self.rank)

@@ -60,11 +60,13 @@ def _autocast_dtype(kind: str) -> torch.dtype:
 class StepStart:
     """Records, once per step, the state at the step's first training forward."""
 
-    def __init__(self, model: nn.Module, step_of: Callable[[], int]) -> None:
+    def __init__(
+        self, model: nn.Module, step_of: Callable[[], int], restore_buffers: bool = True
+    ) -> None:
         self._model = model
         self._inner = unwrap(model)
         self._step_of = step_of
-        self.buffers = BufferKeeper(model)
+        self.buffers = BufferKeeper(model if restore_buffers else nn.Module())
         self._device_type = _device_type(model)
         self.step = -1
         """The step whose start was recorded last (-1: none yet)."""
