@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from tg_dist import run_ranks, values
 from tg_recovery import train
 
@@ -104,3 +106,108 @@ def test_fsdp2_rollback_restores_the_shards_on_every_rank(tmp_path: Path) -> Non
         assert rb["step"] == BATCHES - 5
         clean = run["clean"]["eval_loss"]
         assert abs(rb["eval_loss"] - clean) <= 0.25 * clean, (rb["eval_loss"], clean)
+
+
+# -- the optimizer state after a rollback ------------------------------------------------------
+
+POISON_INF = {5: math.inf}
+"""Step 5 applies an infinite update: the moments (Adam) or the momentum buffers (SGD) and the
+weights go non-finite, so steps 6-8 are bad and step 8 rolls back to the snapshot of step 4."""
+STATEFUL = {"adam": {"step", "exp_avg", "exp_avg_sq"}, "sgd_momentum": {"momentum_buffer"}}
+"""The stateful optimizers, and the state each keeps per parameter."""
+
+
+def _stateful_job(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
+    import trainguard as tg
+
+    out = {}
+    for name in STATEFUL:
+        run_dir = Path(root) / name
+        config = tg.GuardConfig(
+            run_dir=run_dir,
+            on_escalation="rollback",
+            max_consecutive=3,
+            snapshot_every=2,
+            good_after=2,
+            hang_timeout=0,
+        )
+        out[name] = train(
+            rank,
+            mode,
+            run_dir,
+            BATCHES,
+            POISON_INF,
+            optimizer=name,
+            watch_optimizer=True,
+            config=config,
+        )
+    return out
+
+
+def _differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """What differs between two ``optimizer_state`` copies (exact: ``torch.equal``)."""
+    diffs = ["param_groups"] if a["groups"] != b["groups"] else []
+    for key in sorted(a["state"].keys() | b["state"].keys()):
+        x, y = a["state"].get(key), b["state"].get(key)
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            same = x.dtype == y.dtype and torch.equal(x, y)
+        else:
+            same = x is not None and x == y
+        if not same:
+            diffs.append(key)
+    return diffs
+
+
+def _check_restored_optimizer(runs: list[dict[str, Any]], replicated: bool) -> None:
+    """Each rank's optimizer state right after the rollback equals what it held when the
+    restored step started (its snapshot), bit for bit, with the step counts; the ranks agree
+    (replicated state: equal everywhere; FSDP2 shards: the same step counts and settings)."""
+    for name, keys in STATEFUL.items():
+        for rank, run in enumerate(runs):
+            rb = run[name]
+            record = rb["optimizer_rollbacks"][0]  # the first rollback (the only one if right)
+            assert (record["step"], record["restored"]) == (8, 4), name
+            saved, now, before = record["saved"], record["now"], record["before"]
+            assert saved is not None and saved["state"], f"{name}: no state at step 4"
+            assert {key.split(".", 1)[1] for key in saved["state"]} == keys, name
+            assert _differences(before, saved), f"{name}: step 8 had nothing to restore"
+            assert _differences(now, saved) == [], f"{name} rank {rank}: state not restored"
+            if name == "adam":  # steps 0-3 applied before the snapshot of step 4
+                counts = {float(v) for k, v in now["state"].items() if k.endswith(".step")}
+                assert counts == {4.0}, (rank, counts)
+            rollbacks = [e for e in rb["events"] if e["kind"] == "rollback"]
+            assert [(e["step"], e["restored_step"], e["rung"]) for e in rollbacks] == [
+                (8, 4, "rollback")
+            ], name
+            assert len(rb["optimizer_rollbacks"]) == 1, name
+            assert rb["error"] is None, (name, rank)
+            assert rb["finite"] and rb["same"], f"{name} rank {rank}: params not finite/identical"
+            final = rb["optimizer_final"]["state"]
+            assert all(torch.isfinite(v).all() for v in final.values()), (name, rank)
+        first, *others = runs
+        for rank, run in enumerate(others, start=1):
+            ours, theirs = run[name]["optimizer_rollbacks"][0]["now"], first[name]
+            if replicated:
+                assert _differences(ours, theirs["optimizer_rollbacks"][0]["now"]) == []
+                assert _differences(run[name]["optimizer_final"], theirs["optimizer_final"]) == []
+            else:
+                steps = {k for k in ours["state"] if k.endswith(".step")}
+                reference = theirs["optimizer_rollbacks"][0]["now"]
+                assert ours["groups"] == reference["groups"], (name, rank)
+                for key in steps:
+                    assert torch.equal(ours["state"][key], reference["state"][key]), (name, key)
+
+
+@pytest.mark.timeout(90)
+def test_ddp_rollback_restores_the_optimizer_state(tmp_path: Path) -> None:
+    """Adam (moments, step counts) and SGD with momentum under DDP: the rollback puts back
+    the optimizer state of the snapshot, identical on every rank."""
+    runs = values(run_ranks(_stateful_job, 2, str(tmp_path), "ddp", timeout=80))
+    _check_restored_optimizer(runs, replicated=True)
+
+
+@pytest.mark.timeout(90)
+def test_fsdp2_rollback_restores_the_optimizer_state_shards(tmp_path: Path) -> None:
+    """The same under FSDP2: every rank gets back its own shard of the moments."""
+    runs = values(run_ranks(_stateful_job, 2, str(tmp_path), "fsdp", timeout=80))
+    _check_restored_optimizer(runs, replicated=False)

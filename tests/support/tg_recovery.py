@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ W_TRUE = torch.Generator().manual_seed(7)
 
 def make_data(rank: int, n: int, poison: dict[int, float]) -> list[tuple[Tensor, Tensor, float]]:
     """``n`` batches (x, y, corrupt); batch ``i`` in ``poison`` either corrupts the update
-    (a huge finite value written into every gradient after the check, as a bad kernel or an
+    (a huge finite value, or Inf, written into every gradient after the check, as a bad kernel or an
     overflowing optimizer would: the weights are ruined, every later loss is Inf) or, for
     ``nan``, feeds NaN inputs (bad at any weights)."""
     gen = torch.Generator().manual_seed(100 + rank)
@@ -62,21 +63,74 @@ def eval_loss(model: nn.Module) -> float:
     return float(torch.stack(losses).mean())
 
 
+OPTIMIZERS: dict[str, Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]] = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05),
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+}
+"""``train(optimizer=...)``: plain SGD (stateless, the default) or a stateful optimizer."""
+
+
+def optimizer_state(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """A copy of this rank's optimizer state: ``state`` maps ``"{param}.{key}"`` to the
+    tensor (a DTensor's local shard: this rank's part under FSDP2) or value, and ``groups``
+    holds each param group's settings (lr, momentum...) without the parameter ids."""
+    saved = opt.state_dict()
+    state: dict[str, Any] = {}
+    for index, per_param in saved["state"].items():
+        for key, value in per_param.items():
+            if isinstance(value, Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                value = local.detach().clone()
+            state[f"{index}.{key}"] = value
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]
+    return {"state": state, "groups": groups}
+
+
 def train(
-    rank: int, mode: str, run_dir: Path, batches: int, poison: dict[int, float], **guard_kwargs: Any
+    rank: int,
+    mode: str,
+    run_dir: Path,
+    batches: int,
+    poison: dict[int, float],
+    *,
+    optimizer: str = "sgd",
+    watch_optimizer: bool = False,
+    **guard_kwargs: Any,
 ) -> dict[str, Any]:
+    """``watch_optimizer``: copy the optimizer state at the start of every step and, when a
+    ``check()`` rolls back, record it (``now``) next to the state the restored step had
+    when it last started (``saved``) and the failing step's (``before``), in
+    ``out["optimizer_rollbacks"]``; ``out["optimizer_final"]``: the state at the end."""
     torch.manual_seed(0)
     model = wrap(TinyNet(), mode)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = OPTIMIZERS[optimizer](model.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
     guard = tg.Guard(model, opt, run_dir=run_dir, scheduler=sched, hang_timeout=0, **guard_kwargs)
     out: dict[str, Any] = {"error": None}
+    at_start: dict[int, dict[str, Any]] = {}  # step -> state when it last started
+    rollbacks: list[dict[str, Any]] = []
     try:
         with guard:
             for x, y, scale in guard.watch(make_data(rank, batches, poison)):
+                step = guard.state.step
+                if watch_optimizer:
+                    at_start[step] = optimizer_state(opt)
                 loss = nn.functional.mse_loss(model(x), y)
                 loss.backward()
-                if guard.check(loss):
+                ok = guard.check(loss)
+                if watch_optimizer and guard.state.step <= step:  # rolled back
+                    restored = guard.state.step
+                    rollbacks.append(
+                        {
+                            "step": step,
+                            "restored": restored,
+                            "saved": at_start.get(restored),
+                            "before": at_start[step],
+                            "now": optimizer_state(opt),
+                        }
+                    )
+                if ok:
                     if scale != 1.0:
                         for p in model.parameters():
                             p.grad.fill_(scale)  # type: ignore[union-attr]
@@ -97,6 +151,8 @@ def train(
         eval_loss=eval_loss(model),
         events=[e for e in read_events(run_dir, rank) if e["kind"] in RECOVERY_EVENTS],
     )
+    if watch_optimizer:
+        out.update(optimizer_rollbacks=rollbacks, optimizer_final=optimizer_state(opt))
     return out
 
 
