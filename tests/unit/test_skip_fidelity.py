@@ -154,3 +154,24 @@ def test_the_forward_hook_takes_the_rng_and_autocast_of_the_steps_first_forward(
     assert torch.equal(bundle.rng(0)["torch"], expected)
     autocast = bundle.meta(0)["autocast"]
     assert autocast == {"enabled": True, "device_type": "cpu", "dtype": "bfloat16"}
+
+
+def test_a_spike_skip_puts_the_buffers_back_too(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = BufferNet()
+    opt = _sgd(model)
+    data = batches(30)
+    x, y = data[20]
+    data[20] = (x * 50, y * 1e4)  # a finite loss far above the baseline: a spike
+    config = tg.GuardConfig(
+        run_dir=tmp_path, hang_timeout=0, capture=False, on_spike="skip", spike_warmup=10
+    )
+    with tg.Guard(model, opt, config=config) as guard:
+        train_guarded(guard, model, opt, data, fused=False)
+    skips = _events(tmp_path, "skip")
+    assert [(e["step"], e.get("reason")) for e in skips] == [(20, "spike")]
+    assert skips[0]["buffers_restored"] == 6
+    torch.manual_seed(0)
+    reference = BufferNet()
+    train_bare(reference, _sgd(reference), [b for i, b in enumerate(data) if i != 20])
+    assert_identical(state_of(model), state_of(reference))
