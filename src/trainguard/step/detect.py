@@ -4,6 +4,13 @@ The pass is one ``torch._foreach_norm`` per device (a single read of the gradien
 ``torch.cat``, no per-parameter ``.item()``). The per-parameter norms stay on the device; they
 are read back only on a bad step, to name the parameters whose gradients are not finite.
 With ``grad_clip`` the same norms give the clip coefficient, so clipping costs no second read.
+
+Gradients that pass refuses (sparse layouts, e.g. ``nn.Embedding(sparse=True)``; float64 or
+complex ones, which it cannot accumulate in float32) take the mixed pass instead: a sparse
+gradient's norm is that of its stored values (a COO gradient coalesced first, so duplicate
+indices are summed as in the dense gradient), the others are normed at their own precision;
+clipping multiplies a sparse gradient in place. Dense-only models never see the mixed pass
+(it starts when the fused pass raises, or when the caller says it is needed: ``mixed``).
 """
 
 from __future__ import annotations
@@ -28,7 +35,11 @@ class GradStats:
     exactly when some gradient holds NaN/Inf (or has a norm beyond float32): squares of finite
     float32 norms cannot overflow float64."""
     grads: list[Tensor]
-    """The local gradient tensors (shards under FSDP2), for in-place clipping."""
+    """The local gradient tensors (shards under FSDP2), for in-place clipping. After the mixed
+    pass the sparse ones come last (in ``names`` and ``norms`` too)."""
+    mixed: bool = False
+    """The gradients took the mixed pass (some are sparse, float64 or complex): pass
+    ``mixed=True`` to the next ``grad_stats`` to go there directly."""
 
     def bad_names(self) -> list[str]:
         """Names of the parameters whose gradients are not finite. Syncs: bad steps only."""
@@ -60,11 +71,32 @@ def _norms(grads: list[Tensor]) -> list[Tensor]:
 
 
 def grad_stats(
-    named_params: list[tuple[str, nn.Parameter]], device: torch.device, sharded: bool = True
+    named_params: list[tuple[str, nn.Parameter]],
+    device: torch.device,
+    sharded: bool = True,
+    mixed: bool = False,
 ) -> GradStats:
     """One fused pass over the local gradients, grouped by device; results land on ``device``.
 
-    ``sharded=False`` skips the DTensor lookup per parameter (plain gradients)."""
+    ``sharded=False`` skips the DTensor lookup per parameter (plain gradients). ``mixed``: the
+    last call's ``GradStats.mixed``; when False the fused pass is tried first and the mixed
+    pass runs only if it refuses a gradient, so dense models pay nothing for it."""
+    names, grads = _local_grads(named_params, sharded)
+    if not grads:
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return GradStats(names, None, zero, [])
+    if not mixed:
+        try:
+            return _stats(names, grads, _norms_on(grads, device))
+        except RuntimeError:  # NotImplementedError too: a sparse gradient, a float64 one
+            if all(_fused_takes(grad) for grad in grads):
+                raise
+    return _mixed_stats(names, grads, device)
+
+
+def _local_grads(
+    named_params: list[tuple[str, nn.Parameter]], sharded: bool
+) -> tuple[list[str], list[Tensor]]:
     names: list[str] = []
     grads: list[Tensor] = []
     for name, param in named_params:
@@ -72,12 +104,15 @@ def grad_stats(
         if grad is not None:
             names.append(name)
             grads.append(grad)
-    if not grads:
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        return GradStats(names, None, zero, [])
-    stacked = torch.stack(_norms_on(grads, device))
+    return names, grads
+
+
+def _stats(
+    names: list[str], grads: list[Tensor], norms: list[Tensor], mixed: bool = False
+) -> GradStats:
+    stacked = torch.stack(norms)
     norm = torch.linalg.vector_norm(stacked, dtype=torch.float64)  # NaN/Inf propagate
-    return GradStats(names, stacked, norm, grads)
+    return GradStats(names, stacked, norm, grads, mixed)
 
 
 def _norms_on(grads: list[Tensor], device: torch.device) -> list[Tensor]:
@@ -91,6 +126,67 @@ def _norms_on(grads: list[Tensor], device: torch.device) -> list[Tensor]:
     norms: list[Tensor] = [torch.empty(0)] * len(grads)
     for indices in by_device.values():
         for i, norm in zip(indices, _norms([grads[i] for i in indices]), strict=True):
+            norms[i] = norm.to(device, non_blocking=True)
+    return norms
+
+
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""What the fused pass accumulates in float32 (``dtype=`` refuses to narrow float64/complex)."""
+
+
+_SPARSE_LAYOUTS = (
+    torch.sparse_coo,
+    torch.sparse_csr,
+    torch.sparse_csc,
+    torch.sparse_bsr,
+    torch.sparse_bsc,
+)
+
+
+def is_sparse(tensor: Tensor) -> bool:
+    """A sparse layout: COO (``nn.Embedding(sparse=True)``), CSR, CSC, BSR or BSC."""
+    return tensor.layout in _SPARSE_LAYOUTS
+
+
+def stored_values(tensor: Tensor) -> Tensor:
+    """A strided tensor holding what ``tensor`` stores: itself when strided; a sparse tensor's
+    specified values (a COO tensor coalesced first: duplicate indices summed, as in its dense
+    form), so their norm and their largest ``|x|`` are those of the dense tensor."""
+    if tensor.layout == torch.strided:
+        return tensor
+    if tensor.layout == torch.sparse_coo:
+        return tensor.coalesce().values()
+    if is_sparse(tensor):
+        return tensor.values()
+    return tensor.to_dense()
+
+
+def _fused_takes(grad: Tensor) -> bool:
+    return grad.layout == torch.strided and grad.dtype in _FUSED_DTYPES
+
+
+def _mixed_stats(names: list[str], grads: list[Tensor], device: torch.device) -> GradStats:
+    """The mixed pass: strided gradients first, then the sparse ones (normed by their stored
+    values); one fused pass per device and dtype."""
+    order = sorted(range(len(grads)), key=lambda i: is_sparse(grads[i]))  # stable
+    names = [names[i] for i in order]
+    grads = [grads[i] for i in order]
+    return _stats(names, grads, _mixed_norms_on([stored_values(g) for g in grads], device), True)
+
+
+def _mixed_norms_on(tensors: list[Tensor], device: torch.device) -> list[Tensor]:
+    """float32 norms of strided tensors of any floating or complex dtype, on ``device``."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        groups.setdefault((tensor.device, tensor.dtype), []).append(i)
+    norms: list[Tensor] = [torch.empty(0)] * len(tensors)
+    for (_, dtype), indices in groups.items():
+        group = [tensors[i] for i in indices]
+        if dtype in _FUSED_DTYPES:
+            found = _norms(group)
+        else:  # float64 and complex at their own precision, then float32 like the others
+            found = [n.float() for n in torch._foreach_norm(group, 2.0)]
+        for i, norm in zip(indices, found, strict=True):
             norms[i] = norm.to(device, non_blocking=True)
     return norms
 
@@ -127,11 +223,7 @@ def clip_(grads: list[Tensor], total_norm: float, max_norm: float) -> float:
     coef = max_norm / (total_norm + 1e-6)
     if coef >= 1.0 or not grads:
         return 1.0
-    by_device: dict[torch.device, list[Tensor]] = {}
-    for grad in grads:
-        by_device.setdefault(grad.device, []).append(grad)
-    for group in by_device.values():
-        torch._foreach_mul_(group, coef)
+    _scale_(grads, coef)
     return coef
 
 
@@ -141,11 +233,27 @@ def clip_on_device_(grads: list[Tensor], total_norm: Tensor, max_norm: float) ->
     A non-finite norm makes the factor non-finite too; that step is skipped by ``found_inf``.
     """
     coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0).float()
+    _scale_(grads, coef)
+
+
+def _scale_(grads: list[Tensor], coef: float | Tensor) -> None:
+    """Multiply in place: the strided gradients in one fused call per device, the sparse ones
+    (last after the mixed pass) one by one, so they keep the dense ones on the fused kernel.
+    Any order is correct; a sparse gradient elsewhere only slows its device's call."""
+    strided = len(grads)
+    while strided and is_sparse(grads[strided - 1]):
+        strided -= 1
     by_device: dict[torch.device, list[Tensor]] = {}
-    for grad in grads:
+    for grad in grads[:strided]:
         by_device.setdefault(grad.device, []).append(grad)
     for device, group in by_device.items():
-        torch._foreach_mul_(group, coef.to(device, non_blocking=True))
+        torch._foreach_mul_(group, _on(coef, device))
+    for grad in grads[strided:]:
+        grad.mul_(_on(coef, grad.device))
+
+
+def _on(coef: float | Tensor, device: torch.device) -> float | Tensor:
+    return coef.to(device, non_blocking=True) if isinstance(coef, Tensor) else coef
 
 
 def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
