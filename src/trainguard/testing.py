@@ -17,7 +17,7 @@ Plan faults up front and apply them in the loop::
 A loss fault multiplies the loss by NaN (or Inf), so backward spreads it into the gradients as
 a real bad batch would (``spread=False`` adds it instead: only the loss is non-finite). A grad
 fault writes the value into one element of one parameter's gradient after backward (after
-DDP's all-reduce), so only that rank sees it.
+DDP's all-reduce), so only that rank sees it; into a sparse gradient's stored values.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from trainguard.errors import ConfigError
-from trainguard.step.detect import local_grad, named_parameters
+from trainguard.step.detect import is_sparse, local_grad, named_parameters
 
 
 def _rank() -> int:
@@ -55,11 +55,20 @@ def poison_grad(model: nn.Module, param: str | None = None, value: float = float
     for name, p in named_parameters(model):
         if (param is None or name == param) and p.grad is not None:
             grad = local_grad(p)
-            if grad is not None and grad.numel() > 0:
+            values = _flat_values(grad) if grad is not None else None
+            if values is not None and values.numel() > 0:
                 with torch.no_grad():
-                    grad.view(-1)[0] = value
+                    values[0] = value
             return name
     raise ConfigError("param", f"no parameter named {param!r} with a gradient in the model")
+
+
+def _flat_values(grad: Tensor) -> Tensor:
+    """The gradient's stored values as a flat view (writes reach the gradient): a sparse
+    gradient's specified values (uncoalesced ones too: a NaN there is NaN once summed)."""
+    if grad.layout == torch.sparse_coo:
+        return grad._values().view(-1)
+    return grad.values().view(-1) if is_sparse(grad) else grad.view(-1)
 
 
 @dataclass(frozen=True)
