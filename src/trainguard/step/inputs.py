@@ -24,17 +24,21 @@ from torch import Tensor
 from trainguard.capture import batchtree
 from trainguard.events import EventLog
 from trainguard.step.consensus import Agreement
+from trainguard.step.detect import is_sparse, stored_values
 
 logger = logging.getLogger(__name__)
 
 
 def float_tensors(batches: Sequence[Any]) -> list[Tensor]:
-    """The non-empty floating-point tensors of the batches (detached; no copies)."""
+    """The non-empty floating-point tensors of the batches (detached; no copies); a sparse
+    tensor by its stored values (``detect.stored_values``: a COO tensor coalesced)."""
     found: list[Tensor] = []
     for batch in batches:
         for tensor in batchtree.tensors(batch):
             if tensor.is_floating_point() and tensor.numel() > 0:
-                found.append(tensor.detach())
+                values = stored_values(tensor.detach())
+                if values.numel() > 0:
+                    found.append(values)
     return found
 
 
@@ -79,14 +83,27 @@ def bad_tensors(batches: Sequence[Any]) -> list[dict[str, Any]]:
         for path, leaf in batchtree.leaves(batch):
             if not isinstance(leaf, Tensor) or not leaf.is_floating_point():
                 continue
-            if bool(torch.isfinite(leaf.detach()).all()):
+            if bool(torch.isfinite(stored_values(leaf.detach())).all()):
                 continue
-            rows = batchtree.nonfinite_samples(leaf, size) if size is not None else []
+            rows = _nonfinite_rows(leaf, size) if size is not None else []
             entry: dict[str, Any] = {"micro_batch": micro, "path": path, "positions": rows}
             if indices is not None and rows and max(rows) < len(indices):
                 entry["dataset_indices"] = [indices[i] for i in rows]
             found.append(entry)
     return found
+
+
+def _nonfinite_rows(leaf: Tensor, size: int) -> list[int]:
+    """Sample positions of a tensor's non-finite values; of a sparse tensor from its indices
+    (never densified: a sparse feature matrix can be far larger dense)."""
+    if not is_sparse(leaf):
+        return batchtree.nonfinite_samples(leaf, size)
+    if leaf.dim() < 1 or leaf.shape[0] != size:
+        return []
+    coo = (leaf if leaf.layout == torch.sparse_coo else leaf.to_sparse()).detach().coalesce()
+    values = coo.values()
+    bad = ~torch.isfinite(values.reshape(values.shape[0], -1)).all(dim=1)
+    return sorted(set(coo.indices()[0][bad].tolist()))
 
 
 class InputCheck:
