@@ -55,9 +55,17 @@ def root_dict(origin: Origin) -> dict[str, Any]:
     }
 
 
+DELIBERATE = ("constant", "untracked")
+"""Origins that are no cause of their own (a mask's -inf): listed only when nothing else is."""
+
+
 def roots_of(hop: Hop | None, primary: Origin | None) -> list[dict[str, Any]]:
-    """Every independent root of ``hop``'s value, the primary one first."""
+    """Every independent root of ``hop``'s value, the primary one first (deliberate values
+    such as a mask's -inf only when no real root reached it)."""
     roots = list(hop.roots) if hop is not None else []
+    causes = [r for r in roots if r.kind not in DELIBERATE]
+    if causes:
+        roots = causes
     if primary is not None and all(r is not primary for r in roots):
         roots.insert(0, primary)
     roots.sort(key=lambda r: r is not primary)

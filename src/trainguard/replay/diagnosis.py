@@ -31,6 +31,8 @@ class Finding:
     parameter_origins: list[Origin] = field(default_factory=list)
     hop: Hop | None = None
     """The non-finite value that made the step bad (its chain leads back to the root)."""
+    batch_size: int | None = None
+    """The traced micro-batch's size (None: unknown, e.g. a live trace)."""
 
     @property
     def op(self) -> str | None:
@@ -59,6 +61,17 @@ class Finding:
     def source(self) -> str | None:
         return self.origin.site.source if self.origin and self.origin.site else None
 
+    @property
+    def masked_sample(self) -> int | None:
+        """The sample of a fully masked row: its leading index, when the reduction's input
+        is batch-first (its leading size is the batch size) or the batch size is unknown."""
+        row = self.origin.masked_row if self.origin is not None else None
+        if row is None or row.sample is None:
+            return None
+        if self.batch_size is not None and row.shape[0] != self.batch_size:
+            return None
+        return row.sample
+
 
 def locate(runner: StepRunner, micro: int) -> Finding:
     """Re-run micro-batch ``micro`` under the tracer and name the origin of the bad values."""
@@ -69,7 +82,9 @@ def locate(runner: StepRunner, micro: int) -> Finding:
     params = seed_parameters(tracer, runner.model)
     with modules, tracer:
         result = runner.run(micro=micro, tracer=tracer, keep_loss=True)
-    return finding_of(result, tracer, inputs, params, [p for _, p in runner.params])
+    finding = finding_of(result, tracer, inputs, params, [p for _, p in runner.params])
+    finding.batch_size = batchtree.batch_size(batch)
+    return finding
 
 
 def finding_of(
@@ -203,6 +218,13 @@ def summarize(
         action = f"brought a non-finite constant ({made})"
         return f"{site.op} in {_where(site)} ({_file_line(site.source)}) {action}{detail}; {who}."
     then = _nan_text(finding.nan_maker)
+    if origin.masked_row is not None:
+        sample = finding.masked_sample
+        of = f" (sample {sample})" if sample is not None else ""
+        return (
+            f"{site.op} in {_where(site)} ({_file_line(site.source)}) reduced a row that a "
+            f"mask covered entirely{of} to {made}{detail}{then}; {who}."
+        )
     if phase == "backward":
         forward = site.forward
         of = f"{forward.op} in {_where(site)} ({_file_line(forward.source)})" if forward else "?"

@@ -4,11 +4,14 @@
 the loss and of the backward pass, below autograd. After each op it checks the floating-point
 outputs. An op is a *root* when it makes a non-finite value from finite inputs (the op that
 first overflowed or divided by zero). An op that turns a root's ±inf into NaN (``0 * -inf``
-after ``log(0)``) is that root's *NaN-maker*, not a root of its own; but an op that makes NaN
-from a deliberate constant -inf (``softmax`` of a row filled by ``masked_fill(mask, -inf)``)
-is a root. Every non-finite output is tagged with a :class:`Hop` (its op, shape, dtype, the
-value it came from), so the roots and the path of the *loss* are known even when earlier,
-harmless non-finite values were masked.
+after ``log(0)``) is that root's *NaN-maker*, not a root of its own. A mask value written
+on purpose (``masked_fill(mask, -inf)``, ``where(mask, x, -1e9)``, ``full(..., finfo.min)``)
+is no root, nor is the overflow of such a value (``finfo.min + finfo.min``): they are
+``constant`` origins (masks.py). The root is the reduction (softmax, logsumexp, max, sum...)
+over a row that the mask covers entirely, with that row (:class:`masks.MaskedRow`); another
+op that makes NaN from deliberate values only is a root too. Every non-finite output is
+tagged with a :class:`Hop` (its op, shape, dtype, the value it came from), so the roots and
+the path of the *loss* are known even when earlier, harmless non-finite values were masked.
 
 Where an op ran comes from ``sites`` (module stack, user's line). Backward ops are traced to
 the forward op they came from: while the forward runs, every op's output is mapped (through
@@ -33,6 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from trainguard.replay import masks
+from trainguard.replay.masks import MaskedRow
 from trainguard.replay.sites import ModuleStack, OpSite, user_frame
 
 logger = logging.getLogger(__name__)
@@ -54,6 +59,8 @@ class Origin:
     """E.g. ``aten.div(0.0, 0.0) = nan at [3] (1 of 4 elements)``."""
     inputs_finite: bool = True
     """Every input of the op was finite (False: it held ±inf but no NaN)."""
+    masked_row: MaskedRow | None = None
+    """A reduction over a row that a mask covered entirely: that row."""
 
 
 def _float_tensors(tree: Any) -> list[Tensor]:
@@ -157,6 +164,10 @@ _NOT_ROOTS = ("constant", "untracked")
 """Roots that are no cause of their own: ``masked_fill(mask, -inf)`` is deliberate."""
 
 
+def _inputs_of(operands: Any) -> list[Tensor]:
+    return _float_tensors(operands)
+
+
 class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Records the origins of non-finite values while a step runs (see the module docstring).
 
@@ -180,6 +191,8 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._phase = "forward"
         self._max = max_origins
         self._taint: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self._masks: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        """Finite tensors that hold huge mask values (``finfo.min``), to the write's site."""
         self._pending: list[tuple[weakref.ref[Tensor], OpSite]] = []
         self._node_sites: dict[int, OpSite] = {}
         self.errors = 0
@@ -295,10 +308,39 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if not bad:
             for t in outs:  # an in-place op may have made a tainted tensor finite again
                 self._taint.pop(t, None)  # type: ignore[no-untyped-call]
+            self._mark_masks(func, (args, kwargs), outs, site)
             return
         hop = self._hop(func, (args, kwargs), bad, before, site)
         for t in bad:
             self._taint[t] = hop
+
+    def _mark_masks(
+        self, func: Any, operands: Any, outs: list[Tensor], site: OpSite | None
+    ) -> None:
+        """Remember finite outputs that hold mask values: written by a mask op with a huge
+        constant, or computed from such a tensor and still holding huge values."""
+        if masks.writes_masks(func) and masks.mask_constant(func, tree_flatten(operands)[0]):
+            for t in outs:
+                self._masks[t] = site or self._site(func)
+            return
+        if not len(self._masks):
+            return
+        source = next((self._masks[t] for t in _inputs_of(operands) if t in self._masks), None)
+        for t in outs:
+            if source is not None and masks.holds_huge(t):
+                self._masks[t] = source
+            else:
+                self._masks.pop(t, None)  # type: ignore[no-untyped-call]
+
+    def _deliberate(self, func: Any, operands: Any, flat: list[Any], bad: list[Tensor]) -> bool:
+        """The op's non-finite outputs are mask values: a mask op's infinite or huge
+        constant, or an overflow of huge mask values (``finfo.min + finfo.min``)."""
+        if masks.mask_constant(func, flat) is not None:
+            return True
+        if not len(self._masks):
+            return False
+        marked = [t for t in _inputs_of(operands) if t in self._masks]
+        return masks.explained_by_masks(bad, marked)
 
     def _hop(
         self,
@@ -313,8 +355,15 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         nan_in, nonfinite_in, parents, carrier = self._inputs(operands, before, out_nan)
         flat, _ = tree_flatten(operands)
         constant = any(isinstance(a, float) and not math.isfinite(a) for a in flat)
+        if not nonfinite_in and not constant:
+            constant = self._deliberate(func, operands, flat, bad)
         makes_nan = out_nan and not nan_in and not constant
         causes = [r for r in _union(parents) if r.kind not in _NOT_ROOTS]
+        if nonfinite_in and not causes:
+            args, kwargs = operands
+            row = masks.fully_masked_row(func, args, kwargs)
+            if row is not None:
+                return self._masked_row_root(func, flat, bad, row, site, carrier)
         if carrier is not None and (not makes_nan or causes):
             site = site or self._site(func)
             index, value, count = first_nonfinite(bad[0], nan_first=out_nan)
@@ -338,6 +387,34 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
             site=site,
             detail=self._detail(func, flat, bad[0], index, value, count),
             inputs_finite=not nonfinite_in,
+        )
+        if len(self.origins) < self._max:
+            self.origins.append(origin)
+        hop = _hop_for(origin, bad[0], site)
+        self.root_hops[id(origin)] = hop
+        return hop
+
+    def _masked_row_root(
+        self,
+        func: Any,
+        flat: list[Any],
+        bad: list[Tensor],
+        row: MaskedRow,
+        site: OpSite | None,
+        carrier: Hop | None,
+    ) -> Hop:
+        """A reduction over a fully masked row: the root (with the row), not the mask."""
+        site = site or self._site(func)
+        out_nan = any(_has_nan(t) for t in bad)
+        index, value, count = first_nonfinite(bad[0], nan_first=out_nan)
+        made = self._detail(func, flat, bad[0], index, value, count)
+        mask_site = carrier.origin.site if carrier is not None else None
+        written = f", written by {mask_site.op}" if mask_site is not None else ""
+        if mask_site is not None and mask_site.source:
+            written += f" ({mask_site.source})"
+        detail = f"{made}: {row.text()}{written}"
+        origin = Origin(
+            "op", _value_name(value), site, detail=detail, inputs_finite=False, masked_row=row
         )
         if len(self.origins) < self._max:
             self.origins.append(origin)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from trainguard.replay.localize import (
@@ -47,15 +48,30 @@ def seed_inputs(
 
 
 def seed_parameters(tracer: NonFiniteTracer, model: nn.Module) -> list[Origin]:
-    """Tag non-finite weights and buffers as ``parameter`` origins; returns them."""
+    """Tag non-finite weights and buffers as ``parameter`` origins; returns them. A buffer
+    whose non-finite values are all -inf is a mask (a causal mask kept as a buffer): it is
+    tagged as a deliberate ``constant`` origin instead, and not returned."""
     found: list[Origin] = []
-    named = list(model.named_parameters()) + list(model.named_buffers())
+    buffers = list(model.named_buffers())
+    named = list(model.named_parameters()) + buffers
     for name, tensor in named:
         if not (tensor.is_floating_point() or tensor.is_complex()) or _finite(tensor):
             continue
         _, value, count = first_nonfinite(tensor)
+        if any(tensor is b for _, b in buffers) and _is_mask(tensor):
+            detail = f"buffer {name} holds {_plural(count, '-inf value')} (a mask)"
+            tracer.seed(tensor, Origin("constant", "-inf", label=name, detail=detail))
+            continue
         detail = f"{name} holds {_plural(count, 'non-finite value')} before the step"
         origin = Origin("parameter", _value_name(value), label=name, detail=detail)
         tracer.seed(tensor, origin)
         found.append(origin)
     return found
+
+
+def _is_mask(tensor: Tensor) -> bool:
+    """Every non-finite value is -inf (no NaN, no +inf)."""
+    if tensor.is_complex():
+        return False
+    data = tensor.detach()
+    return bool(((data == float("-inf")) | torch.isfinite(data)).all())
