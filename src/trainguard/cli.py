@@ -69,7 +69,8 @@ def _add_capture_commands(commands: Any) -> None:
         "replay",
         help="re-run a captured step and diagnose it (exit 1 when it reproduces)",
         description="Re-run a captured step: phase, op, module, line, culprit samples. Exit 0: "
-        "the step did not reproduce; 1: it did (a finding); 2: bad input.",
+        "the step did not reproduce; 1: it did, or the ranks' replicated weights differ (a "
+        "finding); 2: bad input.",
     )
     replay.add_argument("bundle", type=Path, help="a captures/step-NNNNNNNN folder")
     replay.add_argument(
@@ -78,9 +79,21 @@ def _add_capture_commands(commands: Any) -> None:
         metavar="MODULE:FUNC",
         help="a function with no arguments returning (model, loss_fn) or trainguard.ReplaySpec",
     )
-    replay.add_argument("--rank", type=int, default=None, help="whose batch (default: a bad rank)")
+    replay.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="whose part (default: the rank where the non-finite values arose)",
+    )
     replay.add_argument("--repeats", type=int, default=3, help="runs for the determinism check")
     replay.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    replay.add_argument(
+        "--autocast",
+        choices=("off", "float16", "bfloat16"),
+        default=None,
+        help="run forward and loss under this autocast dtype, or off (float32) (default: the "
+        "autocast state the bundle recorded)",
+    )
     replay.add_argument("--json", action="store_true", help="print one JSON object")
     replay.set_defaults(handler=_replay)
     demo = commands.add_parser(
@@ -115,14 +128,20 @@ def _replay(args: argparse.Namespace) -> int:
 
     with contextlib.redirect_stdout(sys.stderr):  # the user's prints must not mix with ours
         report = replay(
-            args.bundle, args.factory, rank=args.rank, repeats=args.repeats, device=args.device
+            args.bundle,
+            args.factory,
+            rank=args.rank,
+            repeats=args.repeats,
+            device=args.device,
+            autocast=args.autocast,
         ).to_dict()
     save_replay_result(args.bundle, report)  # for `trainguard report`
     if args.json:
         _print_json(report)
     else:
         print(replay_text(report))
-    return EXIT_FINDING if report["reproduced"] else EXIT_OK
+    finding = report["reproduced"] or report["verdict"] == "replica_mismatch"
+    return EXIT_FINDING if finding else EXIT_OK
 
 
 def _demo(args: argparse.Namespace) -> int:

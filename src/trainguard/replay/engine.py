@@ -2,7 +2,9 @@
 
 From the runs of a step to a :class:`ReplayReport`: is it reproduced and deterministic, the
 traced finding (phase, root op, NaN-maker, path, roots), the culprit samples by bisection,
-the verdict with its advice, and one summary sentence.
+the verdict with its advice, and one summary sentence. A step replayed under float16 or
+bfloat16 autocast is run once more in float32: reproduced under autocast only, it is an
+overflow of that dtype.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.capture import batchtree
+from trainguard.replay.autocast import OFF
 from trainguard.replay.bisect import find_culprits
 from trainguard.replay.chain import path_of, roots_of
 from trainguard.replay.diagnosis import Finding, locate, not_reproduced_summary, summarize
@@ -61,23 +64,39 @@ def diagnose_runs(
         return report
     micro = bad[0].first_bad_micro or 0
     finding = locate(runner, micro)
+    float32 = float32_reproduces(runner)
+    only_half = runner.autocast.half if float32 is False else None
     grew = growth(history)
     whole_step = grew is not None or bool(finding.parameter_origins)  # no sample is the cause
     culprits = _culprits(runner, finding) if bisect and not whole_step else Culprits(searched=False)
-    report = report_of(finding, culprits, deterministic, grew)
+    report = report_of(finding, culprits, deterministic, grew, only_half)
     if len(bad) < len(runs):
         report.summary += f" (Non-finite in {len(bad)} of {len(runs)} replays: nondeterministic.)"
-    report.details.update(replayed, bisection_runs=culprits.runs)
+    report.details.update(replayed, bisection_runs=culprits.runs, float32_reproduced=float32)
     return report
 
 
+def float32_reproduces(runner: StepRunner) -> bool | None:
+    """Under float16 / bfloat16 autocast: is the step non-finite in float32 too (one more
+    run without autocast)? None when the runner uses no such autocast."""
+    if runner.autocast.half is None:
+        return None
+    with runner.autocast_as(OFF):
+        return runner.run().bad
+
+
 def report_of(
-    finding: Finding, culprits: Culprits, deterministic: bool, grew: Growth | None
+    finding: Finding,
+    culprits: Culprits,
+    deterministic: bool,
+    grew: Growth | None,
+    only_half: str | None = None,
 ) -> ReplayReport:
-    """The report of a reproduced, traced step."""
+    """The report of a reproduced, traced step (``only_half``: the autocast dtype the step
+    is non-finite under while finite in float32)."""
     batch_level = culprits.batch_level and not culprits.samples
-    verdict = classify(finding, batch_level, grew, culprits.batch_size)
-    lead = verdict_sentence(verdict, finding, grew)
+    verdict = classify(finding, batch_level, grew, culprits.batch_size, only_half)
+    lead = verdict_sentence(verdict, finding, grew, only_half)
     every = batch_level and verdict != "batch_statistics"
     complete = culprits.complete if culprits.searched else None
     summary = summarize(finding, culprits.samples, batch_level, complete, every)
@@ -128,7 +147,15 @@ def finding_details(finding: Finding | None) -> dict[str, Any]:
         "nan_op_source": maker.site.source if maker and maker.site else None,
         "batch_nonfinite": [o.detail for o in finding.input_origins] if finding else [],
         "weights_nonfinite": [o.label for o in finding.parameter_origins] if finding else [],
+        "masked_row": _masked_row(finding),
     }
+
+
+def _masked_row(finding: Finding | None) -> dict[str, Any] | None:
+    row = finding.origin.masked_row if finding is not None and finding.origin else None
+    if finding is None or row is None:
+        return None
+    return {**row.to_dict(), "sample": finding.masked_sample}
 
 
 def _culprits(runner: StepRunner, finding: Finding) -> Culprits:

@@ -144,6 +144,7 @@ def replay_text(report: dict[str, Any]) -> str:
         head = f"diagnose  a live step (on {report.get('device')})"
     lines = [
         head,
+        *_setup_lines(report),
         f"reproduced     {yes(report['reproduced'])} ({runs})",
         f"deterministic  {yes(report['deterministic'])}",
         f"phase          {report['phase'] or '-'}",
@@ -168,6 +169,55 @@ def replay_text(report: dict[str, Any]) -> str:
     if report.get("advice"):
         lines += ["", f"advice: {report['advice']}"]
     return "\n".join(lines)
+
+
+def _setup_lines(report: dict[str, Any]) -> list[str]:
+    """How the bundle was replayed: the autocast, the ranks, the replicas."""
+    lines = []
+    autocast = report.get("autocast")
+    if autocast:
+        lines.append(f"autocast       {autocast['text']}")
+        if report.get("float32_reproduced") is not None:
+            again = "non-finite too" if report["float32_reproduced"] else "finite"
+            lines.append(f"               in float32 (autocast off) the step is {again}")
+    ranks = _ranks_text(report)
+    if ranks:
+        lines.append(f"ranks          {ranks}")
+    for replay in report.get("rank_replays") or []:
+        state = "non-finite" if replay["reproduced"] else "finite"
+        lines.append(
+            f"  rank {replay['rank']}: own replay {state} (loss {_losses(replay['losses'])}, "
+            f"grad norm {_num(replay['grad_norm'])}) -> {replay['role']}"
+        )
+    replicas = report.get("replicas") or {}
+    if replicas.get("checked"):
+        mismatches = replicas.get("mismatches") or []
+        if mismatches:
+            names = ", ".join(m["name"] for m in mismatches[:3])
+            more = f" and {len(mismatches) - 3} more" if len(mismatches) > 3 else ""
+            lines.append(
+                f"replicas       DIFFER: {names}{more} (ranks "
+                f"{', '.join(map(str, replicas['disagreeing_ranks']))})"
+            )
+        else:
+            lines.append(f"replicas       identical across ranks {replicas['ranks']}")
+    return lines
+
+
+def _ranks_text(report: dict[str, Any]) -> str:
+    origin, received = report.get("origin_ranks"), report.get("received_ranks")
+    if (report.get("world_size") or 1) < 2 or (not origin and not received):
+        return ""
+    if report.get("rank_replays"):
+        how = "by replaying the ranks"
+    else:
+        how = f"by the recorded {'losses' if report.get('trigger') == 'loss' else 'gradients'}"
+    parts = [f"made on {origin or 'none'}"]
+    if received:
+        parts.append(f"received through the all-reduce on {received}")
+    if report.get("received_from"):
+        parts.append(f"rank {report.get('rank')} received it from {report['received_from']}")
+    return "; ".join(parts) + f" ({how})"
 
 
 def _path_lines(path: list[dict[str, Any]], roots: list[dict[str, Any]]) -> list[str]:

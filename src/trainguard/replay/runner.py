@@ -4,13 +4,18 @@
 weights (FSDP2 shards are gathered into the unsharded model in this one process), restores
 the RNG states, and re-runs forward, loss and backward on the captured micro-batches:
 
+0. which rank to replay (origin.py): the rank that made the non-finite values, not one
+   that received them through the gradient all-reduce; and the autocast state the step's
+   forward ran under (autocast.py);
 1. ``repeats`` runs: is the step non-finite again (``reproduced``), and are the runs bitwise
    equal (``deterministic``)?
 2. one run under the tracer (localize.py): the ``phase``, the first ``op`` that made a
    non-finite value from finite inputs, its ``module`` and ``source`` line (backward ops
-   are traced to the forward op they differentiate);
+   are traced to the forward op they differentiate); under float16/bfloat16 autocast one
+   more run in float32;
 3. bisection over the samples (bisect.py): the ``culprit_samples``;
-4. a ``verdict`` and a one-sentence ``summary`` (diagnosis.py).
+4. a ``verdict`` and a one-sentence ``summary`` (diagnosis.py), and whether the ranks'
+   replicated weights agree (replicas.py).
 
 The factory takes no arguments and returns ``(model, loss_fn)`` or a :class:`ReplaySpec`;
 ``loss_fn(model, batch)`` returns the scalar loss of one (micro-)batch.
@@ -37,9 +42,13 @@ from torch import Tensor, nn
 from trainguard.capture.bundle import Bundle, load_bundle
 from trainguard.capture.rng import rng_state, set_rng_state
 from trainguard.errors import BundleError, ReplayError
+from trainguard.replay import autocast as precision
+from trainguard.replay import origin
 from trainguard.replay.engine import diagnose_runs
+from trainguard.replay.replicas import ReplicaCheck, check_replicas
 from trainguard.replay.report import KEYS, ReplayReport
-from trainguard.replay.stepper import StepRunner
+from trainguard.replay.stepper import RunResult, StepRunner
+from trainguard.replay.verdicts import ADVICE, RECEIVED_ADVICE
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +127,9 @@ def _import_module(name: str, spec: str) -> Any:
             path = Path(name)
             if not path.is_file():
                 raise ReplayError(f"--factory {spec}: no such file {name}")
+            folder = str(path.resolve().parent)
+            if folder not in sys.path:  # like `python file.py`: its sibling modules import
+                sys.path.insert(0, folder)
             loaded = importlib.util.spec_from_file_location(path.stem, path)
             if loaded is None or loaded.loader is None:
                 raise ReplayError(f"--factory {spec}: cannot load {name}")
@@ -238,12 +250,34 @@ def _device(name: str) -> torch.device:
     return device
 
 
-def _rank(bundle: Bundle, rank: int | None) -> int:
-    if rank is None:
-        return next((r for r in bundle.ranks if r in bundle.saved_ranks), bundle.saved_ranks[0])
-    if rank not in bundle.saved_ranks:
-        raise ReplayError(f"--rank {rank}: the bundle holds ranks {bundle.saved_ranks}")
-    return rank
+@dataclass
+class _Rank:
+    """One rank's part of the bundle, ready to run."""
+
+    runner: StepRunner
+    meta: dict[str, Any]
+    autocast: precision.Autocast
+
+
+def _prepare(
+    bundle: Bundle, spec: ReplaySpec, rank: int, device: torch.device, autocast: str | None
+) -> _Rank:
+    """Load rank ``rank``'s weights, mode, RNG and batches into a runner on ``device``."""
+    meta = bundle.meta(rank)
+    if not meta.get("batch_stored", True):
+        raise ReplayError(
+            f"{bundle.path}: rank {rank} stored no batch (the loop did not iterate "
+            "guard.watch(loader)); nothing to replay"
+        )
+    model = spec.model
+    load_weights(model, bundle, rank)
+    model.to(device)
+    model.train(bool(meta.get("model_training", True)))
+    rng = bundle.rng(rank)
+    _check_rng(rng, bundle, rank)
+    state = precision.resolve(meta.get("autocast"), autocast, device)
+    runner = StepRunner(model, spec.loss_fn, bundle.batches(rank), rng, device, state)
+    return _Rank(runner, meta, state)
 
 
 def replay(
@@ -254,36 +288,36 @@ def replay(
     repeats: int = 3,
     device: str = "cpu",
     bisect: bool = True,
+    autocast: str | None = None,
 ) -> ReplayReport:
     """Replay a bundle's step on ``device`` and diagnose it (see the module docstring).
 
-    ``rank``: whose batch to replay (default: the first rank where the step went bad).
-    Raises BundleError for a bad bundle, ReplayError when the factory or weights do not fit.
+    ``rank``: whose part to replay (default: the rank where the non-finite values arose,
+    see origin.py). ``autocast``: ``"off"``, ``"float16"`` or ``"bfloat16"`` instead of the
+    autocast state the bundle recorded. Raises BundleError for a bad bundle, ReplayError
+    when the factory or weights do not fit.
     """
     start = time.monotonic()
     if repeats < 1:
         raise ReplayError(f"--repeats {repeats}: use 1 or more")
+    precision.check_option(autocast)
     opened = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
-    who = _rank(opened, rank)
-    meta = opened.meta(who)
-    if not meta.get("batch_stored", True):
-        raise ReplayError(
-            f"{opened.path}: rank {who} stored no batch (the loop did not iterate "
-            "guard.watch(loader)); nothing to replay"
-        )
     target = _device(device)
     spec = resolve_factory(factory)
-    model = spec.model
-    load_weights(model, opened, who)
-    model.to(target)
-    model.train(bool(meta.get("model_training", True)))
-    rng = opened.rng(who)
-    _check_rng(rng, opened, who)
-    runner = StepRunner(model, spec.loss_fn, opened.batches(who), rng, target)
-    runs = [runner.run(strict=True) for _ in range(repeats)]
-    report = diagnose_runs(runner, runs, meta, str(target), bisect, opened.history)
+
+    def run_rank(r: int) -> RunResult:
+        return _prepare(opened, spec, r, target, autocast).runner.run(strict=True)
+
+    found = origin.find_origin(opened, rank, run_rank)
+    who = found.rank
+    part = _prepare(opened, spec, who, target, autocast)
+    runs = [part.runner.run(strict=True) for _ in range(repeats)]
+    report = diagnose_runs(part.runner, runs, part.meta, str(target), bisect, opened.history)
+    _explain_origin(report, found, opened, run_rank)
     if not report.reproduced:
-        report.summary += recurrence_note(opened, who)
+        report.summary += precision.not_reproduced_note(part.autocast)
+    replicas = check_replicas(opened, [name for name, _ in spec.model.named_parameters()])
+    _apply_replicas(report, replicas, who)
     report.details.update(
         bundle=str(opened.path),
         step=opened.step,
@@ -292,15 +326,58 @@ def replay(
         trigger=opened.trigger,
         device=str(target),
         repeats=repeats,
+        autocast=part.autocast.to_dict(),
+        **found.to_details(),
+        replicas=replicas.to_dict(),
         recorded={
-            "loss": meta.get("loss"),
-            "micro_losses": meta.get("micro_losses"),
-            "grad_norm": meta.get("grad_norm"),
-            "nonfinite_params": meta.get("nonfinite_params"),
+            "loss": part.meta.get("loss"),
+            "micro_losses": part.meta.get("micro_losses"),
+            "grad_norm": part.meta.get("grad_norm"),
+            "nonfinite_params": part.meta.get("nonfinite_params"),
         },
         seconds=round(time.monotonic() - start, 3),
     )
     return report
+
+
+def _explain_origin(
+    report: ReplayReport, found: origin.RankOrigin, bundle: Bundle, run_rank: origin.RankRun
+) -> None:
+    """Say which rank made the non-finite values; a rank that only received them is not
+    "not reproduced, suspect its device"."""
+    if report.reproduced:
+        sentence = origin.origin_sentence(found)
+        report.summary += f" {sentence}" if sentence else ""
+        return
+    if (
+        bundle.world_size > 1
+        and found.method == "option"
+        and origin.explain_received(found, bundle, run_rank)
+    ):
+        losses = report.details.get("replayed", {}).get("losses") or []
+        report.summary = origin.received_summary(found, losses[0] if losses else None)
+        report.advice = RECEIVED_ADVICE
+        return
+    if found.method == "replay" and not found.origin_ranks:
+        report.summary += origin.none_reproduces(found)
+        return
+    report.summary += recurrence_note(bundle, found.rank)
+
+
+def _apply_replicas(report: ReplayReport, replicas: ReplicaCheck, rank: int) -> None:
+    """Replicas that disagree are the verdict, before the numerical classes; the step's own
+    diagnosis follows (or, when it replays finite, that it does)."""
+    if not replicas.mismatches:
+        return
+    report.details["verdict_of_step"] = report.verdict
+    report.verdict = "replica_mismatch"
+    report.advice = ADVICE["replica_mismatch"]
+    rest = report.summary
+    if not report.reproduced:
+        losses = report.details.get("replayed", {}).get("losses") or []
+        loss = f" (loss {losses[0]:.6g})" if losses else ""
+        rest = f"The step itself replays finite on rank {rank}{loss}."
+    report.summary = f"{replicas.sentence()} {rest}"
 
 
 def recurrence_note(bundle: Bundle, rank: int) -> str:

@@ -2,13 +2,15 @@
 
 Before every run the RNG states and the model's buffers (e.g. BatchNorm statistics, which a
 forward pass in train mode changes) are restored and the gradients are dropped, so runs are
-independent and comparable bit for bit. The weights are never updated.
+independent and comparable bit for bit. The weights are never updated. The forward pass
+and the loss run under the step's autocast state (``autocast.py``), the backward outside it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +21,7 @@ from trainguard.capture import batchtree
 from trainguard.capture.rng import rng_state, set_rng_state
 from trainguard.errors import ReplayError
 from trainguard.numerics import norm_or_inf
+from trainguard.replay.autocast import OFF, Autocast
 from trainguard.replay.localize import NonFiniteTracer
 
 LossFn = Callable[[nn.Module, Any], Tensor]
@@ -64,8 +67,10 @@ class StepRunner:
         micro_batches: Sequence[Any],
         rng: dict[str, Any] | None,
         device: torch.device,
+        autocast: Autocast = OFF,
     ) -> None:
         self.model = model
+        self.autocast = autocast
         self.loss_fn = loss_fn
         self.device = device
         self.micro_batches = [
@@ -75,6 +80,15 @@ class StepRunner:
         self._micro_rng: list[dict[str, Any] | None] = [None] * len(micro_batches)
         self._buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
         self._params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+    @contextmanager
+    def autocast_as(self, autocast: Autocast) -> Iterator[None]:
+        """Run under ``autocast`` inside the ``with`` block (e.g. ``OFF``: float32)."""
+        saved, self.autocast = self.autocast, autocast
+        try:
+            yield
+        finally:
+            self.autocast = saved
 
     @property
     def params(self) -> list[tuple[str, nn.Parameter]]:
@@ -145,7 +159,8 @@ class StepRunner:
     ) -> Tensor:
         if tracer is not None:
             tracer.phase = "forward"
-        loss = self.loss_fn(self.model, batch)
+        with self.autocast.context():
+            loss = self.loss_fn(self.model, batch)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             kind = (
                 type(loss).__name__ if not isinstance(loss, Tensor) else f"shape {list(loss.shape)}"

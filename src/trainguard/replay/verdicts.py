@@ -2,12 +2,19 @@
 
 The classes, checked in this order:
 
+- ``replica_mismatch``: the bundle's ranks hold different values of a replicated parameter
+  (replicas.py; decided by the bundle replay, before any class below, whether the step
+  reproduces or not).
 - ``bad_input``: the batch itself holds non-finite values.
 - ``nonfinite_weights``: weights or buffers were non-finite before the step.
+- ``masked_row``: the root is a reduction (softmax, logsumexp, max, sum...) over a row that a
+  mask covered entirely (masks.py).
 - ``divergence``: the loss or the gradient norm grew over the recent steps (the bundle's
   history) until it overflowed.
-- ``overflow_fp16`` / ``overflow_bf16``: the root op's output is half / bfloat16 and it
-  overflowed the dtype's range (not a domain edge such as ``log(0)``).
+- ``overflow_fp16`` / ``overflow_bf16``: the step is non-finite under float16 / bfloat16
+  autocast and finite in float32 (the replay runs it once more without autocast), or the
+  root op's output is half / bfloat16 and it overflowed the dtype's range (not a domain
+  edge such as ``log(0)``).
 - ``batch_statistics``: no single sample is to blame (bisection), and the root's value is
   no per-sample value: a statistic over a batch too small for it (an empty class, the
   variance of one sample).
@@ -24,8 +31,10 @@ from typing import Any
 from trainguard.replay.diagnosis import Finding
 
 VERDICTS = (
+    "replica_mismatch",
     "bad_input",
     "nonfinite_weights",
+    "masked_row",
     "divergence",
     "overflow_fp16",
     "overflow_bf16",
@@ -35,11 +44,23 @@ VERDICTS = (
 )
 
 ADVICE = {
+    "replica_mismatch": "Replicas that should be equal drifted apart: something wrote to one "
+    "rank's weights alone (a rank-local write such as `if rank == 0: ...`, a hook, custom op or "
+    "optimizer that edits one rank, a bit flip in that GPU's memory) or the weights were never "
+    "broadcast at the start (no DDP wrap, a rank that loaded another checkpoint). Resync them "
+    "(broadcast from a good rank or resume from a checkpoint), check that the replicas agree "
+    "every N steps (compare a checksum of the weights across ranks), and if it keeps hitting "
+    "one rank, test that GPU.",
     "bad_input": "Fix or filter the data: check the sample named above at its source, and "
     "validate batches before the forward pass.",
     "nonfinite_weights": "The weights were corrupted before this step (a bad checkpoint or an "
     "earlier silent update): resume from the last good checkpoint and find the step that "
     "wrote them.",
+    "masked_row": "A mask covered a whole row of a reduction (every key of a query padded, "
+    "a sample with no valid token): softmax of an all -inf row is 0/0. Keep at least one "
+    "unmasked element per row (let padding attend to itself), mask with a finite value "
+    "(torch.finfo(dtype).min) instead of -inf, drop fully masked samples, or zero the "
+    "fully masked rows' output after the softmax.",
     "divergence": "Training diverged: lower the learning rate, add or lengthen the warm-up, "
     "and clip the gradient norm.",
     "overflow_fp16": "A float16 value exceeded 65504: compute this op in float32 (autocast "
@@ -56,6 +77,13 @@ ADVICE = {
     "happening on the same rank or host, test that GPU or node (memory test, DCGM "
     "diagnostics) and take it out of the pool.",
 }
+
+RECEIVED_ADVICE = (
+    "This rank only received the non-finite gradients through the all-reduce: its own step "
+    "is fine. Diagnose the rank where they arose (replay without --rank); this rank's device "
+    "is not a suspect."
+)
+"""The advice of a ``--rank`` whose own replay is finite while another rank made the NaN."""
 
 DOMAIN_OPS = frozenset(
     f"aten.{name}"
@@ -177,16 +205,25 @@ def growth(history: list[dict[str, Any]] | None, window: int = 64) -> Growth | N
 
 
 def classify(
-    finding: Finding, batch_level: bool, grew: Growth | None, batch_size: int | None = None
+    finding: Finding,
+    batch_level: bool,
+    grew: Growth | None,
+    batch_size: int | None = None,
+    only_half: str | None = None,
 ) -> str:
     """The verdict of a reproduced step. ``batch_level``: bisection found no sample to blame
-    (``batch_size``: the bisected batch's size)."""
+    (``batch_size``: the bisected batch's size). ``only_half``: the autocast dtype the step
+    is non-finite under while it is finite in float32."""
     if finding.phase == "inputs":
         return "bad_input"
     if finding.parameter_origins:
         return "nonfinite_weights"
+    if finding.origin is not None and finding.origin.masked_row is not None:
+        return "masked_row"
     if grew is not None:
         return "divergence"
+    if only_half in HALF_DTYPES:
+        return HALF_DTYPES[only_half]
     overflow = _overflow(finding)
     if overflow is not None:
         return overflow
@@ -214,8 +251,17 @@ def _overflow(finding: Finding) -> str | None:
     return HALF_DTYPES.get(dtype or "")
 
 
-def verdict_sentence(verdict: str, finding: Finding | None, grew: Growth | None) -> str:
+def verdict_sentence(
+    verdict: str, finding: Finding | None, grew: Growth | None, only_half: str | None = None
+) -> str:
     """A sentence that leads the summary for the classes whose cause is not the op itself."""
+    if verdict in HALF_DTYPES.values() and only_half is not None and finding is not None:
+        where = f" in {finding.module}" if finding.module else ""
+        op = f"{finding.op}{where}" if finding.op else "an op"
+        return (
+            f"The step is non-finite under {only_half} autocast and finite in float32: {op} "
+            f"overflowed the range of {only_half}."
+        )
     if verdict == "divergence" and grew is not None:
         return f"The run diverged: {grew.text()}."
     if verdict == "nonfinite_weights" and finding is not None:
