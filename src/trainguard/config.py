@@ -12,6 +12,8 @@ NonFiniteAction = Literal["skip", "warn", "raise"]
 _ACTIONS = ("skip", "warn", "raise")
 EscalationAction = Literal["raise", "rollback"]
 SpikeAction = Literal["warn", "skip", "rollback", "off"]
+DivergenceAction = Literal["warn", "resync", "raise"]
+_DIVERGENCE_ACTIONS = ("warn", "resync", "raise")
 _SPIKE_ACTIONS = ("warn", "skip", "rollback", "off")
 
 
@@ -120,6 +122,32 @@ class GuardConfig:
     """Check each floating-point tensor of every batch from ``watch()`` for NaN/Inf (on the
     device, no sync): a non-finite input marks the step bad on every rank (``bad_input``)."""
 
+    replica_check_every: int = 100
+    """Steps between checks that the replicated weights (DDP, or one process per replica)
+    agree across ranks: a fingerprint rides the step's agreement (0: off). Not for FSDP2
+    shards, which differ by design."""
+
+    on_divergence: DivergenceAction = "warn"
+    """When replicas disagree: ``"warn"`` (a ``replica_divergence`` event and a log line),
+    ``"resync"`` (every rank takes a majority rank's parameters, buffers and optimizer state
+    by broadcast, then goes on) or ``"raise"`` (``ReplicaDivergenceError`` on every rank)."""
+
+    detect_stragglers: bool = True
+    """Time each rank's data wait and own compute per step (they ride the step's agreement)
+    and name a rank that slows the job (``straggler`` events; ``health/stragglers.py``)."""
+
+    straggler_window: int = 20
+    """Steps over which a rank must be slow, in the median, before it is named."""
+
+    straggler_warmup: int = 10
+    """Steps not judged at the start (compilation, allocator and loader warm-up)."""
+
+    straggler_slowdown: float = 1.5
+    """A rank is slow when its median time is at least this factor of the median rank's..."""
+
+    straggler_min_lost: float = 0.01
+    """...and the job waits for it at least this many seconds per step."""
+
     restore_buffers: bool = True
     """Put back the module buffers a step's forward wrote (BatchNorm statistics, counters)
     whenever the step is not applied (skip, spike skip, fp16 overflow, escalation,
@@ -135,6 +163,7 @@ class GuardConfig:
             raise ConfigError(
                 "on_nonfinite", f"got {self.on_nonfinite!r}; use one of {', '.join(_ACTIONS)}"
             )
+        _check_health(self)
         if not isinstance(self.restore_buffers, bool):
             raise ConfigError("restore_buffers", f"got {self.restore_buffers!r}; use True or False")
         if not isinstance(self.max_consecutive, int) or self.max_consecutive < 1:
@@ -169,6 +198,31 @@ class GuardConfig:
             "accumulation_steps": self.accumulation_steps,
             **self.extra,
         }
+
+
+def _check_health(config: GuardConfig) -> None:
+    if not isinstance(config.replica_check_every, int) or config.replica_check_every < 0:
+        raise ConfigError(
+            "replica_check_every",
+            f"got {config.replica_check_every!r}; use an integer >= 0 (0 turns it off)",
+        )
+    if config.on_divergence not in _DIVERGENCE_ACTIONS:
+        raise ConfigError(
+            "on_divergence",
+            f"got {config.on_divergence!r}; use one of {', '.join(_DIVERGENCE_ACTIONS)}",
+        )
+    for name in ("straggler_window", "straggler_warmup"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(name, f"got {value!r}; use an integer >= 1")
+    if not config.straggler_slowdown > 1.0:
+        raise ConfigError(
+            "straggler_slowdown", f"got {config.straggler_slowdown!r}; use a factor > 1"
+        )
+    if not config.straggler_min_lost >= 0.0:
+        raise ConfigError(
+            "straggler_min_lost", f"got {config.straggler_min_lost!r}; use seconds >= 0"
+        )
 
 
 def _check_recovery(config: GuardConfig) -> None:

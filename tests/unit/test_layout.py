@@ -23,8 +23,9 @@ ALLOWED: dict[str, set[str]] = {
     "hang": {BASE, "hang"},
     "replay": {BASE, "replay", "capture"},
     "recovery": {BASE, "recovery", "capture"},
-    "step": {BASE, "step", "capture", "hang", "recovery"},
-    "integrations": {BASE, "integrations", "step", "capture", "recovery", "hang"},
+    "step": {BASE, "step", "capture", "hang", "recovery", "health"},
+    "health": {BASE, "health"},
+    "integrations": {BASE, "integrations", "step", "capture", "recovery", "hang", "health"},
     "doctor": {BASE, "doctor"},
     "report": {BASE, "report", "capture"},
 }

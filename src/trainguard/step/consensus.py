@@ -22,14 +22,27 @@ from torch import Tensor
 from trainguard.numerics import norm_or_inf
 from trainguard.step.held_work import HeldWork
 
-COLUMNS = ("loss", "loss_check", "grad_norm", "input", "exhausted", "batches")
-DEVICE_COLUMNS = 4
+COLUMNS = (
+    "loss",
+    "loss_check",
+    "grad_norm",
+    "input",
+    "fingerprint",
+    "exhausted",
+    "batches",
+    "data_time",
+    "compute_time",
+)
+DEVICE_COLUMNS = 5
 """The first columns come from the device (``LocalReport.values``); the rest from the host."""
 _NCOL = len(COLUMNS)
 _NORM = COLUMNS.index("grad_norm")
 _INPUT = COLUMNS.index("input")
+_FINGERPRINT = COLUMNS.index("fingerprint")
 _EXHAUSTED = COLUMNS.index("exhausted")
 _BATCHES = COLUMNS.index("batches")
+_DATA_TIME = COLUMNS.index("data_time")
+_COMPUTE_TIME = COLUMNS.index("compute_time")
 
 
 @dataclass(frozen=True)
@@ -37,14 +50,20 @@ class LocalReport:
     """What one rank saw during a step. ``values`` may be on the device (no sync needed)."""
 
     values: Tensor
-    """float64 ``[loss, loss_check, grad_norm, input]``: the loss reported (mean of the last
-    micro-batch's loss), the sum of every micro-batch's loss (non-finite when any is), the
-    L2 norm of this rank's gradients (non-finite when any gradient is), and the largest
-    ``|x|`` of the step's input tensors (non-finite when any input value is; 0 unchecked)."""
+    """float64 ``[loss, loss_check, grad_norm, input, fingerprint]``: the loss reported (mean
+    of the last micro-batch's loss), the sum of every micro-batch's loss (non-finite when any
+    is), the L2 norm of this rank's gradients (non-finite when any gradient is), the largest
+    ``|x|`` of the step's input tensors (non-finite when any input value is; 0 unchecked),
+    and a fingerprint of the replicated weights (0: not checked this step)."""
     exhausted: bool = False
     """This rank's data iterator is used up (``batches`` is then its exact total)."""
     batches: int = 0
     """Batches this rank has fetched so far."""
+    data_time: float = 0.0
+    """Seconds this rank waited for its data during the step (inside ``watch()``)."""
+    compute_time: float = 0.0
+    """Seconds of this rank's own compute during the step (its forward passes: no time
+    spent waiting for other ranks; ``health.timing``)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +90,12 @@ class Agreement:
     """The norm of all gradients: of every rank's shard (FSDP2), else rank 0's."""
     input_ranks: list[int] = field(default_factory=list)
     """Ranks whose step input (a floating-point tensor of the batch) was not finite."""
+    data_times: list[float] = field(default_factory=list)
+    """Per rank: seconds waiting for data in the step."""
+    compute_times: list[float] = field(default_factory=list)
+    """Per rank: seconds of its own compute in the step."""
+    fingerprints: list[float] = field(default_factory=list)
+    """Per rank: the replicated weights' fingerprint (all 0 when not checked this step)."""
 
     @property
     def bad(self) -> bool:
@@ -137,8 +162,8 @@ class Consensus:
         buf = torch.zeros(self.world_size * _NCOL, dtype=torch.float64, device=self.device)
         row = buf[self.rank * _NCOL : (self.rank + 1) * _NCOL]
         row[:DEVICE_COLUMNS].copy_(report.values, non_blocking=True)
-        row[_EXHAUSTED].fill_(1.0 if report.exhausted else 0.0)
-        row[_BATCHES].fill_(float(report.batches))
+        for column, value in enumerate(_host_columns(report), start=DEVICE_COLUMNS):
+            row[column].fill_(value)  # a scalar fill: no host-to-device copy
         # not synchronous: the work is kept, so gloo's thread never releases ``buf`` (held_work)
         self.work.wait(dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
         return Reduced(buf, report, sum_grad_norms)
@@ -174,8 +199,7 @@ class Consensus:
     def read(self, values: list[float], reduced: Reduced) -> Agreement:
         """Turn the reduced buffer, read back as host values, into the agreement."""
         if len(values) == DEVICE_COLUMNS:  # a world of one: the host columns are local
-            report = reduced.report
-            values = [*values, 1.0 if report.exhausted else 0.0, float(report.batches)]
+            values = [*values, *_host_columns(reduced.report)]
         rows = [values[r * _NCOL : (r + 1) * _NCOL] for r in range(self.world_size)]
         norms = [row[_NORM] for row in rows]
         return Agreement(
@@ -186,4 +210,13 @@ class Consensus:
             losses=[row[0] for row in rows],
             global_grad_norm=math.hypot(*norms) if reduced.sharded else norms[0],
             input_ranks=[r for r, row in enumerate(rows) if not math.isfinite(row[_INPUT])],
+            data_times=[row[_DATA_TIME] for row in rows],
+            compute_times=[row[_COMPUTE_TIME] for row in rows],
+            fingerprints=[row[_FINGERPRINT] for row in rows],
         )
+
+
+def _host_columns(report: LocalReport) -> list[float]:
+    """The row's host part, in ``COLUMNS`` order after the device columns."""
+    exhausted = 1.0 if report.exhausted else 0.0
+    return [exhausted, float(report.batches), report.data_time, report.compute_time]

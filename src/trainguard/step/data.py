@@ -33,6 +33,7 @@ import torch
 
 from trainguard.capture.rng import rng_state
 from trainguard.events import EventLog
+from trainguard.health.timing import StepTimer
 from trainguard.progress import Progress
 from trainguard.step.batches import StepBatches
 from trainguard.step.consensus import DEVICE_COLUMNS, Agreement, Consensus, LocalReport
@@ -65,6 +66,7 @@ class BatchStream:
         on_step_start: Callable[[], None] | None = None,
         first_position: int = 0,
         on_fetch: Callable[[int], None] | None = None,
+        clock: StepTimer | None = None,
     ) -> None:
         self._iterable = iterable
         self._k = accumulation_steps
@@ -78,6 +80,8 @@ class BatchStream:
         # StatefulDataLoader) starts at ``first_position``. ``on_fetch(p)`` runs before item p.
         self._taken = first_position
         self._on_fetch = on_fetch
+        self._clock = clock
+        """Times each fetch from the loader (``health.timing``: a rank's data time)."""
         self._start_position = start_position
         self._skip_positions = skip_positions
         self._on_step_start = on_step_start
@@ -188,11 +192,16 @@ class BatchStream:
             self._progress.enter("data")
             if self._on_fetch is not None:
                 self._on_fetch(self._taken)
+            if self._clock is not None:
+                self._clock.data_started()
             try:
                 item = next(iterator)
             except StopIteration:
                 self._exhausted = True
                 break
+            finally:
+                if self._clock is not None:
+                    self._clock.data_ended()
             position, self._taken = self._taken, self._taken + 1
             if position < self._start_position or position in self._skip_positions:
                 continue

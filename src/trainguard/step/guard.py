@@ -20,14 +20,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from trainguard.config import EscalationAction, GuardConfig, NonFiniteAction, SpikeAction
+from trainguard.config import (
+    DivergenceAction,
+    EscalationAction,
+    GuardConfig,
+    NonFiniteAction,
+    SpikeAction,
+)
 from trainguard.errors import ConfigError, NonFiniteError
 from trainguard.events import EventLog
 from trainguard.hang.watchdog import Watchdog, start_watchdog
+from trainguard.health.replicas import ReplicaWatch
+from trainguard.health.stragglers import StragglerWatch
+from trainguard.health.timing import StepTimer
 from trainguard.progress import Progress
 from trainguard.recovery import TrainingObjects, build_recovery, recovery_enabled
 from trainguard.step import amp
-from trainguard.step.capturer import Capturer, step_evidence
+from trainguard.step.capturer import Capturer, step_evidence, unwrap
 from trainguard.step.consensus import Agreement, Consensus, LocalReport
 from trainguard.step.data import BatchStream
 from trainguard.step.deferred import PendingStep, StepOutcome, uses_fused
@@ -81,6 +90,8 @@ class Guard:
         scheduler: Any = None,
         resume: bool = False,
         on_spike: SpikeAction = "warn",
+        replica_check_every: int = 100,
+        on_divergence: DivergenceAction = "warn",
         process_group: dist.ProcessGroup | None = None,
         config: GuardConfig | None = None,
     ) -> None:
@@ -104,6 +115,8 @@ class Guard:
             keep_checkpoints=keep_checkpoints,
             resume=resume,
             on_spike=on_spike,
+            replica_check_every=replica_check_every,
+            on_divergence=on_divergence,
         )
         self.model = model
         self.optimizer = optimizer
@@ -135,6 +148,18 @@ class Guard:
         sync_free = sync_free and not recovery_enabled(self.config)
         self._sync_free = SyncFreeStep(self._sync_free_parts()) if sync_free else None
         self._is_sharded: bool | None = None
+        self._mixed_grads = False  # sparse/float64 gradients seen: grad_stats' mixed pass
+        self._timer = StepTimer(unwrap(model))
+        self.stragglers = StragglerWatch(self.config, self.events, self.rank)
+        self.replicas = ReplicaWatch(
+            model,
+            optimizer,
+            self.config,
+            self.events,
+            self.rank,
+            self.world_size,
+            process_group,
+        )
         self._closed = False
         self.recovery = build_recovery(
             self.config,
@@ -173,6 +198,7 @@ class Guard:
             self.events,
             step_of=lambda: self.state.step,
             lookahead=2 if self._deferred else 1,  # the sync-free step reads a step late
+            clock=self._timer,
             **(resumed.stream_args() if resumed is not None else {}),
         )
         if recovery is not None and resumed is not None:
@@ -210,6 +236,7 @@ class Guard:
         decision = self._decide(agreement)
         self.history.record(step, agreement, decision, self.optimizer)
         self.state.step = step + 1
+        self._health(step, agreement)
         try:
             return self._apply(decision, agreement, stats, step)
         finally:
@@ -255,6 +282,7 @@ class Guard:
             step_batches=self._step_batches_taken,
             agreed=self._agreed,
             decide=self._decide,
+            health=self._health,
             log_nonfinite=self._log_nonfinite,
             capture=self._capture_late,
             stop_error=self._stop_error,
@@ -302,7 +330,8 @@ class Guard:
         self.record_loss(loss)
         self._start.buffers.learn(self.state.step)
         sharded = self._sharded()
-        stats = grad_stats(self._params, self._consensus.device, sharded)
+        stats = grad_stats(self._params, self._consensus.device, sharded, self._mixed_grads)
+        self._mixed_grads = stats.mixed  # stays True once seen
         return stats, self._report(stats, loss), sharded
 
     def _take_losses(self) -> list[Tensor]:
@@ -344,12 +373,21 @@ class Guard:
         stream = self._stream
         batches = self._step_batches(self.state.step)[0] if stream is not None else []
         inputs = self._inputs.value(self.state.step, batches, device)
-        values = torch.stack([last, check, stats.norm, inputs])  # float64: one kernel
+        fingerprint = self.replicas.fingerprint(self.state.step, device)
+        values = torch.stack([last, check, stats.norm, inputs, fingerprint])  # one kernel
+        data_time, compute_time = self._timer.take()
         return LocalReport(
             values,
             exhausted=stream.exhausted if stream is not None else False,
             batches=stream.batches_seen if stream is not None else 0,
+            data_time=data_time,
+            compute_time=compute_time,
         )
+
+    def _health(self, step: int, agreement: Agreement) -> None:
+        """The cross-rank health rules, from the agreed numbers (the same on every rank)."""
+        self.stragglers.observe(step, agreement.data_times, agreement.compute_times)
+        self.replicas.observe(step, agreement.fingerprints)
 
     def _decide(self, agreement: Agreement) -> Decision:
         scale = amp.current_scale(self.scaler) if agreement.bad else None
@@ -538,6 +576,7 @@ class Guard:
             self.events.close()
             self.history.close()
             self._start.close()
+            self._timer.close()
             self._consensus.work.retire()  # released at exit, not by gloo's thread (held_work)
 
     def __enter__(self) -> Guard:

@@ -62,6 +62,8 @@ class SyncFreeParts:
     agreed: Callable[[Agreement, int], None]
     """Tell the batch stream a step's agreement (``steps_ago``)."""
     decide: Callable[[Agreement], Decision]
+    health: Callable[[int, Agreement], None]
+    """The cross-rank health rules (stragglers, replicas) on a step's agreement."""
     log_nonfinite: Callable[[Decision, Agreement, GradStats, int], None]
     capture: Callable[[Decision, Agreement, GradStats, int, PendingStep, bool], Path | None]
     stop_error: Callable[[Decision, Agreement, int, Path | None], NonFiniteError]
@@ -148,6 +150,7 @@ class SyncFreeStep:
         parts.agreed(agreement, parts.state.step - 1 - pending.step)
         decision = parts.decide(agreement)
         parts.history.record(pending.step, agreement, decision, parts.optimizer)
+        parts.health(pending.step, agreement)
         pending.ok = decision is Decision.OK
         if pending.ok:
             parts.state.record_good(pending.step, agreement.mean_loss)

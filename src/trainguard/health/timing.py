@@ -1,0 +1,67 @@
+"""Per rank and step: how long it waited for data, and how long its own compute took.
+
+*Data*: the time inside ``watch()`` fetching batches from the loader (``data_started`` /
+``data_ended`` around each fetch).
+
+*Compute*: the time of the rank's forward passes, timed by a forward pre-hook and a forward
+hook on the module inside its wrappers. Why the forward and not forward + backward: under DDP
+the backward waits in the gradient all-reduce for the slowest rank, so a healthy rank's
+backward is as long as the straggler's and would hide it; the forward of the inner module
+(not the DDP wrapper, whose forward first broadcasts buffers, also a wait) involves no other
+rank. A rank whose device is slower is slower in its forward too. Time spent waiting for
+other ranks is therefore counted nowhere. Host clock (``time.perf_counter``); on CUDA the
+forward's host time is its launch time unless the step syncs, which the decision does once
+per step (the timing then lands in the step that waits).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from torch import nn
+
+
+class StepTimer:
+    """Accumulates one step's data and compute seconds; ``take()`` hands them over."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        self._data = 0.0
+        self._compute = 0.0
+        self._data_since: float | None = None
+        self._forward_since: float | None = None
+        self._depth = 0
+        self._handles = [
+            inner.register_forward_pre_hook(self._before_forward),
+            inner.register_forward_hook(self._after_forward),
+        ]
+
+    def data_started(self) -> None:
+        self._data_since = time.perf_counter()
+
+    def data_ended(self) -> None:
+        if self._data_since is not None:
+            self._data += time.perf_counter() - self._data_since
+            self._data_since = None
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            self._forward_since = time.perf_counter()
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+        if self._depth == 0 and self._forward_since is not None:
+            self._compute += time.perf_counter() - self._forward_since
+            self._forward_since = None
+
+    def take(self) -> tuple[float, float]:
+        """``(data seconds, compute seconds)`` since the last call; starts a new step."""
+        data, compute = self._data, self._compute
+        self._data = self._compute = 0.0
+        return data, compute
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
