@@ -175,3 +175,17 @@ def test_a_spike_skip_puts_the_buffers_back_too(tmp_path: Path) -> None:
     reference = BufferNet()
     train_bare(reference, _sgd(reference), [b for i, b in enumerate(data) if i != 20])
     assert_identical(state_of(model), state_of(reference))
+
+
+def test_sync_free_bundle_read_a_step_late_holds_the_pre_step_buffers(tmp_path: Path) -> None:
+    """The sync-free step captures step 0 during step 1, after step 1's forward wrote the
+    buffers again: the bundle must still hold step 0's start (the keeper's other copy)."""
+    torch.manual_seed(0)
+    model = ZeroStartScale()
+    opt = _adam_fused(model)
+    with tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0, max_consecutive=10) as guard:
+        train_guarded(guard, model, opt, batches(3), fused=True)
+    assert guard.state.nonfinite_steps[0] == 0
+    bundle = tg.load_bundle(next((tmp_path / "captures").glob("step-*")))
+    assert bundle.step == 0
+    assert float(bundle.model_state(0)["scale"]) == 0.0
