@@ -1,0 +1,95 @@
+"""Replay of real 2-rank DDP bundles: the origin rank, and replicas that disagree.
+
+- One sample on rank 1 makes ``sqrt``'s gradient 0/0 in backward (the loss is finite on
+  both ranks); DDP's all-reduce spreads the NaN to rank 0, so the manifest lists both ranks
+  in ``grad_ranks`` and none in ``loss_ranks``. Replay without ``--rank`` replays each rank,
+  names rank 1 (and its sample) as the origin and rank 0 as having received it; ``--rank 0``
+  says that rank 0 received it instead of "not reproduced, suspect the GPU".
+- Rank 1 nudges one weight after DDP's start-up broadcast: the bundle's replicas differ and
+  the replay's verdict is ``replica_mismatch``, naming the parameter and both ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import tg_capture_models as models
+import tg_replay_cases as cases
+from tg_dist import run_ranks, values
+
+import trainguard as tg
+from trainguard.cli import EXIT_FINDING, main
+from trainguard.replay.verdicts import ADVICE, RECEIVED_ADVICE
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def run_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The two 2-rank DDP runs (one spawn): the origin run's and the replica run's dirs."""
+    origin, replica = tmp_path_factory.mktemp("origin"), tmp_path_factory.mktemp("replica")
+    ranks = values(run_ranks(cases.ddp_worker, 2, str(origin), str(replica), timeout=100))
+    assert [r["origin"]["nonfinite_steps"] for r in ranks] == [[2], [2]]
+    assert [r["replica"]["nonfinite_steps"] for r in ranks] == [[1], [1]]
+    return origin, replica
+
+
+@pytest.fixture(scope="module")
+def origin_bundle(run_dirs: tuple[Path, Path]) -> Path:
+    return run_dirs[0] / "captures" / "step-00000002"
+
+
+def test_a_backward_nan_from_rank_1_is_attributed_to_rank_1_and_its_sample(
+    origin_bundle: Path,
+) -> None:
+    bundle = tg.load_bundle(origin_bundle)
+    assert bundle.manifest["loss_ranks"] == [] and bundle.manifest["grad_ranks"] == [0, 1]
+    r = tg.replay(origin_bundle, models.backward_factory).to_dict()
+    assert (r["rank"], r["reproduced"], r["phase"], r["verdict"]) == (
+        1,
+        True,
+        "backward",
+        "numerical",
+    )
+    assert r["module"] == "encoder.layers.0.scale" and r["backward"]["forward_op"] == "aten.sqrt"
+    assert r["culprit_samples"] == [{"micro_batch": 0, "position": 5, "index": 1021}]
+    assert (r["origin_method"], r["origin_ranks"], r["received_ranks"]) == ("replay", [1], [0])
+    roles = {x["rank"]: (x["role"], x["reproduced"]) for x in r["rank_replays"]}
+    assert roles == {0: ("received", False), 1: ("origin", True)}
+    assert "arose on rank 1" in r["summary"] and "rank 0 only received them" in r["summary"]
+    assert "suspect" not in r["summary"]
+
+
+def test_replaying_the_rank_that_received_it_says_so(
+    origin_bundle: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    r = tg.replay(origin_bundle, models.backward_factory, rank=0, repeats=1).to_dict()
+    assert (r["rank"], r["reproduced"], r["received_from"]) == (0, False, [1])
+    assert r["summary"].startswith("Rank 0's own step is finite when replayed")
+    assert "through the gradient all-reduce; they arose on rank 1" in r["summary"]
+    assert "suspect" not in r["summary"] and r["advice"] == RECEIVED_ADVICE
+    args = ["replay", str(origin_bundle), "--factory", "tg_capture_models:backward_factory"]
+    assert main(args) == EXIT_FINDING
+    out = capsys.readouterr().out
+    assert "replay    " in out and "rank 1 of 2" in out
+    assert "ranks          made on [1]; received through the all-reduce on [0]" in out
+    assert "  rank 0: own replay finite" in out and "-> received" in out
+
+
+def test_one_ranks_corrupted_weight_is_a_replica_mismatch(run_dirs: tuple[Path, Path]) -> None:
+    bundle = run_dirs[1] / "captures" / "step-00000001"
+    r = tg.replay(bundle, models.clean_factory, repeats=1).to_dict()
+    assert (r["verdict"], r["advice"]) == ("replica_mismatch", ADVICE["replica_mismatch"])
+    assert r["reproduced"] is False  # the loss fault came from outside loss_fn
+    (m,) = r["replicas"]["mismatches"]
+    assert (m["name"], m["disagree"], m["elements"]) == ("head.weight", [0, 1], 1)
+    assert m["max_abs_diff"] == pytest.approx(1e-3, rel=1e-2)
+    assert r["summary"].startswith("The replicas disagree before the step: 1 replicated")
+    assert "head.weight: ranks 0 and 1 hold different values" in r["summary"]
+    assert "clamp" not in r["advice"]
+    assert "replicas       DIFFER: head.weight (ranks 0, 1)" in str(
+        tg.replay(bundle, models.clean_factory, repeats=1)
+    )
+    args = ["replay", str(bundle), "--factory", "tg_capture_models:clean_factory"]
+    assert main(args) == EXIT_FINDING  # a finding, though the step replays finite

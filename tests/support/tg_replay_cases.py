@@ -1,0 +1,133 @@
+"""Guarded runs whose bundles test the replay's fidelity: autocast, the origin rank, replicas.
+
+- ``Overflow``: a linear layer with unit weights; a sample of 2e4 makes its float16 output
+  exceed 65504 under ``torch.autocast("cpu", dtype=torch.float16)``, finite in float32.
+- ``origin_worker``: a 2-rank DDP run whose rank 1 holds an all-zero sample that makes
+  ``sqrt``'s gradient 0/0 in backward (finite loss); DDP's all-reduce spreads it to rank 0.
+- ``replica_worker``: a 2-rank DDP run whose rank 1 nudges one weight by +1e-3 after DDP's
+  start-up broadcast (a rank-local write); a loss fault on rank 1 triggers the capture.
+- ``ddp_worker``: both, one after the other, in one spawn.
+- ``set_meta``: rewrite keys of a rank's ``meta.json`` (and its manifest checksum), e.g. the
+  ``autocast`` key the guard records.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import tg_capture_models as models
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from trainguard.capture.bundle import MANIFEST, write_json
+
+D = 4
+BATCH = 8
+CLASSES = 3
+BIG = 2.0e4
+FP16_CPU = {"enabled": True, "device_type": "cpu", "dtype": "float16"}
+
+
+class Overflow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(D, D)
+        nn.init.constant_(self.lin.weight, 1.0)
+        self.head = nn.Linear(D, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.head(torch.relu(self.lin(x)))  # 4 x 2e4 > 65504 in float16
+        return out
+
+
+def ce(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    return F.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def overflow_factory() -> tuple[nn.Module, Any]:
+    return Overflow(), ce
+
+
+def overflow_batches(steps: int = 3, bad_step: int = 1, bad_pos: int = 5) -> list[dict[str, Any]]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for step in range(steps):
+        x = torch.randn(BATCH, D, generator=gen)
+        if step == bad_step:
+            x[bad_pos] = BIG
+        index = torch.arange(step * BATCH, (step + 1) * BATCH) + 1000
+        out.append({"x": x, "y": torch.arange(BATCH) % CLASSES, "index": index})
+    return out
+
+
+def train_under_autocast(run_dir: Path, dtype: torch.dtype = torch.float16) -> Path:
+    """A guarded SGD loop whose forward and loss run under CPU autocast; the bundle."""
+    import trainguard as tg
+
+    model = Overflow()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tg.Guard(model, optimizer, run_dir=run_dir, hang_timeout=0) as guard:
+        for batch in guard.watch(overflow_batches()):
+            with torch.autocast("cpu", dtype=dtype):
+                loss = ce(model, batch)
+            loss.backward()  # type: ignore[no-untyped-call]
+            if guard.check(loss):
+                optimizer.step()
+            optimizer.zero_grad()
+    (bundle,) = sorted((run_dir / "captures").glob("step-*"))
+    return bundle
+
+
+def set_meta(bundle: Path, rank: int, **keys: Any) -> None:
+    """Set ``keys`` in ``rank-{rank}/meta.json`` and update its checksum in the manifest."""
+    path = bundle / f"rank-{rank}" / "meta.json"
+    meta = json.loads(path.read_text(encoding="utf-8"))
+    meta.update(keys)
+    record = write_json(path, meta)
+    manifest_path = bundle / MANIFEST
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    manifest["files"][f"rank-{rank}/meta.json"] = record.to_manifest()
+    manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+# -- 2-rank DDP runs (tg_dist.run_ranks workers) ------------------------------------------------
+
+
+def origin_worker(rank: int, world: int, run_dir: str) -> dict[str, Any]:
+    """Rank 1's batch at step 2 holds an all-zero sample at position 5: 0/0 in sqrt's
+    gradient on rank 1 only; the loss is finite on both ranks."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    data = models.batches("backward", 3, bad_step=2 if rank == 1 else -1, seed=rank)
+    model = DistributedDataParallel(models.make_model("backward"))
+    guard = models.train(model, models.ce_loss, data, run_dir)
+    return {"nonfinite_steps": list(guard.state.nonfinite_steps)}
+
+
+def replica_worker(rank: int, world: int, run_dir: str) -> dict[str, Any]:
+    """Rank 1 adds 1e-3 to ``head.weight[0, 0]`` after DDP's broadcast; a loss fault on
+    rank 1 at step 1 makes the guard capture the step (the replicas already differ)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainguard.testing import Fault, FaultPlan
+
+    model = DistributedDataParallel(models.make_model("clean"))
+    if rank == 1:
+        with torch.no_grad():
+            model.module.head.weight[0, 0] += 1e-3
+    data = models.batches("clean", 2, bad_step=-1, seed=rank)
+    plan = FaultPlan([Fault(step=1, rank=1, where="loss")])
+    guard = models.train(model, models.ce_loss, data, run_dir, plan=plan)
+    return {"nonfinite_steps": list(guard.state.nonfinite_steps)}
+
+
+def ddp_worker(rank: int, world: int, origin_dir: str, replica_dir: str) -> dict[str, Any]:
+    """Both runs above in one spawn (the process start-up is most of a test's time)."""
+    return {
+        "origin": origin_worker(rank, world, origin_dir),
+        "replica": replica_worker(rank, world, replica_dir),
+    }
