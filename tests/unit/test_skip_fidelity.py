@@ -178,14 +178,17 @@ def test_a_spike_skip_puts_the_buffers_back_too(tmp_path: Path) -> None:
 
 
 def test_sync_free_bundle_read_a_step_late_holds_the_pre_step_buffers(tmp_path: Path) -> None:
-    """The sync-free step captures step 0 during step 1, after step 1's forward wrote the
-    buffers again: the bundle must still hold step 0's start (the keeper's other copy)."""
+    """The sync-free step captures step 0 during step 1, after step 1's (good) forward wrote
+    the buffers: the bundle must still hold step 0's start, here the initial buffers."""
     torch.manual_seed(0)
-    model = ZeroStartScale()
+    model = BufferNet()
     opt = _adam_fused(model)
-    with tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0, max_consecutive=10) as guard:
-        train_guarded(guard, model, opt, batches(3), fused=True)
-    assert guard.state.nonfinite_steps[0] == 0
+    with tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0) as guard:
+        train_guarded(guard, model, opt, batches(3, bad=0), fused=True)
+    assert list(guard.state.nonfinite_steps) == [0]
     bundle = tg.load_bundle(next((tmp_path / "captures").glob("step-*")))
+    saved = bundle.model_state(0)
     assert bundle.step == 0
-    assert float(bundle.model_state(0)["scale"]) == 0.0
+    assert int(saved["bn.num_batches_tracked"]) == 0 and int(saved["norm.count"]) == 0
+    assert torch.equal(saved["bn.running_mean"], torch.zeros(8))
+    assert int(model.bn.num_batches_tracked) == 2  # steps 1 and 2 were applied
