@@ -72,7 +72,10 @@ def test_autocast_off_replays_in_float32_where_the_step_is_finite(fp16_bundle: P
     r = tg.replay(fp16_bundle, cases.overflow_factory, autocast="off", repeats=1).to_dict()
     assert (r["reproduced"], r["verdict"]) == (False, "not_reproduced")
     assert r["autocast"]["enabled"] is False and r["autocast"]["source"] == "option"
-    assert "replay without --autocast to run it as it ran" in r["summary"]
+    assert r["summary"] == (
+        "The step is finite when replayed under off (float32) (--autocast off), but it ran "
+        "under cpu autocast float16: replay without --autocast to run it as it ran."
+    )
 
 
 def test_cuda_autocast_recorded_runs_as_cpu_autocast_and_says_so(

@@ -1,10 +1,15 @@
 """Replay: re-run a captured step anywhere and say what went wrong.
 
 - ``runner``    ``replay()``: rebuild the model, load the bundle, re-run, diagnose
+- ``origin``    which rank made the non-finite values, which only received them
+- ``autocast``  the autocast state the step ran under, re-entered on the replay's device
+- ``replicas``  replicated parameters that differ across the bundle's ranks
+- ``explain``   what a multi-rank or finite replay says beyond the diagnosis
 - ``trace``     ``trace()`` / ``diagnose()``: the same diagnosis on live objects
 - ``engine``    runs -> report, shared by both
 - ``stepper``   one forward/loss/backward of the captured micro-batches
 - ``localize``  the tracer: root op, NaN-maker, the hops between them and the loss
+- ``masks``     mask values written on purpose; reductions over fully masked rows
 - ``sites``     module stack and the user's source line; ``seeds``: pre-step non-finite
 - ``chain``     the path and the roots as plain data
 - ``bisect``    the culprit samples

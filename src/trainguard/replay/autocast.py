@@ -119,19 +119,32 @@ def _dtype_name(value: Any) -> str | None:
     return str(dtype).removeprefix("torch.")
 
 
-def not_reproduced_note(used: Autocast) -> str:
-    """For a replay that stayed finite: whether it ran otherwise than the step did."""
+OTHERWISE_ADVICE = (
+    "Replay the step under the autocast it ran under (leave out --autocast): a step that is "
+    "non-finite under float16 or bfloat16 autocast and finite in float32 is an overflow of "
+    "that dtype, not a fault of the device."
+)
+
+
+def unrecorded_note(used: Autocast) -> str:
+    """For a finite replay of a bundle that did not record its autocast state."""
+    if used.source != "unknown" or used.enabled:
+        return ""
+    return (
+        " The bundle did not record the autocast state and the replay ran in float32: if "
+        "the loop ran under autocast, replay with --autocast float16 or bfloat16."
+    )
+
+
+def otherwise_summary(used: Autocast) -> str | None:
+    """For a finite replay under ``--autocast`` other than the half autocast the step ran
+    under: the summary (the device is no suspect); None when it ran as recorded."""
     recorded = used.recorded or {}
-    if used.source == "unknown" and not used.enabled:
-        return (
-            " The bundle did not record the autocast state and the replay ran in float32: if "
-            "the loop ran under autocast, replay with --autocast float16 or bfloat16."
-        )
     ran_half = bool(recorded.get("enabled")) and recorded.get("dtype") in HALF
-    if used.source == "option" and ran_half and used.dtype != recorded.get("dtype"):
-        return (
-            f" The step ran under {recorded.get('device_type')} autocast "
-            f"{recorded.get('dtype')}, the replay under {used.text()}: replay without "
-            "--autocast to run it as it ran."
-        )
-    return ""
+    if used.source != "option" or not ran_half or used.dtype == recorded.get("dtype"):
+        return None
+    return (
+        f"The step is finite when replayed under {used.text()}, but it ran under "
+        f"{recorded.get('device_type')} autocast {recorded.get('dtype')}: replay without "
+        "--autocast to run it as it ran."
+    )

@@ -144,8 +144,10 @@ def explain_received(found: RankOrigin, bundle: Bundle, run_rank: RankRun) -> li
     (from the manifest's loss ranks, else by replaying the other ranks with bad gradients);
     sets ``found.received_from``."""
     losses = loss_ranks(bundle)
+    if found.rank in losses:  # its own loss went bad: nothing came from elsewhere
+        return []
     if losses:
-        found.received_from = [r for r in losses if r != found.rank]
+        found.received_from = losses
         return found.received_from
     others = [r for r in grad_ranks(bundle) if r != found.rank and r in replayable(bundle)]
     found.replays = [_replay(r, run_rank) for r in others]

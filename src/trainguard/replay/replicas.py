@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 
 from trainguard.capture.bundle import Bundle
+from trainguard.replay.report import ReplayReport
+from trainguard.replay.verdicts import ADVICE
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +110,22 @@ class ReplicaCheck:
             f"The replicas disagree before the step: {len(self.mismatches)} replicated {noun} "
             f"across ranks {self.ranks}: {shown}{extra}."
         )
+
+
+def apply_replicas(report: ReplayReport, replicas: ReplicaCheck, rank: int) -> None:
+    """Replicas that disagree are the verdict, before the numerical classes; the step's own
+    diagnosis follows (or, when it replays finite, that it does)."""
+    if not replicas.mismatches:
+        return
+    report.details["verdict_of_step"] = report.verdict
+    report.verdict = "replica_mismatch"
+    report.advice = ADVICE["replica_mismatch"]
+    rest = report.summary
+    if not report.reproduced:
+        losses = report.details.get("replayed", {}).get("losses") or []
+        loss = f" (loss {losses[0]:.6g})" if losses else ""
+        rest = f"The step itself replays finite on rank {rank}{loss}."
+    report.summary = f"{replicas.sentence()} {rest}"
 
 
 def check_replicas(bundle: Bundle, names: Sequence[str]) -> ReplicaCheck:

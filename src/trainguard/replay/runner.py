@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import logging
 import os
 import sys
@@ -45,10 +44,10 @@ from trainguard.errors import BundleError, ReplayError
 from trainguard.replay import autocast as precision
 from trainguard.replay import origin
 from trainguard.replay.engine import diagnose_runs
-from trainguard.replay.replicas import ReplicaCheck, check_replicas
+from trainguard.replay.explain import explain
+from trainguard.replay.replicas import apply_replicas, check_replicas
 from trainguard.replay.report import KEYS, ReplayReport
 from trainguard.replay.stepper import RunResult, StepRunner
-from trainguard.replay.verdicts import ADVICE, RECEIVED_ADVICE
 
 logger = logging.getLogger(__name__)
 
@@ -313,11 +312,9 @@ def replay(
     part = _prepare(opened, spec, who, target, autocast)
     runs = [part.runner.run(strict=True) for _ in range(repeats)]
     report = diagnose_runs(part.runner, runs, part.meta, str(target), bisect, opened.history)
-    _explain_origin(report, found, opened, run_rank)
-    if not report.reproduced:
-        report.summary += precision.not_reproduced_note(part.autocast)
+    explain(report, found, opened, run_rank, part.autocast)
     replicas = check_replicas(opened, [name for name, _ in spec.model.named_parameters()])
-    _apply_replicas(report, replicas, who)
+    apply_replicas(report, replicas, who)
     report.details.update(
         bundle=str(opened.path),
         step=opened.step,
@@ -338,64 +335,3 @@ def replay(
         seconds=round(time.monotonic() - start, 3),
     )
     return report
-
-
-def _explain_origin(
-    report: ReplayReport, found: origin.RankOrigin, bundle: Bundle, run_rank: origin.RankRun
-) -> None:
-    """Say which rank made the non-finite values; a rank that only received them is not
-    "not reproduced, suspect its device"."""
-    if report.reproduced:
-        sentence = origin.origin_sentence(found)
-        report.summary += f" {sentence}" if sentence else ""
-        return
-    if (
-        bundle.world_size > 1
-        and found.method == "option"
-        and origin.explain_received(found, bundle, run_rank)
-    ):
-        losses = report.details.get("replayed", {}).get("losses") or []
-        report.summary = origin.received_summary(found, losses[0] if losses else None)
-        report.advice = RECEIVED_ADVICE
-        return
-    if found.method == "replay" and not found.origin_ranks:
-        report.summary += origin.none_reproduces(found)
-        return
-    report.summary += recurrence_note(bundle, found.rank)
-
-
-def _apply_replicas(report: ReplayReport, replicas: ReplicaCheck, rank: int) -> None:
-    """Replicas that disagree are the verdict, before the numerical classes; the step's own
-    diagnosis follows (or, when it replays finite, that it does)."""
-    if not replicas.mismatches:
-        return
-    report.details["verdict_of_step"] = report.verdict
-    report.verdict = "replica_mismatch"
-    report.advice = ADVICE["replica_mismatch"]
-    rest = report.summary
-    if not report.reproduced:
-        losses = report.details.get("replayed", {}).get("losses") or []
-        loss = f" (loss {losses[0]:.6g})" if losses else ""
-        rest = f"The step itself replays finite on rank {rank}{loss}."
-    report.summary = f"{replicas.sentence()} {rest}"
-
-
-def recurrence_note(bundle: Bundle, rank: int) -> str:
-    """For a step that did not reproduce: how often this rank and its host went bad in the
-    run's other captures (a fault that keeps hitting one GPU or node points at hardware)."""
-    host = (bundle.meta(rank).get("env") or {}).get("host")
-    captures = sorted(p for p in bundle.path.parent.glob("step-*") if p.is_dir())
-    same_rank = 0
-    for folder in captures:
-        try:
-            manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        same_rank += rank in manifest.get("ranks", [])
-    where = f"rank {rank}" + (f" on host {host}" if host else "")
-    if len(captures) > 1 and same_rank > 1:
-        return (
-            f" It went bad on {where} in {same_rank} of the run's {len(captures)} captures: "
-            f"suspect that GPU or node (test it, or exclude {host or 'it'} and rerun)."
-        )
-    return f" It went bad on {where}: if it happens there again, suspect that GPU or node."

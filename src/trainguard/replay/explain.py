@@ -1,0 +1,74 @@
+"""What a replay says beyond its diagnosis: which rank made the non-finite values, and why
+a replay that stayed finite did.
+
+- reproduced: the origin rank made it, and which ranks only received it (origin.py);
+- finite on a ``--rank`` that received it from another rank: that, not "suspect its device";
+- finite under another ``--autocast`` than the step ran under: that (autocast.py);
+- finite on every rank: none of them made it in its own forward and backward;
+- otherwise a transient fault, with how often the rank and its host went bad in the run's
+  other captures (a fault that keeps hitting one GPU or node points at hardware).
+"""
+
+from __future__ import annotations
+
+import json
+
+from trainguard.capture.bundle import Bundle
+from trainguard.replay import autocast as precision
+from trainguard.replay import origin
+from trainguard.replay.report import ReplayReport
+from trainguard.replay.verdicts import RECEIVED_ADVICE
+
+
+def explain(
+    report: ReplayReport,
+    found: origin.RankOrigin,
+    bundle: Bundle,
+    run_rank: origin.RankRun,
+    autocast: precision.Autocast,
+) -> None:
+    """Say which rank made the non-finite values; a rank that only received them, or a step
+    replayed under another autocast than it ran, is not "not reproduced, suspect its
+    device"."""
+    if report.reproduced:
+        sentence = origin.origin_sentence(found)
+        report.summary += f" {sentence}" if sentence else ""
+        return
+    if (
+        bundle.world_size > 1
+        and found.method == "option"
+        and origin.explain_received(found, bundle, run_rank)
+    ):
+        losses = report.details.get("replayed", {}).get("losses") or []
+        report.summary = origin.received_summary(found, losses[0] if losses else None)
+        report.advice = RECEIVED_ADVICE
+        return
+    otherwise = precision.otherwise_summary(autocast)
+    note = precision.unrecorded_note(autocast)
+    if otherwise is not None:  # replayed under another autocast than the step ran under
+        report.summary, report.advice = otherwise, precision.OTHERWISE_ADVICE
+    elif found.method == "replay" and not found.origin_ranks:
+        report.summary += origin.none_reproduces(found) + note
+    else:
+        report.summary += recurrence_note(bundle, found.rank) + note
+
+
+def recurrence_note(bundle: Bundle, rank: int) -> str:
+    """For a step that did not reproduce: how often this rank and its host went bad in the
+    run's other captures (a fault that keeps hitting one GPU or node points at hardware)."""
+    host = (bundle.meta(rank).get("env") or {}).get("host")
+    captures = sorted(p for p in bundle.path.parent.glob("step-*") if p.is_dir())
+    same_rank = 0
+    for folder in captures:
+        try:
+            manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        same_rank += rank in manifest.get("ranks", [])
+    where = f"rank {rank}" + (f" on host {host}" if host else "")
+    if len(captures) > 1 and same_rank > 1:
+        return (
+            f" It went bad on {where} in {same_rank} of the run's {len(captures)} captures: "
+            f"suspect that GPU or node (test it, or exclude {host or 'it'} and rerun)."
+        )
+    return f" It went bad on {where}: if it happens there again, suspect that GPU or node."
