@@ -1,11 +1,13 @@
 """Which tool names the cause of a non-finite step: trainguard vs detect_anomaly vs sherlorch.
 
-Runs every case of tests/support/nan_cases.py (13 classic causes) plus a one-off fault on
-one rank (a real capture of a guarded run, replayed), under three tools:
+Runs every case of tests/support/nan_cases.py (15 classic causes) plus four real captures of
+guarded runs, replayed (_diagnosis_bundles.py: a one-off fault, a float16 overflow under
+the loop's autocast, a backward NaN on rank 1 of a 2-rank DDP run, replicas that differ),
+under three tools:
 
 - **trainguard**: ``tg.diagnose(model, loss_fn, batch, bisect=True)`` (the bundle replay's
   engine; the divergence case gets the run's history, as a bundle carries it), and
-  ``tg.replay`` of the captured bundle for the one-off fault;
+  ``tg.replay`` of the captured bundle for the bundle cases;
 - **anomaly + hooks**: ``torch.autograd.detect_anomaly(check_nan=True)`` around forward and
   backward, plus forward hooks and full backward hooks on every module that record the first
   module whose output (forward) or input gradient (backward) is non-finite: the approach of
@@ -27,7 +29,6 @@ import json
 import logging
 import re
 import sys
-import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -40,9 +41,11 @@ from torch import Tensor, nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 
+import _diagnosis_bundles as bundles  # noqa: E402
 import nan_cases as nc  # type: ignore[import-not-found]  # noqa: E402
 
 import trainguard as tg  # noqa: E402
+from trainguard.replay.report import ReplayReport  # noqa: E402
 
 DOCS_BLOCK = "diagnosis-table"
 FIELDS = ("phase", "op", "module", "line", "sample")
@@ -55,8 +58,13 @@ def _finite(t: Any) -> bool:
     return not isinstance(t, Tensor) or bool(torch.isfinite(t.detach()).all())
 
 
-def _line_in_cases(text: str | None) -> int | None:
-    found = re.findall(r"nan_cases\.py[\"']?(?:, line |:)(\d+)", text or "")
+def _file(case: Any) -> str:
+    """The source file the case's expected line is in."""
+    return str(case.extra.get("file", "nan_cases.py"))
+
+
+def _line_in(text: str | None, file: str) -> int | None:
+    found = re.findall(re.escape(file) + r"[\"']?(?:, line |:)(\d+)", text or "")
     return int(found[-1]) if found else None
 
 
@@ -66,16 +74,22 @@ def _line_in_cases(text: str | None) -> int | None:
 def run_trainguard(case: Any) -> Named:
     model, loss_fn, batch = case.build()
     history = nc.diverging_run()[3] if case.name == "divergence" else None
-    r = tg.diagnose(model, loss_fn, batch, bisect=True, history=history).to_dict()
+    return trainguard_named(tg.diagnose(model, loss_fn, batch, bisect=True, history=history), case)
+
+
+def trainguard_named(report: ReplayReport, case: Any) -> Named:
+    """What a trainguard report names (a live diagnosis or a bundle replay)."""
+    r = report.to_dict()
     ops = [r["op"], (r.get("backward") or {}).get("forward_op")]
+    rank = f" (rank {r['rank']})" if "rank" in r else ""
     return {
         "phase": r["phase"] if r["reproduced"] else "none",
         "op": [o for o in ops if o],
         "module": r["module"],
-        "line": _line_in_cases(r["source"]),
+        "line": _line_in(r["source"], _file(case)),
         "sample": [c["position"] for c in r["culprit_samples"]],
         "verdict": r["verdict"],
-        "said": f"{r['verdict']}: {r['summary']}",
+        "said": f"{r['verdict']}{rank}: {r['summary']}",
     }
 
 
@@ -124,7 +138,7 @@ def run_anomaly(case: Any) -> Named:
         "phase": phase,
         "op": op,
         "module": module if module != "(model)" else None,
-        "line": _line_in_cases(trace) if error else None,
+        "line": _line_in(trace, _file(case)) if error else None,
         "sample": [],
         "said": said.splitlines()[0],
     }
@@ -159,37 +173,11 @@ def run_sherlorch(case: Any) -> Named:
             "phase": phase,
             "op": [culprit.op_name],
             "module": module,
-            "line": _line_in_cases(culprit.location),
+            "line": _line_in(culprit.location, _file(case)),
             "sample": [],
             "said": said,
         }
     return {"phase": phase, "op": [], "module": None, "line": None, "sample": [], "said": said}
-
-
-# -- the one-off fault: a real capture, replayed -----------------------------------------------
-
-
-def transient_case() -> dict[str, Any]:
-    """A gradient corrupted after backward on one step (rank 0 of 1): not in the code."""
-    import tg_capture_models as models  # type: ignore[import-not-found]
-
-    from trainguard.testing import Fault, FaultPlan
-
-    run_dir = Path(tempfile.mkdtemp(prefix="tg-diagnosis-"))
-    data = models.batches("clean", 3, bad_step=-1)
-    plan = FaultPlan([Fault(step=1, where="grad")])
-    models.train(models.make_model("clean"), models.ce_loss, data, run_dir, plan=plan)
-    (bundle,) = (run_dir / "captures").glob("step-*")
-    report = tg.replay(bundle, models.clean_factory)
-    step_batch = data[1]
-    loss_fn = models.ce_loss
-
-    def build() -> tuple[nn.Module, Any, Any]:
-        model = models.clean_factory()[0]
-        model.load_state_dict(tg.load_bundle(bundle).model_state(0))
-        return model, loss_fn, step_batch
-
-    return {"report": report, "build": build}
 
 
 # -- scoring ------------------------------------------------------------------------------------
@@ -199,8 +187,14 @@ ALIASES = {"addmm": ("linear",)}
 """The same op named at the torch-function level (sherlorch) instead of the aten level."""
 
 
+def _expected_line(case: Any) -> int | None:
+    if not case.line:
+        return None
+    return int(case.extra["line"]) if "line" in case.extra else int(nc.root_line(case.name))
+
+
 def score(case: Any, named: Named) -> dict[str, str]:
-    expected_line = nc.root_line(case.name) if case.line else None
+    expected_line = _expected_line(case)
     out = {"phase": "yes" if named["phase"] == case.phase else "no"}
     if case.op is None:
         out["op"] = "n/a"
@@ -246,16 +240,18 @@ def run_suite() -> list[dict[str, Any]]:
         for tool, runner in RUNNERS.items():
             named = _safe(runner, case)
             tools[tool] = {"named": named, "score": score(case, named)}
-        rows.append(
-            {
-                "case": case.name,
-                "description": case.description,
-                "expected": _expected(case),
-                "tools": tools,
-            }
-        )
-    rows.append(_transient_row())
+        rows.append(_row(case, tools))
+    rows.extend(_bundle_row(row) for row in bundles.bundle_rows())
     return rows
+
+
+def _row(case: Any, tools: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "case": case.name,
+        "description": case.description,
+        "expected": _expected(case),
+        "tools": tools,
+    }
 
 
 def _expected(case: Any) -> dict[str, Any]:
@@ -263,47 +259,23 @@ def _expected(case: Any) -> dict[str, Any]:
         "phase": case.phase,
         "op": case.op,
         "module": case.module,
-        "line": nc.root_line(case.name) if case.line else None,
+        "line": _expected_line(case),
         "sample": case.sample,
         "verdict": case.verdict,
+        **({"rank": case.extra["rank"]} if "rank" in case.extra else {}),
     }
 
 
-def _transient_row() -> dict[str, Any]:
-    made = transient_case()
-    report = made["report"]
-    case = nc.NanCase(
-        "one_off_fault",
-        "a one-off fault after backward (rank 0 of 1)",
-        made["build"],
-        "none",
-        None,
-        None,
-        False,
-        None,
-        "not_reproduced",
-    )
+def _bundle_row(made: bundles.BundleRow) -> dict[str, Any]:
+    """A captured bundle: trainguard replays it; the other tools run its live objects."""
     tools = {}
     for tool, runner in RUNNERS.items():
         if tool == "trainguard":
-            named = {
-                "phase": "none" if not report.reproduced else report.phase,
-                "op": [],
-                "module": None,
-                "line": None,
-                "sample": [],
-                "verdict": report.verdict,
-                "said": f"{report.verdict}: {report.summary}",
-            }
+            named = trainguard_named(made.report, made.case)
         else:
-            named = _safe(runner, case)
-        tools[tool] = {"named": named, "score": score(case, named)}
-    return {
-        "case": case.name,
-        "description": case.description,
-        "expected": {"phase": "none (not reproducible)", "verdict": "not_reproduced"},
-        "tools": tools,
-    }
+            named = _safe(runner, made.case)
+        tools[tool] = {"named": named, "score": score(made.case, named)}
+    return _row(made.case, tools)
 
 
 # -- the table ----------------------------------------------------------------------------------

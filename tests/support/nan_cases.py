@@ -120,6 +120,34 @@ class HalfLinear(nn.Module):
         return F.linear(x.half(), w, b).float()  # ROOT:fp16_overflow
 
 
+class AutocastWide(nn.Module):
+    """A linear layer with unit weights: float16 under autocast (the loss_fn enters it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        nn.init.constant_(self.lin.weight, 1.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x)  # ROOT:fp16_autocast
+
+
+def ce_autocast(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    """The loop's ``with torch.autocast("cpu", dtype=torch.float16): loss = ...``."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        return ce(model, batch)
+
+
+class FeatureAttention(nn.Module):
+    """Self-attention over a sample's features; a feature that is exactly 0 is padding."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        scores = x[:, :, None] * x[:, None, :]
+        scores = scores.masked_fill((x == 0)[:, None, :], float("-inf"))
+        attn = torch.softmax(scores, dim=-1)  # ROOT:masked_row
+        return (attn @ x[:, :, None]).squeeze(-1)
+
+
 class Softplus(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return torch.log(1 + torch.exp(x * 20.0))  # ROOT:softplus
@@ -213,6 +241,14 @@ def _case_exp_overflow() -> tuple[nn.Module, LossFn, Any]:
 
 def _case_fp16_overflow() -> tuple[nn.Module, LossFn, Any]:
     return Net(HalfLinear()), ce, (_with_sample(_x(8), 0, 2.0e4), _y())
+
+
+def _case_fp16_autocast() -> tuple[nn.Module, LossFn, Any]:
+    return Net(AutocastWide()), ce_autocast, (_with_sample(_x(14), 0, 2.0e4), _y())
+
+
+def _case_masked_row() -> tuple[nn.Module, LossFn, Any]:
+    return Net(FeatureAttention()), ce, (_with_sample(_x(15), 6, 0.0), _y())
 
 
 def _case_softplus() -> tuple[nn.Module, LossFn, Any]:
@@ -371,6 +407,28 @@ CASES = [
         "overflow_fp16",
         notes="explicit .half() ops (CPU autocast also runs linear in float16 in torch 2.13, "
         "but a GPU is where this usually happens)",
+    ),
+    NanCase(
+        "fp16_autocast",
+        "a linear layer overflows 65504 under the loop's CPU float16 autocast",
+        _case_fp16_autocast,
+        "forward",
+        "addmm",
+        "pre.lin",
+        True,
+        0,
+        "overflow_fp16",
+    ),
+    NanCase(
+        "masked_row",
+        "softmax of a row the padding mask covers entirely (a sample with no valid feature)",
+        _case_masked_row,
+        "forward",
+        "_softmax",
+        "pre",
+        True,
+        6,
+        "masked_row",
     ),
     NanCase(
         "softplus",
