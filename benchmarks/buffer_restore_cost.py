@@ -95,7 +95,28 @@ class Job:
         return self._loss(model, batch)
 
 
-def run_mode(job: Job, mode: str, steps: int, warmup: int) -> float:
+class HookClock:
+    """Times the guard's step-start work inside a run (copy of the changed buffers, RNG and
+    autocast state at the first forward; learning which buffers changed at the decision): a
+    direct cost that the machine's run-to-run noise does not blur."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, owner: Any, name: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+
+def run_mode(job: Job, mode: str, steps: int, warmup: int, clock: HookClock | None = None) -> float:
     """Median milliseconds per step of ``steps`` timed steps after ``warmup``."""
     model = job.model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -107,6 +128,9 @@ def run_mode(job: Job, mode: str, steps: int, warmup: int) -> float:
             restore = mode == "guard"
             config = tg.GuardConfig(run_dir=run_dir, hang_timeout=0, restore_buffers=restore)
             guard = tg.Guard(model, opt, config=config)
+            if clock is not None:
+                clock.wrap(guard._start, "begin")
+                clock.wrap(guard._start.buffers, "learn")
         batches = guard.watch(data) if guard is not None else iter(data)
         start = time.perf_counter()
         for i, batch in enumerate(batches):
@@ -152,28 +176,44 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rng = random.Random(0)
     results: dict[str, Any] = {"machine": machine_info(), "time": now_iso(), "workloads": {}}
-    rows = []
+    rows: list[list[object]] = []
     for name in ("transformer", "bnconv"):
         job = Job(name, args.quick)
         steps = args.steps or (4 if args.quick else (15 if name == "transformer" else 60))
         per_mode: dict[str, list[float]] = {mode: [] for mode in MODES}
         for mode in MODES:  # a discarded round: first-use costs (allocator, imports)
             run_mode(job, mode, 2, warmup=1)
+        hook_ms: dict[str, list[float]] = {"guard": [], "guard_no_restore": []}
         for _ in range(args.rounds):
             order = list(MODES)
             rng.shuffle(order)
             for mode in order:
-                per_mode[mode].append(run_mode(job, mode, steps, warmup=3))
+                clock = HookClock() if mode != "bare" else None
+                per_mode[mode].append(run_mode(job, mode, steps, warmup=3, clock=clock))
+                if clock is not None:
+                    hook_ms[mode].append(clock.seconds * 1e3 / (steps + 3))
         ratios = {
             "guard/bare": [g / b for g, b in zip(per_mode["guard"], per_mode["bare"], strict=True)],
             "guard/no_restore": [
                 g / n for g, n in zip(per_mode["guard"], per_mode["guard_no_restore"], strict=True)
             ],
         }
-        results["workloads"][name] = {"ms_per_step": per_mode, "ratios": ratios, "steps": steps}
+        share = {
+            mode: median(values) / median(per_mode["bare"]) for mode, values in hook_ms.items()
+        }
+        results["workloads"][name] = {
+            "ms_per_step": per_mode,
+            "ratios": ratios,
+            "steps": steps,
+            "step_start_ms_per_step": hook_ms,
+            "step_start_share_of_bare_step": share,
+        }
         for key, values in ratios.items():
             low, high = quartiles(values)
             rows.append([name, key, median(values), low, high, median(per_mode["bare"])])
+        for mode, values in hook_ms.items():
+            rows.append([name, f"{mode}: step-start ms", median(values), None, None, None])
+            rows.append([name, f"{mode}: step-start share", share[mode], None, None, None])
     results["hooks"] = hook_costs(2000 if args.quick else 20000)
     results["rounds"] = args.rounds
     print(markdown_table(["workload", "ratio", "median", "q25", "q75", "bare ms/step"], rows))
