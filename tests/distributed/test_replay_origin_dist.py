@@ -26,17 +26,18 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-def run_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The two 2-rank DDP runs (one spawn): the origin run's and the replica run's dirs."""
-    origin, replica = tmp_path_factory.mktemp("origin"), tmp_path_factory.mktemp("replica")
-    ranks = values(run_ranks(cases.ddp_worker, 2, str(origin), str(replica), timeout=100))
+def run_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """The three 2-rank DDP runs (one spawn): the origin, replica and loss-only runs' dirs."""
+    dirs = tuple(tmp_path_factory.mktemp(name) for name in ("origin", "replica", "loss"))
+    ranks = values(run_ranks(cases.ddp_worker, 2, *map(str, dirs), timeout=100))
     assert [r["origin"]["nonfinite_steps"] for r in ranks] == [[2], [2]]
     assert [r["replica"]["nonfinite_steps"] for r in ranks] == [[1], [1]]
-    return origin, replica
+    assert [r["loss"]["nonfinite_steps"] for r in ranks] == [[1], [1]]
+    return dirs  # type: ignore[return-value]
 
 
 @pytest.fixture(scope="module")
-def origin_bundle(run_dirs: tuple[Path, Path]) -> Path:
+def origin_bundle(run_dirs: tuple[Path, Path, Path]) -> Path:
     return run_dirs[0] / "captures" / "step-00000002"
 
 
@@ -77,7 +78,9 @@ def test_replaying_the_rank_that_received_it_says_so(
     assert "  rank 0: own replay finite" in out and "-> received" in out
 
 
-def test_one_ranks_corrupted_weight_is_a_replica_mismatch(run_dirs: tuple[Path, Path]) -> None:
+def test_one_ranks_corrupted_weight_is_a_replica_mismatch(
+    run_dirs: tuple[Path, Path, Path],
+) -> None:
     bundle = run_dirs[1] / "captures" / "step-00000001"
     r = tg.replay(bundle, models.clean_factory, repeats=1).to_dict()
     assert (r["verdict"], r["advice"]) == ("replica_mismatch", ADVICE["replica_mismatch"])
@@ -93,3 +96,25 @@ def test_one_ranks_corrupted_weight_is_a_replica_mismatch(run_dirs: tuple[Path, 
     )
     args = ["replay", str(bundle), "--factory", "tg_capture_models:clean_factory"]
     assert main(args) == EXIT_FINDING  # a finding, though the step replays finite
+
+
+def test_a_rank_that_stayed_finite_while_another_went_bad_is_no_suspect(
+    run_dirs: tuple[Path, Path, Path],
+) -> None:
+    """Rank 1's loss is 0/0, no gradient flows through it: rank 0 received nothing."""
+    bundle = run_dirs[2] / "captures" / "step-00000001"
+    manifest = tg.load_bundle(bundle).manifest
+    assert (manifest["loss_ranks"], manifest["grad_ranks"]) == ([1], [])
+    r = tg.replay(bundle, models.loss_factory, rank=0, repeats=1).to_dict()
+    assert (r["verdict"], r["bad_elsewhere"], r["received_from"]) == ("not_reproduced", [1], [])
+    assert r["summary"].startswith(
+        "Rank 0's step was finite when it ran and is finite when replayed"
+    )
+    assert "went non-finite on rank 1, not here" in r["summary"]
+    assert "suspect" not in r["summary"] and "not a suspect" in r["advice"]
+    default = tg.replay(bundle, models.loss_factory, repeats=1).to_dict()
+    assert (default["rank"], default["verdict"], default["op"]) == (
+        1,
+        "batch_statistics",
+        "aten.div",
+    )

@@ -6,7 +6,9 @@
   ``sqrt``'s gradient 0/0 in backward (finite loss); DDP's all-reduce spreads it to rank 0.
 - ``replica_worker``: a 2-rank DDP run whose rank 1 nudges one weight by +1e-3 after DDP's
   start-up broadcast (a rank-local write); a loss fault on rank 1 triggers the capture.
-- ``ddp_worker``: both, one after the other, in one spawn.
+- ``loss_only_worker``: a 2-rank DDP run whose rank 1's loss is 0/0 (an empty class) while
+  every gradient stays finite.
+- ``ddp_worker``: these, one after the other, in one spawn.
 - ``set_meta``: rewrite keys of a rank's ``meta.json`` (and its manifest checksum), e.g. the
   ``autocast`` key the guard records.
 """
@@ -125,9 +127,25 @@ def replica_worker(rank: int, world: int, run_dir: str) -> dict[str, Any]:
     return {"nonfinite_steps": list(guard.state.nonfinite_steps)}
 
 
-def ddp_worker(rank: int, world: int, origin_dir: str, replica_dir: str) -> dict[str, Any]:
-    """Both runs above in one spawn (the process start-up is most of a test's time)."""
-    return {
+def loss_only_worker(rank: int, world: int, run_dir: str) -> dict[str, Any]:
+    """Rank 1's batch at step 1 lacks a class: its class-balanced loss is 0/0 = NaN, but no
+    gradient flows through the empty class, so every rank's gradients stay finite."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    data = models.batches("loss", 2, bad_step=1 if rank == 1 else -1, seed=rank)
+    model = DistributedDataParallel(models.make_model("loss"))
+    guard = models.train(model, models.balanced_loss, data, run_dir)
+    return {"nonfinite_steps": list(guard.state.nonfinite_steps)}
+
+
+def ddp_worker(
+    rank: int, world: int, origin_dir: str, replica_dir: str, loss_dir: str | None = None
+) -> dict[str, Any]:
+    """The runs above in one spawn (the process start-up is most of a test's time)."""
+    out = {
         "origin": origin_worker(rank, world, origin_dir),
         "replica": replica_worker(rank, world, replica_dir),
     }
+    if loss_dir is not None:
+        out["loss"] = loss_only_worker(rank, world, loss_dir)
+    return out

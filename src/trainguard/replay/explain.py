@@ -2,7 +2,8 @@
 a replay that stayed finite did.
 
 - reproduced: the origin rank made it, and which ranks only received it (origin.py);
-- finite on a ``--rank`` that received it from another rank: that, not "suspect its device";
+- finite on a ``--rank`` that received it from another rank, or was fine while another went
+  bad: that, not "suspect its device";
 - finite under another ``--autocast`` than the step ran under: that (autocast.py);
 - finite on every rank: none of them made it in its own forward and backward;
 - otherwise a transient fault, with how often the rank and its host went bad in the run's
@@ -17,7 +18,7 @@ from trainguard.capture.bundle import Bundle
 from trainguard.replay import autocast as precision
 from trainguard.replay import origin
 from trainguard.replay.report import ReplayReport
-from trainguard.replay.verdicts import RECEIVED_ADVICE
+from trainguard.replay.verdicts import ELSEWHERE_ADVICE, RECEIVED_ADVICE
 
 
 def explain(
@@ -37,11 +38,11 @@ def explain(
     if (
         bundle.world_size > 1
         and found.method == "option"
-        and origin.explain_received(found, bundle, run_rank)
+        and origin.went_bad_elsewhere(found, bundle, run_rank)
     ):
         losses = report.details.get("replayed", {}).get("losses") or []
-        report.summary = origin.received_summary(found, losses[0] if losses else None)
-        report.advice = RECEIVED_ADVICE
+        report.summary = origin.elsewhere_summary(found, losses[0] if losses else None)
+        report.advice = RECEIVED_ADVICE if found.received else ELSEWHERE_ADVICE
         return
     otherwise = precision.otherwise_summary(autocast)
     note = precision.unrecorded_note(autocast)

@@ -67,8 +67,14 @@ class RankOrigin:
     origin_ranks: list[int] = field(default_factory=list)
     received_ranks: list[int] = field(default_factory=list)
     replays: list[RankReplay] = field(default_factory=list)
-    received_from: list[int] = field(default_factory=list)
-    """``--rank`` replayed finite: the ranks it received the non-finite values from."""
+    bad_elsewhere: list[int] = field(default_factory=list)
+    """``--rank`` replayed finite: the ranks where the step went non-finite instead."""
+    received: bool = False
+    """... and this rank's gradients were non-finite: it received them from those ranks."""
+
+    @property
+    def received_from(self) -> list[int]:
+        return self.bad_elsewhere if self.received else []
 
     def to_details(self) -> dict[str, Any]:
         return {
@@ -76,6 +82,7 @@ class RankOrigin:
             "origin_ranks": self.origin_ranks,
             "received_ranks": self.received_ranks,
             "rank_replays": [r.to_dict() for r in self.replays],
+            "bad_elsewhere": self.bad_elsewhere,
             "received_from": self.received_from,
         }
 
@@ -139,27 +146,28 @@ def _replay(rank: int, run_rank: RankRun) -> RankReplay:
     return RankReplay(rank, result.bad, result.losses, result.grad_norm, result.bad_params)
 
 
-def explain_received(found: RankOrigin, bundle: Bundle, run_rank: RankRun) -> list[int]:
-    """``--rank R`` replayed finite: the ranks whose own step made the non-finite values
-    (from the manifest's loss ranks, else by replaying the other ranks with bad gradients);
-    sets ``found.received_from``."""
-    losses = loss_ranks(bundle)
+def went_bad_elsewhere(found: RankOrigin, bundle: Bundle, run_rank: RankRun) -> list[int]:
+    """``--rank R`` replayed finite: the ranks whose own step went non-finite (the
+    manifest's loss ranks, else those of the other ranks with bad gradients whose own
+    replay is non-finite); sets ``found.bad_elsewhere`` and ``found.received`` (R's
+    gradients were non-finite: they came from there)."""
+    losses, grads = loss_ranks(bundle), grad_ranks(bundle)
     if found.rank in losses:  # its own loss went bad: nothing came from elsewhere
         return []
+    found.received = found.rank in grads
     if losses:
-        found.received_from = losses
-        return found.received_from
-    others = [r for r in grad_ranks(bundle) if r != found.rank and r in replayable(bundle)]
+        found.bad_elsewhere = losses
+        return losses
+    others = [r for r in grads if r != found.rank and r in replayable(bundle)]
     found.replays = [_replay(r, run_rank) for r in others]
     for replay in found.replays:
         replay.role = "origin" if replay.reproduced else "received"
-    found.received_from = [r.rank for r in found.replays if r.reproduced]
-    found.origin_ranks = list(found.received_from)
-    if found.received_from:
-        found.received_ranks = sorted(
-            {found.rank, *(r.rank for r in found.replays if not r.reproduced)}
-        )
-    return found.received_from
+    found.bad_elsewhere = [r.rank for r in found.replays if r.reproduced]
+    found.origin_ranks = list(found.bad_elsewhere)
+    if found.bad_elsewhere:
+        not_origin = (r.rank for r in found.replays if not r.reproduced)
+        found.received_ranks = sorted({found.rank, *not_origin})
+    return found.bad_elsewhere
 
 
 def origin_sentence(found: RankOrigin) -> str:
@@ -190,15 +198,22 @@ def origin_sentence(found: RankOrigin) -> str:
     return ""
 
 
-def received_summary(found: RankOrigin, loss: float | None) -> str:
-    """The summary of a ``--rank`` whose own replay is finite, as another rank made the NaN."""
-    source = _ranks(found.received_from)
+def elsewhere_summary(found: RankOrigin, loss: float | None) -> str:
+    """The summary of a ``--rank`` whose own replay is finite while the step went bad on
+    another rank: it received the non-finite gradients from there, or it was fine."""
+    source = _ranks(found.bad_elsewhere)
     value = f" (loss {loss:.6g}, finite gradients)" if loss is not None else ""
     how = "whose own replay reproduces them" if found.replays else "where the loss went non-finite"
+    again = f"Replay without --rank (or with --rank {found.bad_elsewhere[0]}) to diagnose it."
+    if not found.received:
+        return (
+            f"Rank {found.rank}'s step was finite when it ran and is finite when replayed"
+            f"{value}: the step went non-finite on {source}, not here. {again}"
+        )
     return (
         f"Rank {found.rank}'s own step is finite when replayed{value}: it received the "
         f"non-finite gradients through the gradient all-reduce; they arose on {source}, {how}. "
-        f"Replay without --rank (or with --rank {found.received_from[0]}) to diagnose it."
+        f"{again}"
     )
 
 

@@ -217,6 +217,8 @@ def _ranks_text(report: dict[str, Any]) -> str:
         parts.append(f"received through the all-reduce on {received}")
     if report.get("received_from"):
         parts.append(f"rank {report.get('rank')} received it from {report['received_from']}")
+    elif report.get("bad_elsewhere"):
+        parts.append(f"rank {report.get('rank')} was fine (bad on {report['bad_elsewhere']})")
     return "; ".join(parts) + f" ({how})"
 
 

@@ -85,6 +85,12 @@ RECEIVED_ADVICE = (
 )
 """The advice of a ``--rank`` whose own replay is finite while another rank made the NaN."""
 
+ELSEWHERE_ADVICE = (
+    "The step went non-finite on another rank, not on this one: diagnose that rank (replay "
+    "without --rank); this rank's device is not a suspect."
+)
+"""The advice of a ``--rank`` that was finite while another rank went non-finite."""
+
 DOMAIN_OPS = frozenset(
     f"aten.{name}"
     for name in [
