@@ -164,10 +164,6 @@ _NOT_ROOTS = ("constant", "untracked")
 """Roots that are no cause of their own: ``masked_fill(mask, -inf)`` is deliberate."""
 
 
-def _inputs_of(operands: Any) -> list[Tensor]:
-    return _float_tensors(operands)
-
-
 class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Records the origins of non-finite values while a step runs (see the module docstring).
 
@@ -319,13 +315,15 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> None:
         """Remember finite outputs that hold mask values: written by a mask op with a huge
         constant, or computed from such a tensor and still holding huge values."""
-        if masks.writes_masks(func) and masks.mask_constant(func, tree_flatten(operands)[0]):
-            for t in outs:
-                self._masks[t] = site or self._site(func)
-            return
+        if masks.writes_masks(func):  # checked first: flattening every op's args costs
+            flat, _ = tree_flatten(operands)
+            if masks.mask_constant(func, flat) is not None:
+                for t in outs:
+                    self._masks[t] = site or self._site(func)
+                return
         if not len(self._masks):
             return
-        source = next((self._masks[t] for t in _inputs_of(operands) if t in self._masks), None)
+        source = next((self._masks[t] for t in _float_tensors(operands) if t in self._masks), None)
         for t in outs:
             if source is not None and masks.holds_huge(t):
                 self._masks[t] = source
@@ -339,7 +337,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return True
         if not len(self._masks):
             return False
-        marked = [t for t in _inputs_of(operands) if t in self._masks]
+        marked = [t for t in _float_tensors(operands) if t in self._masks]
         return masks.explained_by_masks(bad, marked)
 
     def _hop(
