@@ -4,8 +4,38 @@ from __future__ import annotations
 
 import math
 
+import torch
+from torch import Tensor
+
 
 def norm_or_inf(norm: float) -> float:
     """A gradient norm as reported: NaN (a NaN gradient) becomes Inf, so a bad norm reads one
     way in events, bundles and replays."""
     return norm if math.isfinite(norm) else math.inf
+
+
+_SPARSE_LAYOUTS = (
+    torch.sparse_coo,
+    torch.sparse_csr,
+    torch.sparse_csc,
+    torch.sparse_bsr,
+    torch.sparse_bsc,
+)
+
+
+def is_sparse(tensor: Tensor) -> bool:
+    """A sparse layout: COO (``nn.Embedding(sparse=True)``), CSR, CSC, BSR or BSC."""
+    return tensor.layout in _SPARSE_LAYOUTS
+
+
+def stored_values(tensor: Tensor) -> Tensor:
+    """A strided tensor holding what ``tensor`` stores: itself when strided; a sparse tensor's
+    specified values (a COO tensor coalesced first: duplicate indices summed, as in its dense
+    form), so their norm and their largest ``|x|`` are those of the dense tensor."""
+    if tensor.layout == torch.strided:
+        return tensor
+    if tensor.layout == torch.sparse_coo:
+        return tensor.coalesce().values()
+    if is_sparse(tensor):
+        return tensor.values()
+    return tensor.to_dense()

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from trainguard.errors import ConfigError
-from trainguard.step.detect import is_sparse, local_grad, named_parameters
+from trainguard.numerics import is_sparse
+from trainguard.step.detect import local_grad, named_parameters
 
 
 def _rank() -> int:

@@ -249,3 +249,30 @@ def test_float64_gradients_are_checked_and_clipped(tmp_path: Path) -> None:
     guard.close()
     assert results == [True, False, True]
     assert [e["params"] for e in _nonfinite(tmp_path)] == [["head.weight"]]
+
+
+def test_a_sparse_models_bundle_replays(tmp_path: Path) -> None:
+    """Replay reads sparse gradients by their stored values (it crashed on isfinite/pow)."""
+    from tg_sparse import SparseNet, loss_fn, make_batches
+
+    from trainguard.replay import ReplaySpec, replay
+
+    torch.manual_seed(0)
+    model = SparseNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    data = make_batches(3, seed=1)
+    data[1][2, 3] = 7
+    with tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0) as guard:
+        for i, batch in enumerate(guard.watch(data)):
+            if i == 1:
+                with torch.no_grad():
+                    model.emb.weight[7, 0] = float("inf")  # the row batch 1 reads
+            loss = loss_fn(model, batch)
+            loss.backward()
+            if guard.check(loss):
+                opt.step()
+            opt.zero_grad()
+    bundle = next((tmp_path / "captures").glob("step-*"))
+    report = replay(bundle, ReplaySpec(SparseNet(), loss_fn), repeats=1, bisect=False)
+    assert report.reproduced
+    assert report.verdict == "nonfinite_weights"

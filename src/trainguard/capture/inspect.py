@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from trainguard.capture import batchtree
 from trainguard.capture.bundle import Bundle, load_bundle
 
@@ -41,12 +43,28 @@ def inspect_bundle(path: Path | str | Bundle) -> dict[str, Any]:
 
 
 def _weights_identical(bundle: Bundle) -> bool | None:
-    """Replicated (DDP) runs: do the ranks' weight files have the same checksum?"""
+    """Replicated (DDP) runs: are the ranks' parameters the same? Equal checksums of the
+    weight files answer at once; otherwise the parameters (the names with gradients in
+    ``meta.json``) are compared, since buffers such as BatchNorm statistics are each rank's
+    own under DDP and differ by design."""
     if bundle.sharded or bundle.world_size < 2:
         return None
     files = bundle.files
     sums = {str(files.get(f"rank-{r}/model.pt")) for r in bundle.saved_ranks}  # crc32 + bytes
-    return len(sums) == 1
+    if len(sums) == 1:
+        return True
+    names: set[str] = set()
+    for rank in bundle.saved_ranks:
+        names.update((bundle.meta(rank).get("param_grad_norms") or {}).keys())
+    if not names:
+        return False
+    states = [bundle.model_state(r) for r in bundle.saved_ranks]
+    first = states[0]
+    return all(
+        name in state and name in first and torch.equal(state[name], first[name])
+        for state in states[1:]
+        for name in names
+    )
 
 
 def _rank_summary(bundle: Bundle, rank: int) -> dict[str, Any]:

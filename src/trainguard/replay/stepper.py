@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from trainguard.capture import batchtree
 from trainguard.capture.rng import rng_state, set_rng_state
 from trainguard.errors import ReplayError
-from trainguard.numerics import norm_or_inf
+from trainguard.numerics import norm_or_inf, stored_values
 from trainguard.replay.autocast import OFF, Autocast
 from trainguard.replay.localize import NonFiniteTracer
 
@@ -178,7 +178,7 @@ class StepRunner:
             for name, param in self._params:
                 if param.grad is None:
                     continue
-                grad = param.grad.detach()
+                grad = stored_values(param.grad.detach())  # a sparse gradient's values
                 if not bool(torch.isfinite(grad).all()):
                     result.bad_params.append(name)
                 sumsq = sumsq + grad.double().pow(2).sum()

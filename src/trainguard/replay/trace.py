@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from trainguard.capture import batchtree
 from trainguard.capture.rng import rng_state, set_rng_state
 from trainguard.errors import ReplayError
+from trainguard.numerics import stored_values
 from trainguard.replay.diagnosis import finding_of
 from trainguard.replay.engine import Culprits, diagnose_runs, report_of
 from trainguard.replay.localize import NonFiniteTracer, Origin
@@ -97,7 +98,7 @@ class Trace:
         for root in self.modules.roots:
             for name, param in root.named_parameters():
                 grad = param.grad
-                if grad is not None and not bool(torch.isfinite(grad).all()):
+                if grad is not None and not bool(torch.isfinite(stored_values(grad)).all()):
                     result.bad_params.append(name)
         result.grads_finite = not result.bad_params
         return result

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from trainguard.numerics import is_sparse, stored_values
+
 
 @dataclass
 class GradStats:
@@ -132,33 +134,6 @@ def _norms_on(grads: list[Tensor], device: torch.device) -> list[Tensor]:
 
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """What the fused pass accumulates in float32 (``dtype=`` refuses to narrow float64/complex)."""
-
-
-_SPARSE_LAYOUTS = (
-    torch.sparse_coo,
-    torch.sparse_csr,
-    torch.sparse_csc,
-    torch.sparse_bsr,
-    torch.sparse_bsc,
-)
-
-
-def is_sparse(tensor: Tensor) -> bool:
-    """A sparse layout: COO (``nn.Embedding(sparse=True)``), CSR, CSC, BSR or BSC."""
-    return tensor.layout in _SPARSE_LAYOUTS
-
-
-def stored_values(tensor: Tensor) -> Tensor:
-    """A strided tensor holding what ``tensor`` stores: itself when strided; a sparse tensor's
-    specified values (a COO tensor coalesced first: duplicate indices summed, as in its dense
-    form), so their norm and their largest ``|x|`` are those of the dense tensor."""
-    if tensor.layout == torch.strided:
-        return tensor
-    if tensor.layout == torch.sparse_coo:
-        return tensor.coalesce().values()
-    if is_sparse(tensor):
-        return tensor.values()
-    return tensor.to_dense()
 
 
 def _fused_takes(grad: Tensor) -> bool:

@@ -23,15 +23,15 @@ from torch import Tensor
 
 from trainguard.capture import batchtree
 from trainguard.events import EventLog
+from trainguard.numerics import is_sparse, stored_values
 from trainguard.step.consensus import Agreement
-from trainguard.step.detect import is_sparse, stored_values
 
 logger = logging.getLogger(__name__)
 
 
 def float_tensors(batches: Sequence[Any]) -> list[Tensor]:
     """The non-empty floating-point tensors of the batches (detached; no copies); a sparse
-    tensor by its stored values (``detect.stored_values``: a COO tensor coalesced)."""
+    tensor by its stored values (``numerics.stored_values``: a COO tensor coalesced)."""
     found: list[Tensor] = []
     for batch in batches:
         for tensor in batchtree.tensors(batch):
