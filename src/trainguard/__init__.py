@@ -9,6 +9,7 @@ from trainguard.errors import (
     NonFiniteError,
     PeerFailureError,
     ReplayError,
+    ReplicaDivergenceError,
     TrainGuardError,
 )
 from trainguard.events import read_events
@@ -31,6 +32,7 @@ __all__ = [
     "NonFiniteError",
     "PeerFailureError",
     "ReplayError",
+    "ReplicaDivergenceError",
     "TrainGuardError",
     "__version__",
     "ReplayReport",

@@ -9,7 +9,8 @@ catches all of them::
     ├── LossScaleCollapseError  fp16 loss scale fell below the configured floor (every rank)
     ├── BundleError          a capture bundle is missing, damaged or of another format
     ├── ReplayError          a bundle cannot be replayed with the given factory
-    └── PeerFailureError     another rank failed and published why
+    ├── PeerFailureError     another rank failed and published why
+    └── ReplicaDivergenceError  replicated weights differ across ranks (every rank)
 """
 
 from __future__ import annotations
@@ -95,3 +96,26 @@ class PeerFailureError(TrainGuardError):
 
 def _rebuild_peer_failure(message: str, rank: int | None) -> PeerFailureError:
     return PeerFailureError(message, rank=rank)
+
+
+class ReplicaDivergenceError(TrainGuardError):
+    """The replicated weights differ across ranks and ``on_divergence="raise"`` stops the run.
+
+    Raised on every rank at the same step. ``ranks``: the ranks that disagree with the
+    majority (every rank on a tie); ``params``: the parameters whose values differ.
+    """
+
+    def __init__(self, message: str, *, step: int, ranks: list[int], params: list[str]) -> None:
+        super().__init__(message)
+        self.step = step
+        self.ranks = list(ranks)
+        self.params = list(params)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_divergence, (str(self), self.step, self.ranks, self.params))
+
+
+def _rebuild_divergence(
+    message: str, step: int, ranks: list[int], params: list[str]
+) -> ReplicaDivergenceError:
+    return ReplicaDivergenceError(message, step=step, ranks=ranks, params=params)

@@ -18,6 +18,7 @@ EXPECTED = {
     "PeerFailureError",
     "ReplayError",
     "ReplayReport",
+    "ReplicaDivergenceError",
     "ReplaySpec",
     "TrainGuardError",
     "__version__",
@@ -52,6 +53,7 @@ def test_exceptions_survive_pickling() -> None:
         tg.LossScaleCollapseError("scale", step=4, ranks=[0]),
         tg.BundleError("/x", "missing manifest.json"),
         tg.PeerFailureError("rank 1 failed", rank=1),
+        tg.ReplicaDivergenceError("differ", step=8, ranks=[2], params=["fc.weight"]),
     ]
     for exc in cases:
         back = pickle.loads(pickle.dumps(exc))
