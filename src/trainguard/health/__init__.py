@@ -4,6 +4,7 @@
 - ``stragglers`` the rule that names a rank slowing the job (``straggler`` events)
 - ``replicas``   replica agreement: a fingerprint of the replicated weights rides the step's
                  agreement; a divergence is reported, resynced or raised
+- ``resync``     every replica takes one rank's weights, buffers and optimizer state
 
 Offers: ``StepTimer``, ``StragglerWatch``, ``ReplicaWatch``. Imports the base modules only,
 never the step path: the guard hands the agreed numbers in.

@@ -1,0 +1,148 @@
+"""Replica agreement across 4 real processes (gloo, DDP): a weight nudged on one rank is
+named within ``replica_check_every`` steps on every rank, and ``on_divergence`` acts the
+same way everywhere (warn, resync to bit-identical state, raise at the same step).
+
+One spawned job runs every scenario in sequence (the process start-up is paid once). Every
+rank trains on the same batches with ``broadcast_buffers=False``, so the BatchNorm buffers
+evolve identically and a resync has buffers of its own to repair.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tg_dist import run_ranks, values
+from tg_models import make_batches
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainguard as tg
+
+WORLD = 4
+EVERY = 4
+ODD_RANK = 2
+PARAM = "fc.weight"
+
+
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.head(torch.tanh(self.bn(self.fc(x))))
+        return out
+
+
+def _nudge(rank: int, step: int, fault_step: int | None, model: BNNet, opt: Any) -> None:
+    """On the odd rank only: +1e-3 on one weight, its BN buffer and its Adam moment."""
+    if rank != ODD_RANK or step != fault_step:
+        return
+    with torch.no_grad():
+        model.fc.weight[3, 5].add_(1e-3)
+        model.bn.running_mean[3].add_(1e-3)
+        state = opt.state.get(model.fc.weight, {})
+        if "exp_avg" in state:
+            state["exp_avg"][3, 5].add_(1e-3)
+
+
+def _state(model: BNNet, opt: torch.optim.Optimizer) -> dict[str, Tensor]:
+    tensors = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for i, p in enumerate(model.parameters()):
+        for key, value in opt.state[p].items():
+            tensors[f"opt.{i}.{key}"] = value.detach().clone()
+    return tensors
+
+
+def _run(
+    rank: int,
+    run_dir: Path,
+    fault_step: int | None,
+    steps: int = 12,
+    fused: bool = False,
+    **kw: Any,
+) -> dict[str, Any]:
+    torch.manual_seed(0)
+    inner = BNNet()
+    model = DDP(inner, broadcast_buffers=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    error = None
+    guard = tg.Guard(model, opt, run_dir=run_dir, replica_check_every=EVERY, **kw)
+    try:
+        for batch in guard.watch(make_batches(steps, seed=0)):
+            _nudge(rank, guard.state.step, fault_step, inner, opt)
+            loss = model(batch).pow(2).mean()
+            loss.backward()
+            if fused:
+                guard.step(loss)
+                continue
+            if guard.check(loss):
+                opt.step()
+            opt.zero_grad()
+    except tg.ReplicaDivergenceError as exc:
+        error = {"step": exc.step, "ranks": exc.ranks, "params": exc.params}
+    finally:
+        guard.close()
+    return {"state": _state(inner, opt), "error": error, "diverged_at": guard.replicas.diverged_at}
+
+
+def _job(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    base = Path(root)
+    return {
+        "healthy": _run(rank, base / "healthy", None),
+        "warn": _run(rank, base / "warn", 8),
+        "resync": _run(rank, base / "resync", 8, on_divergence="resync"),
+        "raise": _run(rank, base / "raise", 8, on_divergence="raise"),
+        # the sync-free guard.step() reads each agreement a step late; off-cadence fault
+        "fused": _run(rank, base / "fused", 9, steps=16, fused=True, on_divergence="resync"),
+    }
+
+
+def _divergences(run_dir: Path, rank: int) -> list[dict[str, Any]]:
+    return [e for e in tg.read_events(run_dir, rank) if e["kind"] == "replica_divergence"]
+
+
+def _identical(states: list[dict[str, Tensor]]) -> list[str]:
+    """Names of the tensors that are not bit-identical on every rank."""
+    first = states[0]
+    return [k for k in first if not all(torch.equal(s[k], first[k]) for s in states[1:])]
+
+
+@pytest.mark.timeout(120)
+def test_replica_divergence_four_ranks(tmp_path: Path) -> None:
+    runs = values(run_ranks(_job, WORLD, str(tmp_path), timeout=110))
+
+    for rank in range(WORLD):  # healthy: checked at 0, 4, 8, never differs
+        assert _divergences(tmp_path / "healthy", rank) == []
+        assert runs[rank]["healthy"]["diverged_at"] is None
+    assert _identical([r["healthy"]["state"] for r in runs]) == []
+
+    for rank in range(WORLD):  # warn: named on every rank at the fault's check
+        (event,) = _divergences(tmp_path / "warn", rank)
+        assert event["step"] == 8 and event["ranks"] == [ODD_RANK]
+        assert event["params"] == [PARAM] and event["majority_rank"] == 0
+        assert event["action"] == "warn" and event["tie"] is False
+        assert runs[rank]["warn"]["diverged_at"] == 8
+    drifted = _identical([r["warn"]["state"] for r in runs])
+    assert {"model.fc.weight", "model.bn.running_mean", "opt.0.exp_avg"} <= set(drifted)
+
+    for rank in range(WORLD):  # resync: repaired at 8, all state bit-identical after
+        (event,) = _divergences(tmp_path / "resync", rank)
+        assert (event["step"], event["ranks"], event["action"]) == (8, [ODD_RANK], "resync")
+    assert _identical([r["resync"]["state"] for r in runs]) == []
+
+    errors = [r["raise"]["error"] for r in runs]  # raise: every rank, same step
+    assert errors == [{"step": 8, "ranks": [ODD_RANK], "params": [PARAM]}] * WORLD
+    for rank in range(WORLD):
+        assert [e["action"] for e in _divergences(tmp_path / "raise", rank)] == ["raise"]
+
+    for rank in range(WORLD):  # sync-free: fault at 9, named at the check of 12
+        (event,) = _divergences(tmp_path / "fused", rank)
+        assert 9 <= event["step"] < 9 + EVERY and event["ranks"] == [ODD_RANK]
+        assert event["params"] == [PARAM]
+    assert _identical([r["fused"]["state"] for r in runs]) == []
