@@ -148,6 +148,14 @@ class GuardConfig:
     straggler_min_lost: float = 0.01
     """...and the job waits for it at least this many seconds per step."""
 
+    suspect_host_after: int = 3
+    """With ``rerun``: transient faults (finite when rerun) on one host, within
+    ``suspect_host_window`` steps, after which the host is suspect: a ``suspect_host`` event
+    and every rank exits with ``EXIT_SUSPECT_HOST`` (94) so a scheduler can drain it (0: off)."""
+
+    suspect_host_window: int = 1000
+    """Steps over which ``suspect_host_after`` counts a host's transient faults."""
+
     restore_buffers: bool = True
     """Put back the module buffers a step's forward wrote (BatchNorm statistics, counters)
     whenever the step is not applied (skip, spike skip, fp16 overflow, escalation,
@@ -211,10 +219,14 @@ def _check_health(config: GuardConfig) -> None:
             "on_divergence",
             f"got {config.on_divergence!r}; use one of {', '.join(_DIVERGENCE_ACTIONS)}",
         )
-    for name in ("straggler_window", "straggler_warmup"):
+    for name in ("straggler_window", "straggler_warmup", "suspect_host_window"):
         value = getattr(config, name)
         if not isinstance(value, int) or value < 1:
             raise ConfigError(name, f"got {value!r}; use an integer >= 1")
+    if not isinstance(config.suspect_host_after, int) or config.suspect_host_after < 0:
+        raise ConfigError(
+            "suspect_host_after", f"got {config.suspect_host_after!r}; use an integer >= 0"
+        )
     if not config.straggler_slowdown > 1.0:
         raise ConfigError(
             "straggler_slowdown", f"got {config.straggler_slowdown!r}; use a factor > 1"

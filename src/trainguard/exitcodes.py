@@ -11,6 +11,10 @@ constant                  code  meaning
                                 ``run_dir/hangs/<id>/`` (``kind: "hang"``)
 ``EXIT_PEER_FAILURE``     92    another rank died, froze, or failed with an exception
                                 (``kind: "peer_failure"``)
+``EXIT_SUSPECT_HOST``     94    a host had ``suspect_host_after`` transient faults (a bad
+                                step that was finite when rerun in place) within
+                                ``suspect_host_window`` steps: drain it and restart
+                                elsewhere (``suspect_host`` event; every rank exits)
 ========================  ====  ==========================================================
 
 The values avoid the codes that mean something else already: 1 and 2 (Python errors and
@@ -29,3 +33,6 @@ EXIT_HANG = 91
 
 EXIT_PEER_FAILURE = 92
 """Survivors of a dead, frozen or failed rank exit with this code."""
+
+EXIT_SUSPECT_HOST = 94
+"""Every rank exits with this code when a host keeps making transient faults (``rerun``)."""

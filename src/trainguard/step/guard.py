@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -29,6 +30,7 @@ from trainguard.config import (
 )
 from trainguard.errors import ConfigError, NonFiniteError
 from trainguard.events import EventLog
+from trainguard.exitcodes import EXIT_SUSPECT_HOST
 from trainguard.hang.watchdog import Watchdog, start_watchdog
 from trainguard.health.replicas import ReplicaWatch
 from trainguard.health.stragglers import StragglerWatch
@@ -54,6 +56,7 @@ from trainguard.step.manual import RecordedBatches
 from trainguard.step.metrics import MetricsLog, metrics_path
 from trainguard.step.nonfinite import log_nonfinite, stop_error
 from trainguard.step.policy import Decision, decide
+from trainguard.step.rerun import LossFn, StepRerun, SuspectHosts
 from trainguard.step.sampler import SamplerEpochs
 from trainguard.step.spikewatch import SpikeWatch
 from trainguard.step.start import StepStart
@@ -92,6 +95,7 @@ class Guard:
         on_spike: SpikeAction = "warn",
         replica_check_every: int = 100,
         on_divergence: DivergenceAction = "warn",
+        rerun: LossFn | None = None,
         process_group: dist.ProcessGroup | None = None,
         config: GuardConfig | None = None,
     ) -> None:
@@ -145,11 +149,17 @@ class Guard:
         self.history = StepHistory(self.config.history_steps, metrics)
         # Recovery restores at step boundaries: it needs the decision before the update.
         sync_free = uses_fused(optimizer) and scaler is None
-        sync_free = sync_free and not recovery_enabled(self.config)
+        sync_free = sync_free and not recovery_enabled(self.config) and rerun is None
         self._sync_free = SyncFreeStep(self._sync_free_parts()) if sync_free else None
         self._is_sharded: bool | None = None
         self._mixed_grads = False  # sparse/float64 gradients seen: grad_stats' mixed pass
-        self._timer = StepTimer(unwrap(model))
+        self._rerun = self._rerun_part(rerun, scaler)
+        self._rerun_verdict: str | None = None
+        self._hosts: list[str] | None = None
+        self.suspect_hosts = SuspectHosts(
+            self.config.suspect_host_after, self.config.suspect_host_window
+        )
+        self._timer = StepTimer(unwrap(model)) if self.config.detect_stragglers else None
         self.stragglers = StragglerWatch(self.config, self.events, self.rank)
         self.replicas = ReplicaWatch(
             model,
@@ -232,6 +242,8 @@ class Guard:
             amp.unscale(self.scaler, self.optimizer)
         stats, report, sharded = self._measure(loss)
         agreement = self._consensus.agree(report, sharded)
+        if agreement.bad and self._rerun is not None:
+            agreement, stats = self._rerun_step(step, agreement)
         self._agreed(agreement, 0)
         decision = self._decide(agreement)
         self.history.record(step, agreement, decision, self.optimizer)
@@ -265,6 +277,93 @@ class Guard:
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return StepOutcome(ok)
+
+    def _rerun_part(self, rerun: LossFn | None, scaler: Any) -> StepRerun | None:
+        if rerun is None:
+            return None
+        if not callable(rerun):
+            raise ConfigError("rerun", "expected loss_fn(model, batch) -> loss, a callable")
+        if scaler is not None:
+            raise ConfigError(
+                "rerun",
+                "not supported with a GradScaler yet (an fp16 overflow is the scaler's to "
+                "handle); use rerun=None, or bf16 without a scaler",
+            )
+        return StepRerun(rerun, self.model, self._start)
+
+    def _rerun_step(self, step: int, first: Agreement) -> tuple[Agreement, GradStats]:
+        """Every rank reruns the bad step from its start and agrees again (``rerun.py``)."""
+        assert self._rerun is not None  # checked by the caller
+        batches = self._step_batches(step)[0]
+        self._micro_losses = []
+        result = self._rerun.run(step, batches)
+        self._micro_losses = result.micro_losses
+        stats, report, sharded = self._measure(result.loss)
+        agreement = self._consensus.agree(report, sharded)
+        verdict = "persistent" if agreement.bad else "transient"
+        hosts = self._host_names()
+        bad_hosts = sorted({hosts[r] for r in first.ranks})
+        self.events.write(
+            "rerun",
+            step,
+            verdict=verdict,
+            where=first.where,
+            ranks=first.ranks,
+            hosts=bad_hosts,
+            losses=first.losses,
+            rerun_losses=agreement.losses,
+        )
+        self._rerun_verdict = verdict
+        if self.rank == 0:
+            logger.warning(
+                "trainguard: step %d non-finite %s on ranks %s, rerun in place: %s",
+                step,
+                first.where,
+                first.ranks,
+                verdict,
+            )
+        if verdict == "transient":
+            self._count_transient(step, bad_hosts, first.ranks)
+        return agreement, stats
+
+    def _host_names(self) -> list[str]:
+        """Every rank's host name (one gather, at the first rerun; every rank is there)."""
+        if self._hosts is None:
+            name = socket.gethostname()
+            if self._consensus.distributed and self.world_size > 1:
+                names: list[Any] = [None] * self.world_size
+                dist.all_gather_object(names, name, group=self._consensus.group)
+                self._hosts = [str(n) for n in names]
+            else:
+                self._hosts = [name]
+        return self._hosts
+
+    def _count_transient(self, step: int, hosts: list[str], ranks: list[int]) -> None:
+        """A host with too many transient faults is suspect: every rank exits with 94."""
+        suspect = self.suspect_hosts.transient(step, hosts)
+        if not suspect:
+            return
+        counts = self.suspect_hosts.counts()
+        self.events.write(
+            "suspect_host",
+            step,
+            hosts=suspect,
+            ranks=ranks,
+            transient_faults={h: counts[h] for h in suspect},
+            window=self.config.suspect_host_window,
+            exit_code=EXIT_SUSPECT_HOST,
+        )
+        logger.error(
+            "trainguard: host %s made %d transient faults within %d steps (rank %d exits "
+            "with %d): drain that node and restart the job elsewhere",
+            ", ".join(suspect),
+            max(counts[h] for h in suspect),
+            self.config.suspect_host_window,
+            self.rank,
+            EXIT_SUSPECT_HOST,
+        )
+        self._close(raise_errors=False)
+        raise SystemExit(EXIT_SUSPECT_HOST)
 
     def _sync_free_parts(self) -> SyncFreeParts:
         return SyncFreeParts(
@@ -375,7 +474,7 @@ class Guard:
         inputs = self._inputs.value(self.state.step, batches, device)
         fingerprint = self.replicas.fingerprint(self.state.step, device)
         values = torch.stack([last, check, stats.norm, inputs, fingerprint])  # one kernel
-        data_time, compute_time = self._timer.take()
+        data_time, compute_time = self._timer.take() if self._timer is not None else (0.0, 0.0)
         return LocalReport(
             values,
             exhausted=stream.exhausted if stream is not None else False,
@@ -475,6 +574,8 @@ class Guard:
         evidence.buffers = self._start.buffers.pre_step(step)
         evidence.extra["autocast"] = autocast
         evidence.extra["pre_step_buffers"] = sorted(evidence.buffers)
+        if self._rerun is not None and pending is None:
+            evidence.extra["rerun"] = self._rerun_verdict  # "persistent": reproduced in place
         with self.phase("capture"):
             return self._capturer.capture(self.model, self.optimizer, evidence, spike)
 
@@ -576,7 +677,8 @@ class Guard:
             self.events.close()
             self.history.close()
             self._start.close()
-            self._timer.close()
+            if self._timer is not None:
+                self._timer.close()
             self._consensus.work.retire()  # released at exit, not by gloo's thread (held_work)
 
     def __enter__(self) -> Guard:
