@@ -13,7 +13,7 @@ from trainguard.errors import (
     TrainGuardError,
 )
 from trainguard.events import read_events
-from trainguard.exitcodes import EXIT_HANG, EXIT_PEER_FAILURE
+from trainguard.exitcodes import EXIT_HANG, EXIT_PEER_FAILURE, EXIT_SUSPECT_HOST
 from trainguard.replay import ReplayReport, ReplaySpec, diagnose, replay, trace
 from trainguard.step import Decision, Guard
 
@@ -25,6 +25,7 @@ __all__ = [
     "ConfigError",
     "Decision",
     "EXIT_HANG",
+    "EXIT_SUSPECT_HOST",
     "EXIT_PEER_FAILURE",
     "Guard",
     "GuardConfig",

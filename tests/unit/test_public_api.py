@@ -11,6 +11,7 @@ EXPECTED = {
     "Decision",
     "EXIT_HANG",
     "EXIT_PEER_FAILURE",
+    "EXIT_SUSPECT_HOST",
     "Guard",
     "GuardConfig",
     "LossScaleCollapseError",

@@ -362,6 +362,8 @@ class Guard:
             self.rank,
             EXIT_SUSPECT_HOST,
         )
+        if self.recovery is not None:
+            self.recovery.close()  # every rank: a checkpoint being written completes first
         self._close(raise_errors=False)
         raise SystemExit(EXIT_SUSPECT_HOST)
 
