@@ -192,3 +192,14 @@ def test_sync_free_bundle_read_a_step_late_holds_the_pre_step_buffers(tmp_path: 
     assert int(saved["bn.num_batches_tracked"]) == 0 and int(saved["norm.count"]) == 0
     assert torch.equal(saved["bn.running_mean"], torch.zeros(8))
     assert int(model.bn.num_batches_tracked) == 2  # steps 1 and 2 were applied
+
+
+def test_a_bundle_after_a_replica_divergence_says_so(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = BufferNet()
+    opt = _sgd(model)
+    with tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0) as guard:
+        guard.replicas.diverged_at = 1  # as ReplicaWatch records it on every rank
+        train_guarded(guard, model, opt, batches(4, bad=2), fused=False)
+    bundle = tg.load_bundle(next((tmp_path / "captures").glob("step-*")))
+    assert bundle.meta(0)["replica_divergence"] == 1

@@ -576,6 +576,8 @@ class Guard:
         evidence.buffers = self._start.buffers.pre_step(step)
         evidence.extra["autocast"] = autocast
         evidence.extra["pre_step_buffers"] = sorted(evidence.buffers)
+        if self.replicas.diverged_at is not None:  # the replicas disagreed before this step
+            evidence.extra["replica_divergence"] = self.replicas.diverged_at
         if self._rerun is not None and pending is None:
             evidence.extra["rerun"] = self._rerun_verdict  # "persistent": reproduced in place
         with self.phase("capture"):
