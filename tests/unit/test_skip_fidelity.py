@@ -203,3 +203,19 @@ def test_a_bundle_after_a_replica_divergence_says_so(tmp_path: Path) -> None:
         train_guarded(guard, model, opt, batches(4, bad=2), fused=False)
     bundle = tg.load_bundle(next((tmp_path / "captures").glob("step-*")))
     assert bundle.meta(0)["replica_divergence"] == 1
+
+
+def test_rerun_without_the_steps_batches_says_so_and_the_policy_goes_on(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = BufferNet()
+    opt = _sgd(model)
+    with tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0, rerun=loss_fn) as guard:
+        for batch in batches(4, bad=2):  # not through watch(): no batches to rerun
+            loss = loss_fn(model, batch)
+            loss.backward()
+            if guard.check(loss):
+                opt.step()
+            opt.zero_grad()
+    assert list(guard.state.nonfinite_steps) == [2]
+    reruns = _events(tmp_path, "rerun")
+    assert [(e["step"], e["verdict"]) for e in reruns] == [(2, "unavailable")]

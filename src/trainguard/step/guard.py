@@ -243,7 +243,7 @@ class Guard:
         stats, report, sharded = self._measure(loss)
         agreement = self._consensus.agree(report, sharded)
         if agreement.bad and self._rerun is not None:
-            agreement, stats = self._rerun_step(step, agreement)
+            agreement, stats = self._rerun_step(step, agreement, stats)
         self._agreed(agreement, 0)
         decision = self._decide(agreement)
         self.history.record(step, agreement, decision, self.optimizer)
@@ -291,10 +291,21 @@ class Guard:
             )
         return StepRerun(rerun, self.model, self._start)
 
-    def _rerun_step(self, step: int, first: Agreement) -> tuple[Agreement, GradStats]:
+    def _rerun_step(
+        self, step: int, first: Agreement, first_stats: GradStats
+    ) -> tuple[Agreement, GradStats]:
         """Every rank reruns the bad step from its start and agrees again (``rerun.py``)."""
         assert self._rerun is not None  # checked by the caller
         batches = self._step_batches(step)[0]
+        if not batches:  # the loop neither iterates watch() nor calls record_batch()
+            self._rerun_verdict = None
+            self.events.write("rerun", step, verdict="unavailable", reason="no batches")
+            logger.warning(
+                "trainguard: step %d cannot be rerun: the guard has not seen its batches "
+                "(iterate guard.watch(loader) or call guard.record_batch(batch))",
+                step,
+            )
+            return first, first_stats
         self._micro_losses = []
         result = self._rerun.run(step, batches)
         self._micro_losses = result.micro_losses
