@@ -223,3 +223,47 @@ def test_raise_names_the_option_and_the_fix(tmp_path: Path) -> None:
         watch.observe(8, fingerprints)
     assert (info.value.step, info.value.ranks, info.value.params) == (8, [2], ["head.weight"])
     assert [e["action"] for e in tg.read_events(tmp_path)] == ["raise"]
+
+
+def test_resync_rebuilds_a_missing_optimizer_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receiving rank whose optimizer never stepped ends with the source's exact state:
+    the source's broadcasts are recorded, then replayed into the receiver in order."""
+    import trainguard.health.resync as resync
+
+    torch.manual_seed(0)
+    source = TinyNet()
+    receiver = copy.deepcopy(source)
+    with torch.no_grad():
+        receiver.head.weight.add_(1.0)
+    src_opt = torch.optim.Adam(source.parameters(), lr=0.1)
+    source(torch.randn(3, 8)).sum().backward()
+    src_opt.step()
+    recv_opt = torch.optim.Adam(receiver.parameters(), lr=0.1)  # no state at all
+    sent: list[torch.Tensor] = []
+    layout: list[object] = []
+
+    def record(tensor: torch.Tensor, src: int, group: object = None) -> None:
+        sent.append(tensor.clone())
+
+    def record_layout(holder: list[object], src: int, group: object = None) -> None:
+        layout.append(holder[0])
+
+    monkeypatch.setattr(resync.dist, "broadcast", record)
+    monkeypatch.setattr(resync.dist, "broadcast_object_list", record_layout)
+    resync.broadcast_state(source, src_opt, 0, None, CPU)
+
+    def replay(tensor: torch.Tensor, src: int, group: object = None) -> None:
+        tensor.copy_(sent.pop(0))
+
+    def replay_layout(holder: list[object], src: int, group: object = None) -> None:
+        holder[0] = layout[0]
+
+    monkeypatch.setattr(resync.dist, "broadcast", replay)
+    monkeypatch.setattr(resync.dist, "broadcast_object_list", replay_layout)
+    resync.broadcast_state(receiver, recv_opt, 0, None, CPU)
+    assert sent == []
+    for a, b in zip(source.parameters(), receiver.parameters(), strict=True):
+        assert torch.equal(a, b)
+        src_state, recv_state = src_opt.state[a], recv_opt.state[b]
+        assert set(src_state) == set(recv_state) == {"step", "exp_avg", "exp_avg_sq"}
+        assert all(torch.equal(src_state[k], recv_state[k]) for k in src_state)
