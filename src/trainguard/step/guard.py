@@ -36,7 +36,12 @@ from trainguard.health.replicas import ReplicaWatch
 from trainguard.health.stragglers import StragglerWatch
 from trainguard.health.timing import StepTimer
 from trainguard.progress import Progress
-from trainguard.recovery import TrainingObjects, build_recovery, recovery_enabled
+from trainguard.recovery import (
+    TrainingObjects,
+    build_recovery,
+    record_final_stop,
+    recovery_enabled,
+)
 from trainguard.step import amp
 from trainguard.step.capturer import Capturer, step_evidence, unwrap
 from trainguard.step.consensus import Agreement, Consensus, LocalReport
@@ -248,9 +253,10 @@ class Guard:
         decision = self._decide(agreement)
         self.history.record(step, agreement, decision, self.optimizer)
         self.state.step = step + 1
-        self._health(step, agreement)
         try:
-            return self._apply(decision, agreement, stats, step)
+            applied = self._apply(decision, agreement, stats, step)
+            self._health(step, agreement)  # after a skip's restore: a resync is not undone
+            return applied
         finally:
             self._micro_losses = []
             self._step_taken(step)
@@ -550,7 +556,9 @@ class Guard:
         if decision is Decision.ESCALATE:
             if self._rolled_back(step, self.spikes.consecutive):
                 return False
-            raise self.spikes.error(step, bundle)
+            error = self.spikes.error(step, bundle)
+            record_final_stop(self.config, self.rank, error, self.recovery, "spike")
+            raise error
         consecutive = self.spikes.consecutive
         self.events.write(
             "skip", step, reason="spike", consecutive=consecutive, buffers_restored=restored
@@ -649,7 +657,10 @@ class Guard:
         self, decision: Decision, agreement: Agreement, step: int, bundle: Path | None = None
     ) -> NonFiniteError:
         streak, config, scaler = self.state.consecutive_nonfinite, self.config, self.scaler
-        return stop_error(decision, agreement, step, bundle, config, streak, scaler, self.events)
+        error = stop_error(decision, agreement, step, bundle, config, streak, scaler, self.events)
+        if decision is Decision.ESCALATE:  # the final stop: a restart into it is refused
+            record_final_stop(config, self.rank, error, self.recovery)
+        return error
 
     # -- lifecycle ------------------------------------------------------------------------
 
