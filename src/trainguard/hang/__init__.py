@@ -12,11 +12,21 @@
   from), and the cadences derived from it
 - ``report``    ``run_dir/hangs/<id>/report.json``
 - ``stacks``    stack dumps: every thread, py-spy when installed, faulthandler fallback
+- ``collectives`` the collective a stalled rank waits in (``CollectiveProbe``), from
+  ``flight_recorder`` (torch's record of the group's collectives) or ``frames`` (the main
+  thread's Python stack), as a ``collective_record.CollectiveRecord``
+- ``mismatch``  the ranks' collectives compared: the first differing one, and the culprits
+
+Importing this package turns torch's flight recorder on where nothing set it and no process
+group exists yet (``flight_recorder.enable_by_default``).
 
 Offers: ``Watchdog``, ``start_watchdog``. Imports only the shared base modules
 (``progress``, ``events``, ``exitcodes``, ``errors``).
 """
 
+from trainguard.hang.flight_recorder import enable_by_default
 from trainguard.hang.watchdog import Watchdog, start_watchdog
+
+enable_by_default()
 
 __all__ = ["Watchdog", "start_watchdog"]

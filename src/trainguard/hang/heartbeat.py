@@ -4,6 +4,10 @@ A heartbeat carries two counters: ``seq`` grows on every watchdog tick (the watc
 is alive), ``beats`` grows whenever the training loop makes progress (``Progress.enter``).
 Readers never compare the clocks of two hosts: they note, on their own monotonic clock,
 when they last saw each counter change, and judge the peer from those local ages.
+
+A rank whose loop has stalled for a while adds ``collective``: the collective it waits in
+(``collective_record.CollectiveRecord.to_dict``), so the watcher that judges a hang can
+compare the ranks' collectives. Absent (not even ``null``) the rest of the time.
 """
 
 from __future__ import annotations
@@ -28,9 +32,13 @@ class Heartbeat:
     state: str = "running"
     host: str = ""
     pid: int = 0
+    collective: dict[str, Any] | None = None
 
     def encode(self) -> str:
-        return json.dumps(vars(self), separators=(",", ":"))  # asdict: 4x slower
+        fields = vars(self)  # asdict: 4x slower
+        if self.collective is None:
+            fields = {k: v for k, v in fields.items() if k != "collective"}
+        return json.dumps(fields, separators=(",", ":"))
 
     @staticmethod
     def decode(raw: bytes | str) -> Heartbeat | None:
@@ -60,6 +68,8 @@ class RankView:
     """Seconds since its ``beats`` counter last changed: its training loop's progress."""
     host: str = ""
     pid: int = 0
+    collective: dict[str, Any] | None = None
+    """Its collective record (the latest heartbeat's), once its loop stalled."""
 
     def to_dict(self) -> dict[str, Any]:
         record = asdict(self)
@@ -131,4 +141,5 @@ class PeerTracker:
             progress_age=now - seen.beats_at,
             host=beat.host,
             pid=beat.pid,
+            collective=beat.collective,
         )

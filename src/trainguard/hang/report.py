@@ -4,9 +4,13 @@
 (ranks), ``reason``, ``exit_code``, ``decided_by`` and ``reporter`` (ranks), ``timeout``
 and ``dead_after`` (seconds), ``time`` (the reporter's unix time) and ``ranks``: per rank
 ``step``, ``phase``, ``state``, ``heartbeat_age`` and ``progress_age`` (seconds, measured
-on the reporter's clock since it last saw that rank's counters change), ``host``, ``pid``
-and ``stack_file``. Stacks are in ``rank-<r>.txt`` next to it, one file per live rank.
-Files are written atomically (temp file, then rename).
+on the reporter's clock since it last saw that rank's counters change), ``host``, ``pid``,
+``stack_file`` and ``collective`` (the collective it waited in and its last few, once its
+loop had stalled: ``collective_record.CollectiveRecord.to_dict``; null before). With
+``collective_mismatch`` (``mismatch.Mismatch.to_dict``: kind, culprits, the first differing
+sequence id, each side's ranks, collective and call sites, and the one-line ``line``) when
+the ranks' collectives disagree, else null. Stacks are in ``rank-<r>.txt`` next to it, one
+file per live rank. Files are written atomically (temp file, then rename).
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from trainguard.hang.collective_record import CollectiveRecord
 from trainguard.hang.heartbeat import RankView
-from trainguard.hang.rules import Verdict
+from trainguard.hang.rules import HANG, Verdict, collective_mismatch
 
 
 def stack_file(rank: int) -> str:
@@ -41,6 +46,7 @@ def build_report(
         record["culprit"] = view.rank in verdict.culprits
         record["stack_file"] = stack_file(view.rank)
         ranks.append(record)
+    mismatch = collective_mismatch(views) if verdict.kind == HANG else None
     return {
         "format": 1,
         "id": hang_id,
@@ -53,6 +59,7 @@ def build_report(
         "timeout": round(timeout, 3),
         "dead_after": round(dead_after, 3),
         "time": time.time(),
+        "collective_mismatch": mismatch.to_dict() if mismatch is not None else None,
         "ranks": ranks,
     }
 
@@ -64,6 +71,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"trainguard {report['kind']} report {report['id']}",
         f"culprit ranks: {culprits}",
         f"reason: {report['reason']}",
+        *mismatch_line(report),
         f"every live rank exits with code {report['exit_code']}; decided by rank "
         f"{report['decided_by']}, reported by rank {report['reporter']}",
         f"timeout {report['timeout']:g}s, dead after {report['dead_after']:g}s without heartbeat",
@@ -77,6 +85,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{r['rank']:>3}{mark}  {r['step']:>6}  {r['phase']:<10} {r['state']:<8} "
             f"{r['heartbeat_age']:>8.1f}s  {r['progress_age']:>7.1f}s  {r['host']}:{r['pid']}"
         )
+    lines += collective_lines(report)
     lines += [
         "",
         "* culprit. heartbeat / progress: seconds since the reporter last saw the rank's",
@@ -84,6 +93,52 @@ def format_report(report: dict[str, Any]) -> str:
         "Stacks: rank-<r>.txt in this folder (on each rank's host).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def mismatch_line(report: dict[str, Any]) -> list[str]:
+    """The mismatch's own line, unless the reason already says it."""
+    mismatch = report.get("collective_mismatch")
+    if not mismatch or mismatch["line"] in report["reason"]:
+        return []
+    return [mismatch["line"]]
+
+
+def collective_lines(report: dict[str, Any]) -> list[str]:
+    """Each rank's collective: what it waits in, its sequence id, call site and last ones."""
+    rows: list[tuple[str, ...]] = []
+    for r in report["ranks"]:
+        record = CollectiveRecord.from_dict(r.get("collective"))
+        if record is None:
+            continue
+        last = ", ".join(f"{c.seq} {c.op}{'' if c.done else '*'}" for c in record.last)
+        rows.append(
+            (
+                f"{r['rank']:>3}{'*' if r['culprit'] else ' '}",
+                record.what,
+                "-" if record.seq is None else str(record.seq),
+                record.site or "-",
+                record.source,
+                last,
+            )
+        )
+    if not rows:
+        return []
+    head = ("rank", "waits in", "seq", "call site", "source", "last")
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head) - 1)]
+    table = [
+        "  ".join(
+            cell.rjust(w) if i in (0, 2) else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=False))
+        )
+        + f"  {row[-1]}"
+        for row in [head, *rows]
+    ]
+    return [
+        "",
+        "collectives (seq: sequence id in the guard's process group; last: its latest",
+        "collectives from the flight recorder, * = not completed)",
+        *[line.rstrip() for line in table],
+    ]
 
 
 def _write_atomic(path: Path, text: str) -> None:

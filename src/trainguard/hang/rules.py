@@ -12,6 +12,11 @@
   in the next loop). When every training rank is at the same place, the culprits
   are the ranks that already closed or failed (the others wait for them) or, failing that,
   every rank: nobody is behind, so nobody can be singled out.
+* **Collective mismatch** (``mismatch.find_mismatch``): when the stalled ranks' collective
+  records (published with their heartbeats) disagree, the culprits are the ranks that never
+  entered the collective the others wait in, else the ranks in the minority collective; the
+  reason then says it in one line ("collective mismatch: rank 0 waits in barrier (train.py:19)
+  while ranks 1-3 wait in DDP's gradient all_reduce (train.py:22)").
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from typing import Any
 import torch.distributed as dist
 
 from trainguard.errors import NonFiniteError, PeerFailureError
+from trainguard.hang.collective_record import CollectiveRecord
 from trainguard.hang.heartbeat import RankView
+from trainguard.hang.mismatch import BEHIND, Mismatch, find_mismatch
 
 HANG = "hang"
 PEER_FAILURE = "peer_failure"
@@ -132,13 +139,38 @@ def assess(views: Sequence[RankView], me: int, timeout: float, dead_after: float
     limit = effective_timeout(views, timeout)
     if not all(v.progress_age >= limit for v in training):
         return None
-    culprits = pick_culprits(views)
+    culprits, reason = hang_culprits(views)
+    absent = [v.rank for v in views if not v.registered]
+    reason = f"no rank made progress for {limit:g}s; {reason}"
+    return Verdict(HANG, culprits, reason, by=me, reporter=me, silent=absent)
+
+
+def hang_culprits(views: Sequence[RankView]) -> tuple[list[int], str]:
+    """The culprits of a hang and why: a collective mismatch when the records show one,
+    else the ranks furthest behind."""
+    mismatch = collective_mismatch(views)
+    if mismatch is not None and mismatch.kind != BEHIND:
+        return mismatch.culprits, mismatch.line()
+    culprits = mismatch.culprits if mismatch is not None else pick_culprits(views)
     where = "; ".join(
         f"rank {v.rank} at step {v.step} in {v.phase!r}" for v in views if v.rank in culprits
     )
-    reason = f"no rank made progress for {limit:g}s; behind: {where}"
-    absent = [v.rank for v in views if not v.registered]
-    return Verdict(HANG, culprits, reason, by=me, reporter=me, silent=absent)
+    reason = f"behind: {where}"
+    return culprits, reason if mismatch is None else f"{reason}; {mismatch.line()}"
+
+
+def collective_records(views: Sequence[RankView]) -> dict[int, CollectiveRecord]:
+    """The readable collective records of the running ranks."""
+    records: dict[int, CollectiveRecord] = {}
+    for view in views:
+        record = CollectiveRecord.from_dict(view.collective)
+        if record is not None and view.registered and view.state == "running":
+            records[view.rank] = record
+    return records
+
+
+def collective_mismatch(views: Sequence[RankView]) -> Mismatch | None:
+    return find_mismatch(collective_records(views))
 
 
 def failure_verdict(rank: int, members: Sequence[int], exc: BaseException) -> Verdict:

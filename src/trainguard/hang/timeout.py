@@ -18,7 +18,8 @@ The learning rule (``hang_timeout=None``):
 Derived intervals: a rank whose heartbeat counter stops for ``dead_after(timeout)`` is dead
 or frozen (its watchdog thread no longer runs); the watchdog ticks every
 ``tick_interval(timeout)``; a frozen interpreter dumps its stacks after
-``frozen_after(timeout)`` (faulthandler fallback).
+``frozen_after(timeout)`` (faulthandler fallback); a stalled rank publishes its collective
+after ``record_after(timeout)``.
 
 ``StallMeter`` measures the stretches without progress that the learner is fed.
 """
@@ -56,6 +57,19 @@ def dead_after(timeout: float) -> float:
 def tick_interval(timeout: float) -> float:
     """Seconds between two watchdog ticks: a tenth of ``dead_after``, within [0.1, 1]."""
     return min(max(dead_after(timeout) / 10.0, 0.1), 1.0)
+
+
+def record_after(timeout: float) -> float:
+    """Seconds without local progress after which a rank publishes the collective it waits
+    in with its heartbeat: a quarter of the timeout (at least two ticks), so every stalled
+    rank's record is in the store well before a watcher declares the hang. A learned timeout
+    is 10 x the longest healthy stall, so a healthy run never gets there."""
+    return max(timeout / 4.0, 2.0 * tick_interval(timeout))
+
+
+def dump_interval(timeout: float) -> float:
+    """Seconds between two full flight-recorder dumps of a stalled rank (tens of ms each)."""
+    return timeout / 8.0
 
 
 def frozen_after(timeout: float) -> float:
@@ -108,6 +122,10 @@ class StallMeter:
         self._last_change = now
         self._from_steps = 0
         self._excluded = True
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds since the loop last made progress, as of the last ``observe``."""
+        return now - self._last_change if self._last_beats >= 0 else 0.0
 
     def observe(self, progress: Progress, steps_done: int, now: float) -> None:
         """One look at the loop (every watchdog tick)."""

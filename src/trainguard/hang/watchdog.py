@@ -7,9 +7,10 @@ One daemon thread per rank (started by ``Guard`` when torch.distributed is initi
 1. re-arms the faulthandler fallback (``stacks.FrozenDump``),
 2. notes the local loop's progress (``Progress.beats``) and feeds finished stalls to the
    adaptive timeout (``timeout.StallMeter``, ``timeout.TimeoutLearner``),
-3. writes its heartbeat and reads the heartbeats it watches and the verdict key in one
-   ``multi_get`` (``channel.StoreChannel``): a few watcher ranks read every member's, the
-   others only the watchers' (``watchers.Watch``),
+3. writes its heartbeat (once the loop has stalled for ``timeout.record_after``, with the
+   collective it waits in: ``collectives.CollectiveProbe``) and reads the heartbeats it
+   watches and the verdict key in one ``multi_get`` (``channel.StoreChannel``): a few
+   watcher ranks read every member's, the others only the watchers' (``watchers.Watch``),
 4. acts on a verdict another rank published, or judges its views itself
    (``rules.assess`` on a watcher) and publishes its verdict (the first one wins).
 
@@ -36,9 +37,10 @@ from typing import Any
 import torch.distributed as dist
 
 from trainguard.events import EventLog
-from trainguard.hang import keys
+from trainguard.hang import flight_recorder, keys
 from trainguard.hang import timeout as timing
 from trainguard.hang.channel import StoreChannel, own_connection
+from trainguard.hang.collectives import CollectiveProbe
 from trainguard.hang.exit_path import ACK_WAIT_S, SAFETY_EXIT_S, ExitPath
 from trainguard.hang.failure import FailurePublisher
 from trainguard.hang.heartbeat import Heartbeat
@@ -74,9 +76,11 @@ class Watchdog:
         faulthandler_fallback: bool = True,
         ack_wait_s: float = ACK_WAIT_S,
         watchers: list[int] | None = None,
+        probe: CollectiveProbe | None = None,
     ) -> None:
         """``watchers``: the ranks that read every heartbeat (default: ``select_watchers``
-        with ``TRAINGUARD_HANG_WATCHERS``, see ``watchers``)."""
+        with ``TRAINGUARD_HANG_WATCHERS``, see ``watchers``). ``probe``: reads the collective
+        this rank waits in once its loop stalled (None: no collective is published)."""
         self.channel = channel
         self.main_channel = main_channel
         self.rank = channel.rank
@@ -103,6 +107,7 @@ class Watchdog:
         self._store_ok_at = now
         self._step0 = progress.step
         self._stalls = StallMeter(learner, now)
+        self._probe = probe
         self._logged_timeout: tuple[str, float] | None = None
         self._exit = self._exit_path(exit_fn, ack_wait_s)
         self._failures = self._failure_publisher(ack_wait_s)
@@ -196,6 +201,7 @@ class Watchdog:
             members=self.members,
             watchers=self._watch.watchers,
             store_prefix=self.channel.prefix,
+            flight_recorder=flight_recorder.setting() if self._probe is not None else None,
         )
         self._log_timeout()
         if thread:
@@ -253,8 +259,9 @@ class Watchdog:
             self._frozen.arm(timing.frozen_after(self.timeout))
         self._stalls.observe(self.progress, self.steps_done(), now)
         self._log_timeout()
+        collective = self._collective(now)
         try:
-            self.channel.publish(self._beat())
+            self.channel.publish(self._beat(collective=collective))
             beats, verdict = self.channel.read(self._watch.reads())
         except Exception as exc:
             self._store_trouble(now, exc)
@@ -271,7 +278,22 @@ class Watchdog:
         if not self._failures.failed:  # set before this rank publishes its own failure
             self._exit.act(verdict)
 
-    def _beat(self, state: str = "running") -> Heartbeat:
+    def _collective(self, now: float) -> dict[str, Any] | None:
+        """The collective this rank waits in, once its loop has stalled for
+        ``record_after`` (not in a user phase, nor outside the loop)."""
+        p = self.progress
+        if self._probe is None or p.in_user_phase or p.phase in ("init", "done", "closed"):
+            return None
+        if self._stalls.stalled_for(now) < timing.record_after(self.timeout):
+            return None
+        try:
+            self._probe.min_dump_interval = timing.dump_interval(self.timeout)
+            return self._probe.read().to_dict()
+        except Exception as exc:  # monitoring must not take the job down
+            logger.debug("trainguard watchdog: collective not read: %s", exc)
+            return None
+
+    def _beat(self, state: str = "running", collective: dict[str, Any] | None = None) -> Heartbeat:
         self._seq += 1
         p = self.progress
         return Heartbeat(
@@ -284,6 +306,7 @@ class Watchdog:
             state=state,
             host=self._host,
             pid=self._pid,
+            collective=collective,
         )
 
     def _log_timeout(self) -> None:
@@ -381,6 +404,7 @@ def start_watchdog(
             run_dir=run_dir,
             learner=learner,
             store_host=keys.store_host(),
+            probe=CollectiveProbe(group_name(group)),
         )
         watchdog.start()
     except Exception as exc:  # monitoring must not take the job down
@@ -388,3 +412,9 @@ def start_watchdog(
         events.write("watchdog_unavailable", progress.step, error=f"{type(exc).__name__}: {exc}")
         return None
     return watchdog
+
+
+def group_name(group: dist.ProcessGroup | None) -> str:
+    """The process group's name as torch's flight recorder keys it (``"0"``: the default)."""
+    pg = group if group is not None else dist.group.WORLD
+    return str(getattr(pg, "group_name", "0"))
