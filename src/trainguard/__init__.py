@@ -13,7 +13,12 @@ from trainguard.errors import (
     TrainGuardError,
 )
 from trainguard.events import read_events
-from trainguard.exitcodes import EXIT_HANG, EXIT_PEER_FAILURE, EXIT_SUSPECT_HOST
+from trainguard.exitcodes import (
+    EXIT_DO_NOT_RESTART,
+    EXIT_HANG,
+    EXIT_PEER_FAILURE,
+    EXIT_SUSPECT_HOST,
+)
 from trainguard.replay import ReplayReport, ReplaySpec, diagnose, replay, trace
 from trainguard.step import Decision, Guard
 
@@ -24,6 +29,7 @@ __all__ = [
     "BundleError",
     "ConfigError",
     "Decision",
+    "EXIT_DO_NOT_RESTART",
     "EXIT_HANG",
     "EXIT_SUSPECT_HOST",
     "EXIT_PEER_FAILURE",

@@ -9,6 +9,7 @@ EXPECTED = {
     "BundleError",
     "ConfigError",
     "Decision",
+    "EXIT_DO_NOT_RESTART",
     "EXIT_HANG",
     "EXIT_PEER_FAILURE",
     "EXIT_SUSPECT_HOST",
