@@ -7,11 +7,18 @@ process group then can read the previous attempt's keys: gloo's peer addresses (
 two ranks pair up with stale peers and hang) and NCCL's unique id (pytorch/pytorch#135712).
 Measured here: 5 of 6 restarts of a 2-rank gloo job failed that way; with
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh store per rendezvous round) 8 of 8 passed.
+
+torchrun restarts the workers on any non-zero exit while restarts are left; a worker that
+knows a restart cannot help (``trainguard.recovery.restart``) stops the agent itself:
+``stop_agent`` sends it SIGTERM (its parent process, when that is torchrun).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Mapping
+from pathlib import Path
 
 SHARE_OFF_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 RESTART_HAZARD_FIX = (
@@ -39,3 +46,63 @@ def restart_store_hazard(env: Mapping[str, str]) -> str | None:
         "across attempts, so a restarted process group can read the previous attempt's "
         "addresses and fail to connect or hang"
     )
+
+
+def restart_count(env: Mapping[str, str]) -> int:
+    """Which attempt this is: torchrun's restarts so far (0: the first attempt, or no torchrun)."""
+    try:
+        return int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+# How torch's elastic launcher shows in its process's command line: ``torchrun`` (the console
+# script), ``python -m torch.distributed.run`` and the older ``torch.distributed.launch``.
+AGENT_COMMANDS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+
+
+def agent_pid(env: Mapping[str, str], proc: Path = Path("/proc")) -> int | None:
+    """The pid of the elastic agent that started this worker, or None when it is not sure.
+
+    torchrun's agent starts each worker as its own child (``subprocess.Popen``), so the agent
+    is the parent process, unless the worker is a grandchild (a shell wrapper, a launcher of
+    one's own). The parent counts as the agent only when this process runs under torchelastic
+    (``TORCHELASTIC_RUN_ID``) and the parent's command line names torchrun (read from
+    ``/proc``: Linux only; elsewhere None)."""
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return None
+    parent = os.getppid()
+    if parent <= 1:  # orphaned: the agent is gone
+        return None
+    try:
+        cmdline = (proc / str(parent) / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return None
+    words = cmdline.split("\0")
+    named = any(command in word for word in words[:3] for command in AGENT_COMMANDS)
+    return parent if named else None
+
+
+def stop_agent(env: Mapping[str, str], proc: Path = Path("/proc")) -> str:
+    """Keep torchrun from restarting the job: SIGTERM its agent (the worker's parent).
+
+    torchrun restarts the workers on any non-zero exit while restarts are left; it has no exit
+    code that means "do not restart". A SIGTERM makes the agent shut the workers down (it
+    sends them SIGTERM, SIGKILL after its shutdown timeout) and exit at once, status 1, with
+    ``SignalException: Process N got signal: 15`` (torch.distributed.elastic's
+    ``_terminate_process_handler``), without restarting. Only local rank 0 signals (one
+    signal per agent: a second one could cut the agent's shutdown short); with no restarts
+    left there is nothing to stop and the plain exit code ends the job. Returns what it did,
+    for the log and the event."""
+    left = max_restarts(env) - restart_count(env)
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return "not under torchrun"
+    if left <= 0:
+        return "no restarts left: torchrun ends the job on the exit code"
+    if env.get("LOCAL_RANK", "0") != "0":
+        return "local rank 0 stops the agent"
+    pid = agent_pid(env, proc)
+    if pid is None:
+        return f"the parent process is not torchrun's agent: torchrun may restart ({left} left)"
+    os.kill(pid, signal.SIGTERM)
+    return f"SIGTERM sent to torchrun's agent (pid {pid}; {left} restarts left unused)"

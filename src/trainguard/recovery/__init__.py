@@ -7,13 +7,21 @@
 - ``backoff``    the LR factor on the schedule, applied around ``optimizer.step()``
 - ``ladder``     the escalation rungs (rollback, + LR backoff, + moment reset, stop)
 - ``ledger``     the persisted skip ledger (batch positions, dataset indices)
+- ``stop``       the stop record (``run_dir/stop.json``) the guard's final stop writes
+- ``restart``    a restart into the same stop with nothing changed is refused (exit 93)
 - ``manager``    ``Recovery``: the part the guard composes (``types``: what it passes around)
 
-Offers: ``Recovery``, ``build_recovery``, ``recovery_enabled``, ``TrainingObjects``.
+Offers: ``Recovery``, ``build_recovery``, ``recovery_enabled``, ``record_final_stop``,
+``TrainingObjects``.
 Imports the base modules and ``capture`` only, never the step path.
 """
 
-from trainguard.recovery.manager import Recovery, build_recovery, recovery_enabled
+from trainguard.recovery.manager import (
+    Recovery,
+    build_recovery,
+    record_final_stop,
+    recovery_enabled,
+)
 from trainguard.recovery.snapshot import TrainingObjects
 
-__all__ = ["Recovery", "TrainingObjects", "build_recovery", "recovery_enabled"]
+__all__ = ["Recovery", "TrainingObjects", "build_recovery", "record_final_stop", "recovery_enabled"]

@@ -1,4 +1,5 @@
-"""One small collective that checks every rank chose the same value (a step to restore)."""
+"""Small collectives: every rank chose the same value (a step to restore), a flag true on
+every rank, the largest of a few numbers over the ranks."""
 
 from __future__ import annotations
 
@@ -22,3 +23,14 @@ def true_on_every_rank(flag: bool, group: dist.ProcessGroup | None, device: torc
     value = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
     return bool(value.item() == 1.0)
+
+
+def max_over_ranks(
+    values: list[int], group: dist.ProcessGroup | None, device: torch.device
+) -> list[int]:
+    """Each of ``values``' largest value over every rank (one all-reduce)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    both = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return [int(v) for v in both.tolist()]

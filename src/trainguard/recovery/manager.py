@@ -2,7 +2,9 @@
 
 The guard calls it at four points, all reached by every rank at the same step with agreed
 data: ``step_boundary`` (before a step's first batch), ``after_step`` (the step's agreed
-outcome), ``rollback`` (on escalation) and ``watch`` (a new epoch's stream).
+outcome), ``rollback`` (on escalation) and ``watch`` (a new epoch's stream). At its final
+stop the guard calls ``record_final_stop`` (``stop.py``); the first ``watch()`` of a resumed
+run checks that record (``restart.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch.distributed as dist
 
 from trainguard.capture.rng import rng_state, set_rng_state
 from trainguard.config import GuardConfig
-from trainguard.elastic import RESTART_HAZARD_FIX, restart_store_hazard
+from trainguard.elastic import RESTART_HAZARD_FIX, restart_count, restart_store_hazard
+from trainguard.errors import NonFiniteError
 from trainguard.events import EventLog
 from trainguard.recovery import checkpoint as ckpt
 from trainguard.recovery import snapshot as snap
@@ -27,7 +30,9 @@ from trainguard.recovery.backoff import Backoff, LrFactor
 from trainguard.recovery.ladder import Rung, rung_for
 from trainguard.recovery.ledger import SkipEntry, SkipLedger, sample_indices
 from trainguard.recovery.loader import LoaderStates, is_stateful
+from trainguard.recovery.restart import RestartCheck
 from trainguard.recovery.resume import resume
+from trainguard.recovery.stop import record_stop, relative_checkpoint
 from trainguard.recovery.types import (
     DataPoint,
     RecoveryState,
@@ -71,6 +76,11 @@ class Recovery:
         self._expect_loss: tuple[int, float, str] | None = None
         self.resume_point: DataPoint | None = None
         """Where a resumed run's data continues (set by ``resume()``)."""
+        self.resumed_from: str | None = None
+        """The checkpoint ``resume()`` loaded, relative to ``run_dir`` (None: a fresh start)."""
+        self.watched: Any = None
+        """The iterable last given to ``watch()`` (its identity goes into the stop record)."""
+        self._restart_checked = False
         self._resume_rng: tuple[int, dict[str, Any]] | None = None
         self._last_saved = -1
         self._pending_ckpt: list[Any] | None = None  # [step, healthy steps, first loss]
@@ -83,6 +93,10 @@ class Recovery:
     # -- hooks the guard calls ---------------------------------------------------------------
 
     def stream_start(self, iterable: Any, epoch: int | None) -> StreamStart:
+        self.watched = iterable
+        if self.config.resume and not self._restart_checked:
+            self._restart_checked = True  # collective: every rank's first watch() is here
+            self._check_restart(iterable)
         epoch = epoch_of(iterable, epoch, self._streams)
         start, first, source = 0, 0, iterable
         point = self.resume_point
@@ -97,6 +111,20 @@ class Recovery:
         self._loader = LoaderStates(source) if stateful else None
         skip = self.ledger.positions(epoch)
         return StreamStart(source, epoch, start, skip, self.step_boundary, first, self._loader)
+
+    def _check_restart(self, iterable: Any) -> None:
+        """A restart that would resume into the last attempt's stop with nothing changed ends
+        here with EXIT_DO_NOT_RESTART (``restart.py``)."""
+        check = RestartCheck(
+            self.config,
+            self.resumed_from,
+            iterable,
+            self.events,
+            self.group,
+            self.device,
+            self.rank,
+        )
+        check.run()
 
     def watch(self, view: StreamView, iterable: Any, epoch: int) -> None:
         self._streams += 1
@@ -225,6 +253,7 @@ class Recovery:
         if found is None:
             return
         extras = found.extras
+        self.resumed_from = relative_checkpoint(run_dir, found.path)
         self.guard_state.load_state_dict(extras["guard"])
         self.state.load_state_dict(extras["recovery"])
         data = extras["data"]
@@ -340,6 +369,20 @@ class Recovery:
         tolerance = self.config.loss_tolerance * max(abs(saved), 1e-12)
         if abs(loss - saved) > tolerance:
             self.events.write("loss_mismatch", step, after=why, loss=loss, saved_loss=saved)
+
+
+def record_final_stop(
+    config: GuardConfig,
+    rank: int,
+    error: NonFiniteError,
+    recovery: Recovery | None,
+    cause: str | None = None,
+) -> None:
+    """The guard's final stop (an escalation it does not roll back): rank 0 writes
+    ``run_dir/stop.json``, which a restart into the same failure is refused by. ``cause``:
+    ``"spike"`` for a spike escalation, else taken from the error. Never raises."""
+    watched = recovery.watched if recovery is not None else None
+    record_stop(config, rank, error, watched, restart_count(os.environ), cause)
 
 
 def recovery_enabled(config: GuardConfig) -> bool:
