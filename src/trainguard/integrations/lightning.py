@@ -19,6 +19,14 @@ Where each part of a step happens, in Lightning's own hooks:
 What it refuses at setup (ConfigError): DeepSpeed (the optimizer step runs inside its
 backward: there is no point between the gradients and the update) and manual optimization
 (call ``Guard.check`` in your ``training_step`` instead).
+
+``TrainGuard(rerun=True)``: an agreed bad step is rerun in place before the decision
+(``Guard(rerun=...)``), through Lightning's own path: ``strategy.training_step`` (the DDP
+wrapper's forward, the precision plugin's autocast) and ``strategy.backward`` (the module's
+``backward`` and its hooks), in ``strategy.block_backward_sync()`` for every micro-batch but
+the step's last, as Lightning's loop runs them (``integrations/rerun.py``). Refused at setup
+with a ConfigError: a GradScaler (``precision="16-mixed"``), a ``training_step`` that takes a
+``dataloader_iter``, strategies other than single-device, DDP and ``ModelParallelStrategy``.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +42,7 @@ from torch import Tensor, nn
 
 from trainguard.errors import ConfigError
 from trainguard.integrations.options import guard_config, with_accumulation
+from trainguard.integrations.rerun import StepMicroBatches, backpropagated, pop_rerun
 from trainguard.step.guard import Guard
 
 if TYPE_CHECKING:
@@ -43,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 try:
     from lightning.pytorch import Callback
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "trainguard.integrations.lightning needs lightning: pip install 'trainguard[lightning]'"
@@ -54,6 +64,11 @@ _UNGUARDABLE = {
     "checks",
 }
 
+_RERUN_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "ModelParallelStrategy")
+"""Where ``rerun=True`` is supported (and tested): the strategy's ``model`` is the
+LightningModule or its DistributedDataParallel wrapper (FSDP2 shards in place under
+ModelParallelStrategy). The exact classes: XLA's strategies derive from these."""
+
 
 class TrainGuard(Callback):  # type: ignore[misc]
     """A Lightning callback that runs a :class:`trainguard.Guard` on every optimizer step.
@@ -61,11 +76,16 @@ class TrainGuard(Callback):  # type: ignore[misc]
     Takes the Guard's options by name (every ``GuardConfig`` field: ``run_dir``,
     ``on_nonfinite``, ``max_consecutive``, ``capture``, ``grad_clip``, ``hang_timeout``...);
     ``accumulation_steps`` comes from ``Trainer(accumulate_grad_batches=...)``.
+    ``rerun=True``: rerun a bad step's ``training_step`` in place before deciding (see the
+    module's docstring and docs/lightning.md).
     """
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
+        options = dict(options)
+        self._rerun = pop_rerun(options, "TrainGuard")
         self._config = guard_config(options, "TrainGuard")
+        self._micro = StepMicroBatches()
         self.guard: Guard | None = None
         """The Guard of the running fit (from ``on_train_start`` to ``on_train_end``)."""
         self._loss: Tensor | None = None
@@ -86,7 +106,8 @@ class TrainGuard(Callback):  # type: ignore[misc]
             raise ConfigError(
                 "automatic_optimization",
                 "TrainGuard guards Lightning's automatic optimization; with manual optimization "
-                "build a trainguard.Guard and call guard.check(loss) before opt.step()",
+                "build a trainguard.Guard and call guard.check(loss) before opt.step()"
+                + (" (TrainGuard(rerun=True): Guard(rerun=loss_fn) there)" if self._rerun else ""),
             )
         if self._config.grad_clip is not None and strategy == "FSDPStrategy":
             raise ConfigError(
@@ -94,6 +115,8 @@ class TrainGuard(Callback):  # type: ignore[misc]
                 "under FSDP use Trainer(gradient_clip_val=...): the flat shards' norm is "
                 "Lightning's to reduce",
             )
+        if self._rerun:
+            _check_rerun(trainer, pl_module)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if len(trainer.optimizers) != 1:
@@ -103,7 +126,10 @@ class TrainGuard(Callback):  # type: ignore[misc]
             )
         config = with_accumulation(self._config, trainer.accumulate_grad_batches)
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # fp16: a GradScaler
-        self.guard = Guard(pl_module, trainer.optimizers[0], scaler=scaler, config=config)
+        rerun = LightningRerun(trainer, self._micro) if self._rerun else None
+        self.guard = Guard(
+            pl_module, trainer.optimizers[0], scaler=scaler, config=config, rerun=rerun
+        )
         if self._saved_state is not None:
             self.guard.load_state_dict(self._saved_state)
             self._saved_state = None
@@ -115,11 +141,13 @@ class TrainGuard(Callback):  # type: ignore[misc]
     ) -> None:
         if self.guard is not None:
             self.guard.record_batch(batch)
+            if self._rerun:
+                self._micro.record(self.guard.state.step, batch, batch_idx)
 
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor
     ) -> None:
-        if self.guard is None:
+        if self.guard is None or self._micro.active:  # the rerun's backward: not a new one
             return
         if self._loss is not None:  # an earlier micro-batch of this optimizer step
             self.guard.record_loss(self._loss)
@@ -188,6 +216,105 @@ def _step_loss(loss: Tensor, trainer: pl.Trainer) -> Tensor:
         loss = loss / scale.to(loss.device)
     accumulate = trainer.accumulate_grad_batches
     return loss * accumulate if accumulate != 1 else loss
+
+
+# -- rerun ---------------------------------------------------------------------------------
+
+
+def _check_rerun(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """``rerun=True`` where Lightning cannot rerun the step as it ran it: a ConfigError."""
+    strategy = type(trainer.strategy).__name__
+    if getattr(trainer.precision_plugin, "scaler", None) is not None:
+        raise ConfigError(
+            "rerun",
+            "TrainGuard(rerun=True) cannot rerun under a GradScaler (precision='16-mixed'): "
+            "an fp16 overflow is the scaler's to handle; use precision='bf16-mixed' or "
+            "'32-true', or TrainGuard(rerun=False)",
+        )
+    if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
+        raise ConfigError(
+            "rerun",
+            "TrainGuard(rerun=True) cannot rerun a training_step that takes a dataloader_iter "
+            "(it fetches its own batches: there is none to run again); take (batch, "
+            "batch_idx), or TrainGuard(rerun=False)",
+        )
+    if strategy not in _RERUN_STRATEGIES:
+        raise ConfigError(
+            "rerun",
+            f"TrainGuard(rerun=True) is not supported under {strategy}; use one of "
+            f"{', '.join(_RERUN_STRATEGIES)} (strategy='ddp', 'ddp_spawn', a single device), "
+            "or TrainGuard(rerun=False)",
+        )
+
+
+class LightningRerun:
+    """``loss_fn`` for ``Guard(rerun=...)``: one micro-batch through Lightning's own step.
+
+    ``strategy.training_step`` (through the DDP wrapper's forward, under the precision
+    plugin's context), the loss normalised by ``accumulate_grad_batches`` as Lightning's
+    closure does, ``strategy.backward`` (the module's ``backward`` and the backward hooks), in
+    ``strategy.block_backward_sync()`` for every micro-batch but the step's last. ``self.log``
+    is muted meanwhile: the step's logged metrics stay the first pass's (a second ``log`` of
+    the same key in one step would count an epoch-aggregated metric twice)."""
+
+    def __init__(self, trainer: pl.Trainer, micro: StepMicroBatches) -> None:
+        self._trainer = trainer
+        self._micro = micro
+
+    def __call__(self, module: nn.Module, batch: Any) -> Tensor:
+        item, last = self._micro.find(batch)
+        trainer = self._trainer
+        strategy = trainer.strategy
+        pl_module = trainer.lightning_module
+        args = (batch, item.info) if _takes_batch_idx(pl_module) else (batch,)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self._micro.rerunning())
+            stack.enter_context(_muted_log(pl_module))
+            stack.enter_context(torch.enable_grad())
+            if not last:
+                stack.enter_context(_blocked_sync(strategy))
+            loss = _closure_loss(strategy.training_step(*args))
+            if loss is None:  # training_step skipped the batch (one process only)
+                return torch.zeros((), device=pl_module.device, requires_grad=True)
+            strategy.backward(loss / trainer.accumulate_grad_batches, trainer.optimizers[0])
+        return backpropagated(loss)
+
+
+def _takes_batch_idx(pl_module: pl.LightningModule) -> bool:
+    """Whether Lightning passes ``batch_idx`` to this ``training_step`` (its own rule)."""
+    return bool(is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2))
+
+
+def _closure_loss(output: Any) -> Tensor | None:
+    """The loss of a ``training_step`` output, as Lightning's closure reads it."""
+    if isinstance(output, dict):
+        output = output.get("loss")
+    if output is None or isinstance(output, Tensor):
+        return output
+    raise TypeError(f"training_step returned {type(output).__name__}, not a loss tensor")
+
+
+def _blocked_sync(strategy: Any) -> contextlib.AbstractContextManager[Any]:
+    """Lightning's own no-sync for accumulating micro-batches (DDP's ``no_sync``)."""
+    block = getattr(strategy, "block_backward_sync", None)
+    if not callable(block):
+        return contextlib.nullcontext()
+    context: contextlib.AbstractContextManager[Any] = block()
+    return context
+
+
+@contextlib.contextmanager
+def _muted_log(pl_module: pl.LightningModule) -> Iterator[None]:
+    """``self.log`` (and ``log_dict``, which calls it) do nothing inside the block."""
+
+    def no_log(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    pl_module.__dict__["log"] = no_log  # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        pl_module.__dict__.pop("log", None)
 
 
 # -- replay ----------------------------------------------------------------------------------
