@@ -83,6 +83,10 @@ class Recovery:
         self._restart_checked = False
         self._resume_rng: tuple[int, dict[str, Any]] | None = None
         self._last_saved = -1
+        self._good_steps: set[int] = set()
+        """Steps whose checkpoint became good here (or was resumed from): not written again
+        when a rollback returns to them, which would replace the good one before the new one
+        is judged (and a bad step then deletes it)."""
         self._pending_ckpt: list[Any] | None = None  # [step, healthy steps, first loss]
         self._saving: ckpt.Saved | None = None
         # async_save writes over a group of its own; new_group needs every rank of the
@@ -175,7 +179,8 @@ class Recovery:
 
     def _checkpoint_due(self, step: int) -> bool:
         every = self.config.checkpoint_every
-        return every > 0 and step > 0 and step % every == 0 and step != self._last_saved
+        due = every > 0 and step > 0 and step % every == 0 and step != self._last_saved
+        return due and step not in self._good_steps
 
     def _save_checkpoint(self, step: int, stream: Stream) -> None:
         position = stream.view.position
@@ -228,6 +233,7 @@ class Recovery:
         if pending[1] >= self.config.good_after:
             self._finish_save()
             self._pending_ckpt = None
+            self._good_steps.add(pending[0])
             if self.rank == 0:
                 ckpt.mark_good(run_dir, pending[0], pending[2], self.config.keep_checkpoints)
             self.events.write("checkpoint_good", pending[0], healthy_steps=pending[1])
@@ -261,6 +267,7 @@ class Recovery:
         self.resume_point = DataPoint(int(data["epoch"]), int(data["position"]), loader)
         self._resume_rng = (found.step, extras["rng"])
         self._last_saved = found.step
+        self._good_steps.add(found.step)
         if found.first_loss is not None:
             self._expect_loss = (found.step, found.first_loss, "resume")
         self.events.write(
