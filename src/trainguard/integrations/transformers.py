@@ -20,6 +20,13 @@ counts the step: ``global_step`` and the LR scheduler advance on a skipped step,
 for a step whose update was zero, so the schedule stays aligned with ``global_step`` and
 ``max_steps``. ``on_nonfinite="raise"`` and escalation raise on every rank out of
 ``trainer.train()``. Evaluation runs under ``guard.phase("evaluation")``.
+
+``TrainGuardCallback(rerun=True)``: an agreed bad step is rerun in place before the decision
+(``Guard(rerun=...)``), through the Trainer's own ``training_step`` (the user's override and
+``compute_loss`` included) on the model the loop passed (``model_wrapped``: DDP's forward and
+all-reduce), in ``accelerator.no_sync`` for every micro-batch but the window's last, as the
+Trainer's loop runs them (``integrations/rerun.py``). Refused at setup with a ConfigError:
+fp16 (a GradScaler), FSDP, and a Trainer without ``TrainGuardMixin``.
 """
 
 from __future__ import annotations
@@ -29,10 +36,12 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from trainguard.errors import ConfigError
 from trainguard.integrations.options import guard_config, with_accumulation
+from trainguard.integrations.rerun import StepMicroBatches, backpropagated, pop_rerun
 from trainguard.step.guard import Guard
 
 try:
@@ -50,11 +59,16 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
     """Runs a :class:`trainguard.Guard` in a Trainer that has :class:`TrainGuardMixin`.
 
     Takes the Guard's options by name (every ``GuardConfig`` field); ``accumulation_steps``
-    comes from ``TrainingArguments.gradient_accumulation_steps``.
+    comes from ``TrainingArguments.gradient_accumulation_steps``. ``rerun=True``: rerun a bad
+    step's ``training_step`` in place before deciding (module docstring, docs/transformers.md).
     """
 
     def __init__(self, **options: Any) -> None:
+        options = dict(options)
+        self._rerun = pop_rerun(options, "TrainGuardCallback")
         self._config = guard_config(options, "TrainGuardCallback")
+        self._micro = StepMicroBatches()
+        self._trainer: Any = None  # bound by TrainGuardMixin.train()
         self.guard: Guard | None = None
         """The Guard of the running ``train()``."""
         self.final_state: dict[str, Any] | None = None
@@ -75,7 +89,11 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
             raise ConfigError("model", "the Trainer passed no model/optimizer to on_train_begin")
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
         config = with_accumulation(self._config, args.gradient_accumulation_steps)
-        self.guard = Guard(model, inner, config=config)
+        rerun = None
+        if self._rerun:
+            _check_rerun(args, self._trainer)
+            rerun = TrainerRerun(self._trainer, self._micro)
+        self.guard = Guard(model, inner, config=config, rerun=rerun)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.guard is not None and not self._checked:
@@ -92,9 +110,24 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
 
     # -- called by TrainGuardMixin ----------------------------------------------------------
 
+    def bind(self, trainer: Any) -> None:
+        """The Trainer this callback guards (``TrainGuardMixin.train`` calls it)."""
+        self._trainer = trainer
+
+    @property
+    def rerunning(self) -> bool:
+        """True while a bad step is rerun (the mixin then hands nothing to the guard)."""
+        return self._micro.active
+
     def before_micro_batch(self, inputs: Any) -> None:
         if self.guard is not None:
             self.guard.record_batch(inputs)
+
+    def rerun_arguments(self, inputs: Any, model: nn.Module, num_items_in_batch: Any) -> None:
+        """With ``rerun=True``: what the loop passed this micro-batch's ``training_step``
+        (``model`` is the wrapped one), to rerun it the same way."""
+        if self.guard is not None and self._rerun:
+            self._micro.record(self.guard.state.step, inputs, (model, num_items_in_batch))
 
     def after_micro_batch(self, loss: Tensor, last_of_step: bool) -> None:
         """Keep the loss; on the window's last micro-batch check the step (every rank)."""
@@ -116,6 +149,7 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
             yield
 
     def close(self) -> None:
+        self._trainer = None
         guard, self.guard = self.guard, None
         if guard is not None:
             self.final_state = guard.state_dict()
@@ -140,16 +174,84 @@ class TrainGuardMixin:
         self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None
     ) -> Tensor:
         guard = self._trainguard()
+        if guard.rerunning:  # the guard reruns a bad step: the Trainer's own step, unrecorded
+            rerun: Tensor = super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
+            return rerun
         guard.before_micro_batch(inputs)
+        guard.rerun_arguments(inputs, model, num_items_in_batch)
         loss: Tensor = super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
         accelerator = getattr(self, "accelerator", None)
         last_of_step = bool(getattr(accelerator, "sync_gradients", True))
         guard.after_micro_batch(loss, last_of_step)
         return loss
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        self._trainguard().bind(self)
+        return super().train(*args, **kwargs)  # type: ignore[misc]
+
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         with self._trainguard().phase("evaluation"):
             return super().evaluate(*args, **kwargs)  # type: ignore[misc]
+
+
+# -- rerun -----------------------------------------------------------------------------------
+
+
+def _check_rerun(args: Any, trainer: Any) -> None:
+    """``rerun=True`` where the Trainer cannot rerun the step as it ran it: a ConfigError."""
+    if trainer is None:
+        raise ConfigError(
+            "rerun",
+            "TrainGuardCallback(rerun=True) needs the Trainer to have TrainGuardMixin (class "
+            "MyTrainer(TrainGuardMixin, Trainer)): the rerun calls its training_step",
+        )
+    if getattr(args, "fp16", False) or getattr(trainer.accelerator, "scaler", None) is not None:
+        raise ConfigError(
+            "rerun",
+            "TrainGuardCallback(rerun=True) cannot rerun under fp16 with a GradScaler "
+            "(TrainingArguments(fp16=True)): an fp16 overflow is the scaler's to handle; use "
+            "bf16=True, or TrainGuardCallback(rerun=False)",
+        )
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(args, "fsdp", None):
+        raise ConfigError(
+            "rerun",
+            "TrainGuardCallback(rerun=True) is not supported under FSDP "
+            "(TrainingArguments(fsdp=...)): the Trainer's gradient reduction there is not the "
+            "DDP wrapper's; use DDP, or TrainGuardCallback(rerun=False)",
+        )
+
+
+class TrainerRerun:
+    """``loss_fn`` for ``Guard(rerun=...)``: one micro-batch through the Trainer's own step.
+
+    ``trainer.training_step(model, inputs, num_items_in_batch)`` with what the loop passed
+    (``model`` is ``model_wrapped``: DDP's forward and all-reduce): the user's overrides,
+    ``compute_loss``, the Trainer's loss scaling and ``accelerator.backward``; in
+    ``accelerator.no_sync(model)`` for every micro-batch but the window's last, unless the
+    accelerator syncs each batch (``sync_each_batch``), as the Trainer's loop does."""
+
+    def __init__(self, trainer: Any, micro: StepMicroBatches) -> None:
+        self._trainer = trainer
+        self._micro = micro
+
+    def __call__(self, model: nn.Module, batch: Any) -> Tensor:
+        item, last = self._micro.find(batch)
+        wrapped, num_items_in_batch = item.info
+        trainer = self._trainer
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self._micro.rerunning())
+            stack.enter_context(torch.enable_grad())
+            if not last and not _syncs_each_batch(trainer):
+                stack.enter_context(trainer.accelerator.no_sync(model=wrapped))
+            loss: Tensor = trainer.training_step(wrapped, batch, num_items_in_batch)
+        return backpropagated(loss)
+
+
+def _syncs_each_batch(trainer: Any) -> bool:
+    """Whether the accelerator reduces the gradients of every micro-batch."""
+    state = getattr(trainer.accelerator, "gradient_state", None)
+    kwargs = getattr(state, "plugin_kwargs", None) or {}
+    return bool(kwargs.get("sync_each_batch", False))
 
 
 # -- replay ----------------------------------------------------------------------------------
