@@ -11,5 +11,7 @@ Offers (each imported lazily: ``import trainguard`` never imports lightning/tran
 Both run the same ``Guard`` as a hand-written loop: the loss and the batches are handed over
 with ``guard.record_loss`` / ``guard.record_batch``, and ``guard.check()`` runs once per
 optimizer step on the accumulated, reduced, unscaled gradients (one fused pass, one
-all-reduce). The integrations import ``step`` and the shared base only.
+all-reduce). ``rerun=True`` reruns a bad step in place through the framework's own step
+(its DDP wrapper, its backward, its no_sync: ``rerun.py``). The integrations import ``step``
+and the shared base only.
 """
