@@ -241,6 +241,7 @@ def test_forced_and_new_launches_run_and_clear(
     stop.record_stop(_config(tmp_path), 0, _error(), _loader(), 0)
     forced = {"TORCHELASTIC_RESTART_COUNT": "2", "TRAINGUARD_FORCE_RESTART": "1"}
     assert _check(tmp_path, forced, exits) is Verdict.FORCED
+    assert "TRAINGUARD_FORCE_RESTART=1: restart 2 goes on" in caplog.text
     stop.record_stop(_config(tmp_path), 0, _error(), _loader(), 0)
     assert _check(tmp_path, {}, exits) is Verdict.NEW_LAUNCH
     assert "it may stop again" in caplog.text

@@ -165,6 +165,15 @@ class RestartCheck:
                 record.step,
                 record.cause,
             )
+        elif verdict is Verdict.FORCED and record is not None:
+            logger.warning(
+                "trainguard: %s=1: restart %d goes on, though it may run into the failure that "
+                "stopped the last attempt at step %d (%s)",
+                FORCE_VAR,
+                attempt,
+                record.step,
+                record.cause,
+            )
         else:
             logger.info("trainguard: stop record cleared (%s; changed: %s)", verdict.value, changed)
         retire_record(self.run_dir, {"verdict": verdict.value, "changed": changed})
