@@ -1,0 +1,126 @@
+"""A collective mismatch, end to end: real processes, gloo, DDP, the job's own c10d store.
+
+Rank 0 alone calls ``dist.barrier()`` after step 15 (as if it saved a checkpoint) while ranks
+1-3 go on into step 16's backward, where DDP's gradient all-reduce waits for rank 0. Every
+rank must exit with 91 within the hang timeout + 15 s, with one report naming rank 0 and
+its barrier's line, from torch's flight recorder and, with the recorder off, from the
+stacks alone.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from tg_dist import run_ranks
+from tg_models import TinyNet, loss_fn, make_batches
+from torch.nn.parallel import DistributedDataParallel
+
+import trainguard as tg
+
+TIMEOUT_S = 2.0
+SLACK_S = 15.0
+"""The issue's bound: every rank is gone within hang_timeout + 15 s of the lone barrier."""
+BARRIER_STEP = 15
+RUN_LIMIT_S = 100.0
+"""Spawning 4 ranks that import torch takes seconds on an idle 2-core machine, much longer on
+a busy one; the bound that matters is SLACK_S, from the barrier on."""
+
+
+def train_with_a_lone_barrier(rank: int, world_size: int, run_dir: str) -> str:
+    progress = Path(run_dir, f"progress-rank{rank}")
+    progress.write_text("started")
+    torch.manual_seed(0)
+    model = DistributedDataParallel(TinyNet())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tg.Guard(model, optimizer, run_dir=run_dir, hang_timeout=TIMEOUT_S) as guard:
+        for batch in guard.watch(make_batches(100, seed=rank)):
+            loss = loss_fn(model, batch)
+            loss.backward()  # BACKWARD
+            guard.step(loss)
+            progress.write_text(f"step {guard.state.step}")
+            if rank == 0 and guard.state.step == BARRIER_STEP:
+                Path(run_dir, "barrier").write_text(repr(time.time()))
+                dist.barrier()  # BARRIER
+    return "finished"
+
+
+def line_of(marker: str) -> int:
+    lines = Path(__file__).read_text().splitlines()
+    return next(i for i, text in enumerate(lines, 1) if text.endswith(f"# {marker}"))
+
+
+def only_report(run_dir: Path) -> tuple[dict[str, Any], str]:
+    reports = sorted((run_dir / "hangs").glob("*/report.json"))
+    assert len(reports) == 1, reports
+    text = (reports[0].parent / "report.txt").read_text()
+    return json.loads(reports[0].read_text()), text
+
+
+def progress_of(run_dir: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted(run_dir.glob("progress-rank*"))}
+
+
+def run_and_check(run_dir: Path, source: str) -> dict[str, Any]:
+    try:
+        results = run_ranks(train_with_a_lone_barrier, 4, str(run_dir), timeout=RUN_LIMIT_S)
+    except TimeoutError as exc:  # where each rank got to: a slow start or a missed hang?
+        raise AssertionError(f"{exc}; progress: {progress_of(run_dir)}") from exc
+    gone = time.time()
+
+    assert [r.exitcode for r in results] == [tg.EXIT_HANG] * 4, [r.traceback for r in results]
+    assert gone - float((run_dir / "barrier").read_text()) < TIMEOUT_S + SLACK_S
+    report, text = only_report(run_dir)
+    assert report["kind"] == "hang"
+    assert report["culprits"] == [0]
+    here = Path(__file__).name
+    barrier, backward = f"{here}:{line_of('BARRIER')}", f"{here}:{line_of('BACKWARD')}"
+    line = (
+        f"rank 0 waits in barrier ({barrier}) while ranks 1-3 wait in DDP's gradient "
+        f"all_reduce ({backward})"
+    )
+    assert line in text
+    mismatch = report["collective_mismatch"]
+    assert mismatch["kind"] == "op" and mismatch["culprits"] == [0]
+    assert mismatch["source"] == source
+    records = {r["rank"]: r["collective"] for r in report["ranks"]}
+    assert {rank: records[rank]["source"] for rank in range(4)} == dict.fromkeys(range(4), source)
+    assert records[0]["op"] == "barrier" and records[0]["site"] == barrier
+    for rank in (1, 2, 3):
+        assert records[rank]["op"] == "all_reduce" and records[rank]["site"] == backward
+    for rank in range(4):
+        hangs = [e for e in tg.read_events(run_dir, rank) if e["kind"] == "hang"]
+        assert len(hangs) == 1 and hangs[0]["culprits"] == [0]
+        assert line in hangs[0]["reason"]
+    return report
+
+
+@pytest.mark.timeout(120)
+def test_a_lone_barrier_is_named_from_the_flight_recorder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    report = run_and_check(tmp_path, "flight_recorder")
+
+    mismatch = report["collective_mismatch"]
+    records = {r["rank"]: r["collective"] for r in report["ranks"]}
+    seq = mismatch["seq"]
+    assert records[0]["seq"] == seq and all(records[r]["seq"] == seq for r in (1, 2, 3))
+    assert records[1]["sizes"] == [[212]]  # TinyNet's 212 parameters in one bucket
+    assert all(records[r]["last"][-1][3] is False for r in range(4))  # the pending one
+
+
+@pytest.mark.timeout(120)
+def test_a_lone_barrier_is_named_from_the_stacks_with_the_recorder_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
+    report = run_and_check(tmp_path, "stack")
+
+    assert report["collective_mismatch"]["seq"] is None
+    assert all("TORCH_FR_BUFFER_SIZE=0" in r["collective"]["note"] for r in report["ranks"])
