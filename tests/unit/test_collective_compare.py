@@ -257,3 +257,20 @@ def test_a_rank_behind_keeps_its_step_and_phase_in_the_reason() -> None:
     assert "behind: rank 2 at step 15 in 'data'; collective mismatch at sequence id 12" in (
         verdict.reason
     )
+
+
+def test_a_hang_waits_briefly_for_ranks_whose_record_has_not_come_yet() -> None:
+    """Rank 1's watchdog was starved: without the wait it would be left out of the
+    comparison (or, alone in no collective, blamed)."""
+
+    def views(age: float) -> list[RankView]:
+        out = [view(0, recorded(barrier(), line=19))]
+        out += [view(r, recorded(bucket(), DDP)) for r in (2, 3)]
+        late = view(1, None)
+        out.insert(1, RankView(**{**late.__dict__, "progress_age": age}))
+        return [RankView(**{**v.__dict__, "progress_age": age}) for v in out]
+
+    assert assess(views(2.5), me=0, timeout=2.0, dead_after=2.0) is None
+    verdict = assess(views(3.1), me=0, timeout=2.0, dead_after=2.0)  # waited half the timeout
+    assert verdict is not None and verdict.culprits == [0]
+    assert "while ranks 2, 3 wait in" in verdict.reason

@@ -297,3 +297,23 @@ def test_the_report_keeps_each_ranks_collectives_and_says_the_mismatch(tmp_path:
     )
     assert f"\n{line}\n" in text  # its own line: the verdict's reason did not say it
     assert "  0*  barrier " in text and "12 barrier*" in text
+
+
+def test_the_ddp_check_goes_by_the_type_and_never_asks_the_object() -> None:
+    import weakref
+
+    from trainguard.hang.frames import _type_check, ddp_in_process
+
+    class Base:
+        pass
+
+    class Wrapped(Base):
+        pass
+
+    class Gone:
+        pass
+
+    check = _type_check(Base)
+    proxy = weakref.proxy(Gone())  # dead at once: asking it anything raises ReferenceError
+    assert check(Wrapped()) and check(Base()) and not check(proxy) and not check(3)
+    assert not ddp_in_process()  # no DDP model in this test process

@@ -36,6 +36,10 @@ from trainguard.hang.mismatch import BEHIND, Mismatch, find_mismatch
 HANG = "hang"
 PEER_FAILURE = "peer_failure"
 
+RECORD_WAIT_S = 10.0
+"""At most this long past the timeout a hang waits for the collectives of stalled ranks that
+have not published theirs while others have."""
+
 PHASE_ORDER = {"absent": -1, "init": 0, "done": 0, "data": 1, "step": 2, "check": 3}
 """Position inside a step; phases not listed (user phases) count as ``step``."""
 
@@ -139,10 +143,26 @@ def assess(views: Sequence[RankView], me: int, timeout: float, dead_after: float
     limit = effective_timeout(views, timeout)
     if not all(v.progress_age >= limit for v in training):
         return None
+    if records_pending(training, limit):
+        return None
     culprits, reason = hang_culprits(views)
     absent = [v.rank for v in views if not v.registered]
     reason = f"no rank made progress for {limit:g}s; {reason}"
     return Verdict(HANG, culprits, reason, by=me, reporter=me, silent=absent)
+
+
+def records_pending(training: Sequence[RankView], limit: float) -> bool:
+    """Some stalled ranks published their collective and others not yet (a starved
+    watchdog thread, a slow first read): wait for them, at most ``RECORD_WAIT_S`` or half
+    the timeout past it. Ranks in a user phase or outside the loop publish none."""
+    expected = [
+        v for v in training if v.registered and not v.user_phase and v.phase not in ("init", "done")
+    ]
+    missing = [v for v in expected if v.collective is None]
+    if not missing or len(missing) == len(expected):
+        return False
+    waited = min(v.progress_age for v in training) - limit
+    return waited < min(limit / 2.0, RECORD_WAIT_S)
 
 
 def hang_culprits(views: Sequence[RankView]) -> tuple[list[int], str]:
