@@ -1,6 +1,7 @@
 """``trainguard doctor``: find a broken distributed set-up before a long job starts.
 
 - ``environment``      versions, GPUs and driver, visible devices, /dev/shm, open files
+- ``flight_recorder``  torch's flight recorder on or off (what a hang report can compare)
 - ``variables``        the NCCL / TORCH_NCCL / gloo / c10d variables set, and risky values
 - ``rendezvous``       RANK/WORLD_SIZE/LOCAL_* consistent, MASTER_ADDR resolves, MASTER_PORT
 - ``checkin``          every rank checks in through the store; missing ranks named in time

@@ -12,6 +12,11 @@ import torch.distributed as dist
 
 from trainguard.doctor import environment as envcheck
 from trainguard.doctor.findings import DoctorReport
+from trainguard.doctor.flight_recorder import (
+    flight_recorder_finding,
+    job_environment,
+    recorder_available,
+)
 from trainguard.doctor.rendezvous import Launch, check_master, read_launch
 from trainguard.doctor.session import run_session
 from trainguard.doctor.variables import check_variables, relevant
@@ -30,7 +35,7 @@ class DoctorOptions:
 
 
 def run_doctor(options: DoctorOptions, env: Mapping[str, str] | None = None) -> DoctorReport:
-    env = dict(os.environ) if env is None else dict(env)
+    env = job_environment(os.environ if env is None else env)
     launch, launch_findings = read_launch(env)
     report = DoctorReport(
         rank=launch.rank if launch else None, world_size=launch.world_size if launch else 1
@@ -76,6 +81,7 @@ def _environment(report: DoctorReport, env: dict[str, str], launch: Launch | Non
         envcheck.devices_finding(visible, count, launch.local_world_size if launch else None),
         shm_finding,
         files_finding,
+        flight_recorder_finding(env, recorder_available()),
     )
     return gpus
 
