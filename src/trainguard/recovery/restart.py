@@ -186,8 +186,7 @@ class RestartCheck:
             logger.error("%s", line)
         # The agent's shutdown sends the workers SIGTERM: ignore it, so that every rank ends
         # with the exit code. No rank signals before all ignore, none exits before all signalled.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
+        _ignore_termination()
         self._barrier()
         agent = stop_agent(self.env)
         self._barrier()
@@ -210,6 +209,16 @@ class RestartCheck:
     def _barrier(self) -> None:
         if dist.is_available() and dist.is_initialized():
             dist.barrier(group=self.group)
+
+
+def _ignore_termination() -> None:
+    """SIGTERM and SIGINT ignored from here to the exit (main thread only: elsewhere Python
+    cannot set handlers, and the agent's SIGTERM may then end a rank before its 93)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except ValueError:
+            return
 
 
 def _flush_logs() -> None:
