@@ -234,6 +234,26 @@ def test_restart_check_refuses_only_an_unchanged_restart(
     assert not (tmp_path / "stop.json").exists() and exits == [93]
 
 
+def test_a_rank_that_cannot_read_the_record_is_refused_with_the_others(tmp_path: Path) -> None:
+    """The verdict is agreed: a rank whose run folder lags (no record) exits alike."""
+    exits: list[int] = []
+    check = RestartCheck(
+        _config(tmp_path),
+        None,
+        _loader(),
+        EventLog(tmp_path, 1),
+        None,
+        torch.device("cpu"),
+        1,
+        env={"TORCHELASTIC_RESTART_COUNT": "1"},
+        exit_fn=exits.append,
+    )
+    check._refuse(None, 1)
+    assert exits == [tg.EXIT_DO_NOT_RESTART]
+    refused = [e for e in read_events(tmp_path, 1) if e["kind"] == "restart_refused"]
+    assert refused[0]["cause"] is None and "other ranks' reading" in refused[0]["message"]
+
+
 def test_forced_and_new_launches_run_and_clear(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

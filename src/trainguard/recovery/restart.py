@@ -26,7 +26,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +142,7 @@ class RestartCheck:
         if verdict is Verdict.NO_RECORD:
             return verdict
         changed = changed_inputs(record.inputs, now) if record is not None else []
-        if verdict is Verdict.REFUSED and record is not None:
+        if verdict is Verdict.REFUSED:  # also where this rank did not see the record
             self._refuse(record, attempt)  # ends the process (exit_fn)
             return verdict
         self._clear(verdict, record, changed, attempt)
@@ -178,10 +178,15 @@ class RestartCheck:
             logger.info("trainguard: stop record cleared (%s; changed: %s)", verdict.value, changed)
         retire_record(self.run_dir, {"verdict": verdict.value, "changed": changed})
 
-    def _refuse(self, record: StopRecord, attempt: int) -> None:
+    def _refuse(self, record: StopRecord | None, attempt: int) -> None:
         """Collective: every rank leaves with EXIT_DO_NOT_RESTART; torchrun's agent is stopped
-        first, so it does not take the exit for a failure to restart."""
-        line = refusal_line(record, attempt, self.run_dir)
+        first, so it does not take the exit for a failure to restart. ``record`` None: this
+        rank could not read the record the others read (the run folder lags here)."""
+        if record is not None:
+            line = refusal_line(record, attempt, self.run_dir)
+        else:
+            line = f"trainguard: restart {attempt} refused (exit {EXIT_DO_NOT_RESTART}) by the "
+            line += f"other ranks' reading of {stop_path(self.run_dir)}"
         if self.rank == 0:
             logger.error("%s", line)
         # The agent's shutdown sends the workers SIGTERM: ignore it, so that every rank ends
@@ -190,15 +195,16 @@ class RestartCheck:
         self._barrier()
         agent = stop_agent(self.env)
         self._barrier()
+        what = asdict(record) if record is not None else {}
         self.events.write(
             "restart_refused",
-            record.step,
-            cause=record.cause,
-            bundle=record.bundle,
-            checkpoint=record.checkpoint,
+            what.get("step"),
+            cause=what.get("cause"),
+            bundle=what.get("bundle"),
+            checkpoint=what.get("checkpoint"),
             attempt=attempt,
-            stopped_attempt=record.attempt,
-            fingerprint=record.fingerprint,
+            stopped_attempt=what.get("attempt"),
+            fingerprint=what.get("fingerprint"),
             exit_code=EXIT_DO_NOT_RESTART,
             agent=agent,
             message=line,
