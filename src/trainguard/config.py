@@ -136,14 +136,16 @@ class GuardConfig:
     """Time each rank's data wait and own compute per step (they ride the step's agreement)
     and name a rank that slows the job (``straggler`` events; ``health/stragglers.py``)."""
 
-    straggler_window: int = 20
-    """Steps over which a rank must be slow, in the median, before it is named."""
+    straggler_window: int = 40
+    """Steps over which a rank must be slow, in 3/4 of them, before it is named (40: a
+    busy machine's scheduling noise stays under the floors; ``docs/health.md``)."""
 
     straggler_warmup: int = 10
     """Steps not judged at the start (compilation, allocator and loader warm-up)."""
 
     straggler_slowdown: float = 1.5
-    """A rank is slow when its median time is at least this factor of the median rank's..."""
+    """A rank is slow when its time (in 3/4 of the window's steps) is at least this factor of
+    the median rank's median time..."""
 
     straggler_min_lost: float = 0.01
     """...and the job waits for it at least this many seconds per step."""
