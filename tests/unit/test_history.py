@@ -88,6 +88,8 @@ def test_metrics_log_of_a_short_run(tmp_path: Path) -> None:
         "lr",
         "step_seconds",
         "time",
+        "data_times",  # every rank's (detect_stragglers, the default)
+        "compute_times",
     }
     assert lines[0]["lr"] == 1e-2 and lines[0]["step_seconds"] is None
     assert lines[1]["step_seconds"] > 0

@@ -3,7 +3,8 @@
 After each step's decision is read on the host, the guard makes one small record from values
 it already holds: the step, every rank's loss and the global gradient norm before clipping
 (both from the agreement, so identical on every rank), the decision, the learning rate of
-``param_groups[0]`` and the host time since the previous record. No device sync and no
+``param_groups[0]``, the host time since the previous record and every rank's data and
+compute seconds (``health.timing``, also agreed; in the metrics log only). No device sync and no
 collective: with the sync-free ``step()`` a step's record is made when its flags are read,
 one step later. The ring keeps the last ``GuardConfig.history_steps`` records; a capture
 writes them as the bundle's ``history.json`` (``bundle_history``), the bad step last.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,6 +50,10 @@ class StepRecord:
     """Host seconds since the previous record (None for the first)."""
     time: float
     """Unix time of the record."""
+    data_times: list[float] = field(default_factory=list)
+    """Every rank's seconds waiting for its data in the step (empty: not timed)."""
+    compute_times: list[float] = field(default_factory=list)
+    """Every rank's seconds of its own compute (forward) in the step (empty: not timed)."""
 
     def bundle_fields(self) -> dict[str, Any]:
         return {
@@ -65,7 +70,36 @@ class StepRecord:
         if len(self.losses) > LOGGED_RANKS:
             fields["losses"] = None
             fields["loss_summary"] = loss_summary(self.losses)
+        fields.update(timing_fields(self.data_times, self.compute_times))
         return fields
+
+
+def timing_fields(data_times: list[float], compute_times: list[float]) -> dict[str, Any]:
+    """``data_times`` / ``compute_times`` (seconds, to the microsecond) when the step was timed;
+    past ``LOGGED_RANKS`` ranks a ``time_summary`` of each phase instead."""
+    if not (any(data_times) or any(compute_times)):
+        return {}  # not timed (detect_stragglers=False)
+    if len(data_times) > LOGGED_RANKS:
+        return {
+            "time_summary": {
+                "data": time_summary(data_times),
+                "compute": time_summary(compute_times),
+            }
+        }
+    return {
+        "data_times": [round(t, 6) for t in data_times],
+        "compute_times": [round(t, 6) for t in compute_times],
+    }
+
+
+def time_summary(times: list[float]) -> dict[str, Any]:
+    """The median and the slowest rank of one phase's per-rank seconds."""
+    slowest = max(range(len(times)), key=times.__getitem__)
+    return {
+        "median": round(sorted(times)[(len(times) - 1) // 2], 6),
+        "max": round(times[slowest], 6),
+        "max_rank": slowest,
+    }
 
 
 def loss_summary(losses: list[float]) -> dict[str, Any]:
@@ -118,10 +152,13 @@ class StepHistory:
             lr=learning_rate(optimizer),
             step_seconds=elapsed,
             time=time.time(),
+            data_times=agreement.data_times,
+            compute_times=agreement.compute_times,
         )
         self._ring.append(rec)
-        if self._metrics is not None:
-            self._metrics.add(rec.log_fields(), urgent=decision is not Decision.OK)
+        urgent = decision is not Decision.OK
+        if self._metrics is not None and self._metrics.wants(step, urgent):
+            self._metrics.add(rec.log_fields(), urgent=urgent)
         return rec
 
     def records(self) -> list[StepRecord]:

@@ -1,9 +1,12 @@
 """The per-step metrics log: ``run_dir/metrics/rank-0.jsonl``.
 
 One JSON line per recorded step: ``step``, ``losses`` (every rank's), ``grad_norm`` (global,
-before clipping), ``decision``, ``lr``, ``step_seconds`` and ``time``. Past 64 ranks
-``losses`` is null and ``loss_summary`` holds ``min``, ``mean``, ``max`` and
-``nonfinite_ranks`` (``history.LOGGED_RANKS``), so a line stays small at any scale.
+before clipping), ``decision``, ``lr``, ``step_seconds``, ``time`` and, when the guard times
+the ranks (``detect_stragglers``), ``data_times`` and ``compute_times`` (every rank's
+seconds waiting for data and in its own forward). Past 64 ranks ``losses`` is null and
+``loss_summary`` holds ``min``, ``mean``, ``max`` and ``nonfinite_ranks``, and the times are
+a ``time_summary`` (per phase: ``median``, ``max``, ``max_rank``) (``history.LOGGED_RANKS``),
+so a line stays small at any scale.
 The values are agreed across ranks, so rank 0 alone writes the file (the other ranks keep
 only the in-memory ring).
 
@@ -65,10 +68,13 @@ class MetricsLog:
         self._last_flush = time.monotonic()
         self._failed = False
 
+    def wants(self, step: int, urgent: bool = False) -> bool:
+        """Whether ``add`` would keep ``step`` (lets the caller skip building a thinned line)."""
+        return urgent or step % stride_at(step, self.dense_steps) == 0
+
     def add(self, fields: dict[str, Any], urgent: bool = False) -> None:
         """Buffer one step's record (``urgent``: a bad step, written out at once)."""
-        step = int(fields["step"])
-        if not urgent and step % stride_at(step, self.dense_steps) != 0:
+        if not self.wants(int(fields["step"]), urgent):
             return
         self._lines.append(json.dumps(to_jsonable(fields), allow_nan=False))
         due = len(self._lines) >= self.flush_every
