@@ -54,6 +54,7 @@ def _subtitle(summary: RunSummary) -> str:
 
 def _cards(summary: RunSummary) -> str:
     bad_steps = sum(n for kind, n in summary.decisions.items() if kind != "ok")
+    named = [e for e in summary.stragglers if e.get("ranks")]
     cards = [
         ("steps", summary.steps, False),
         ("non-finite steps", len(summary.nonfinite), bool(summary.nonfinite)),
@@ -62,6 +63,7 @@ def _cards(summary: RunSummary) -> str:
         ("spikes", len(summary.spikes), bool(summary.spikes)),
         ("rollbacks", len(summary.rollbacks), False),
         ("hangs", len(summary.hangs), bool(summary.hangs)),
+        ("straggler verdicts", len(named), bool(named)),
     ]
     cells = [
         f'<div class="card{" bad" if bad else ""}"><b>{value}</b>{html.escape(label)}</div>'
@@ -76,8 +78,8 @@ def _picture(summary: RunSummary) -> str:
             '<p class="note">No timeline: matplotlib is not installed '
             "(<code>pip install 'trainguard[plot]'</code>).</p>"
         )
-    if not summary.points and not summary.nonfinite and not summary.hangs:
+    if not (summary.points or summary.nonfinite or summary.hangs or summary.stragglers):
         return '<p class="note">No timeline: the run has no per-step metrics.</p>'
     data = base64.b64encode(png_bytes(summary)).decode("ascii")
-    alt = "timeline: loss, gradient norm, non-finite ranks"
+    alt = "timeline: loss, gradient norm, non-finite ranks, stragglers"
     return f'<img alt="{alt}" src="data:image/png;base64,{data}">'

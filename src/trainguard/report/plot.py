@@ -2,7 +2,8 @@
 
 Three panels sharing the step axis: the loss (mean over ranks) and the global gradient norm
 on log scales, with markers for non-finite steps, skips, spikes, rollbacks, checkpoints and
-hangs; and a rank x step strip with a cell wherever a rank saw a non-finite value.
+hangs; and a rank x step strip with a cell wherever a rank saw a non-finite value and a bar
+over the steps a rank was named a straggler.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainguard.report.summary import RunSummary
+from trainguard.report.timing import straggler_spans
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -24,6 +26,7 @@ MARKERS: dict[str, tuple[str, Any, str]] = {
     "rollback": ("#1f77b4", "--", "rollback"),
     "checkpoint": ("#2ca02c", "-.", "checkpoint"),
     "hang": ("#000000", "-", "hang"),
+    "straggler": ("#ff9f1c", "-", "straggler (strip)"),
 }
 
 
@@ -122,7 +125,11 @@ def _strip(ax: Axes, summary: RunSummary) -> None:
     ax.invert_yaxis()
     ax.set_ylabel("rank", fontsize=9)
     ax.set_xlabel("step", fontsize=9)
-    title = "where non-finite values appeared (rank x step; x: a hang's culprit rank)"
+    _straggler_bars(ax, summary)
+    title = (
+        "where non-finite values appeared (rank x step; x: a hang's culprit rank; "
+        "bars: a straggler)"
+    )
     ax.set_title(title, fontsize=9, loc="left")
     ax.grid(True, axis="x", alpha=0.3)
     hung = [(r, h["step"]) for h in summary.hangs if isinstance(h.get("step"), int)
@@ -132,6 +139,13 @@ def _strip(ax: Axes, summary: RunSummary) -> None:
         ax.scatter(steps, ranks, marker="x", s=60, color=MARKERS["hang"][0], label="hang culprit")
     last = max([summary.steps - 1, *(s for _, s in hung)], default=0)
     ax.set_xlim(-0.5, last + 0.5)
+
+
+def _straggler_bars(ax: Axes, summary: RunSummary) -> None:
+    colour = MARKERS["straggler"][0]
+    for rank, start, stop, phase in straggler_spans(summary.stragglers, summary.steps):
+        ax.hlines(rank, start - 0.5, stop - 0.5, colors=colour, linewidth=6, alpha=0.7)
+        ax.annotate(phase, (start, rank), xytext=(2, 4), textcoords="offset points", fontsize=7)
 
 
 def _legend_handles() -> list[Any]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.report.readers import Skipped, number, read_json, read_jsonl
+from trainguard.report.timing import StepTimes, phase_summary, rank_table, step_times
 
 REPLAY_RESULT = "replay.json"
 """A bundle's replay result, written by ``trainguard replay`` next to the manifest."""
@@ -34,6 +35,8 @@ class StepPoint:
     decision: str
     bad_ranks: list[int]
     """Ranks whose loss was not finite."""
+    times: StepTimes | None = None
+    """Every rank's data and compute seconds (None: the step was not timed)."""
 
 
 @dataclass
@@ -54,6 +57,12 @@ class RunSummary:
     bad_input: list[dict[str, Any]] = field(default_factory=list)
     hangs: list[dict[str, Any]] = field(default_factory=list)
     uneven_data: list[dict[str, Any]] = field(default_factory=list)
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    """``straggler`` events (one copy per step and phase), in step order."""
+    timing: list[dict[str, Any]] = field(default_factory=list)
+    """Per rank: median ``data`` and ``compute`` seconds over the logged steps."""
+    timing_summary: dict[str, Any] = field(default_factory=dict)
+    """Past 64 ranks (no per-rank times logged): per phase, the median and slowest ranks."""
     events: int = 0
     points: list[StepPoint] = field(default_factory=list)
     skipped: Skipped = field(default_factory=Skipped)
@@ -84,6 +93,8 @@ def summarize(run_dir: Path | str) -> RunSummary:
     events = _read_events(root, summary.skipped)
     summary.events = len(events)
     summary.points = _read_points(root, summary.skipped)
+    times = [p.times for p in summary.points if p.times is not None]
+    summary.timing, summary.timing_summary = rank_table(times), phase_summary(times)
     _fill_from_events(summary, events)
     summary.captures = _read_captures(root, summary.skipped)
     summary.hangs = _read_hangs(root, summary.skipped) or _hang_events(events)
@@ -119,6 +130,7 @@ def _read_points(root: Path, skipped: Skipped) -> list[StepPoint]:
             grad_norm=number(rec.get("grad_norm")),
             decision=str(rec.get("decision", "?")),
             bad_ranks=bad_ranks,
+            times=step_times(rec),
         )
     return [points[s] for s in sorted(points)]
 
@@ -135,13 +147,15 @@ def _losses(rec: dict[str, Any]) -> tuple[float | None, list[int]]:
     return (sum(finite) / len(finite) if finite else None), bad
 
 
-def _merged(events: list[dict[str, Any]], *kinds: str) -> list[dict[str, Any]]:
+def _merged(
+    events: list[dict[str, Any]], *kinds: str, keys: tuple[str, ...] = _KEY_FIELDS
+) -> list[dict[str, Any]]:
     """One copy of each event written by several ranks (the lowest rank's), by step."""
     seen: dict[tuple[Any, ...], dict[str, Any]] = {}
     for event in sorted(events, key=lambda e: _int(e.get("rank"))):
         if event["kind"] not in kinds:
             continue
-        key = (event["kind"], event.get("step"), *(str(event.get(f)) for f in _KEY_FIELDS))
+        key = (event["kind"], event.get("step"), *(str(event.get(f)) for f in keys))
         seen.setdefault(key, event)
     return sorted(seen.values(), key=lambda e: (_int(e.get("step")), _float(e.get("time"))))
 
@@ -161,6 +175,7 @@ def _fill_from_events(summary: RunSummary, events: list[dict[str, Any]]) -> None
     summary.escalations = _merged(events, "escalate")
     summary.bad_input = _merged(events, "bad_input")
     summary.uneven_data = _merged(events, "uneven_data")
+    summary.stragglers = _merged(events, "straggler", keys=("phase",))
     overflow = _merged(events, "overflow")
     summary.decisions = {"overflow": len(overflow)} if overflow else {}
 

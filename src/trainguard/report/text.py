@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trainguard.report.readers import number
 from trainguard.report.summary import RunSummary
 
 _MAX_LISTED = 8
@@ -29,6 +30,8 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
         ("bad input", _listed(summary.bad_input, _bad_input)),
         ("hangs", _listed(summary.hangs, _hang)),
         ("uneven data", _listed(summary.uneven_data, _uneven)),
+        ("stragglers", _listed(summary.stragglers, _straggler)),
+        ("timing", _timing(summary)),
         ("skipped", _skipped(summary)),
     ]
     if page is not None:
@@ -118,6 +121,58 @@ def _uneven(e: dict[str, Any]) -> str:
         f"step {e.get('step')}: ranks {e.get('exhausted_ranks')} ran out of data "
         f"(batches per rank {e.get('batches')}; {e.get('dropped', 0)} dropped)"
     )
+
+
+def _straggler(e: dict[str, Any]) -> str:
+    ranks, phase = e.get("ranks"), e.get("phase")
+    slowdown, lost = number(e.get("slowdown")), number(e.get("lost_per_step"))
+    if not ranks:
+        return f"step {e.get('step')}: over ({phase}): ranks {e.get('recovered')} caught up"
+    detail = f"{slowdown:.1f}x the median rank" if slowdown is not None else "slow"
+    cost = f", {lost * 1e3:.1f} ms lost per step" if lost is not None else ""
+    return f"step {e.get('step')}: ranks {ranks} slow in {phase} ({detail}{cost})"
+
+
+def _timing(summary: RunSummary) -> list[str]:
+    """Per rank median data / compute milliseconds (the slowest ranks past ``_MAX_LISTED``)."""
+    if summary.timing_summary and not summary.timing:
+        return [_phase_line(phase, v) for phase, v in summary.timing_summary.items()]
+    rows = summary.timing
+    if not rows:
+        return []
+    named = _named_ranks(summary.stragglers)
+    shown = rows
+    if len(rows) > _MAX_LISTED:  # the slowest ranks, in rank order
+        slowest = sorted(rows, key=lambda r: r["data"] + r["compute"], reverse=True)
+        shown = sorted(slowest[: _MAX_LISTED - 1], key=lambda r: r["rank"])
+    steps = rows[0]["steps"]
+    lines = [f"{'rank':<6}{'data ms':>9}{'compute ms':>12}  (medians over {steps} logged steps)"]
+    for row in shown:
+        flag = f"  straggler: {', '.join(named[row['rank']])}" if row["rank"] in named else ""
+        data, compute = row["data"] * 1e3, row["compute"] * 1e3
+        lines.append(f"{row['rank']:<6}{data:>9.2f}{compute:>12.2f}{flag}")
+    if len(shown) < len(rows):
+        lines.append(f"... {len(rows) - len(shown)} faster ranks not listed")
+    return lines
+
+
+def _phase_line(phase: str, v: dict[str, Any]) -> str:
+    slowest = ", ".join(f"rank {r} ({n} steps)" for r, n in v.get("slowest_ranks", []))
+    return (
+        f"{phase}: median {v['median'] * 1e3:.2f} ms over {v['steps']} logged steps; "
+        f"most often the slowest: {slowest or 'none'}"
+    )
+
+
+def _named_ranks(stragglers: list[dict[str, Any]]) -> dict[int, list[str]]:
+    """The ranks any ``straggler`` event named, with the phases."""
+    named: dict[int, list[str]] = {}
+    for e in stragglers:
+        for rank in e.get("ranks") or []:
+            phases = named.setdefault(rank, [])
+            if e.get("phase") not in phases:
+                phases.append(str(e.get("phase")))
+    return named
 
 
 def _skipped(summary: RunSummary) -> list[str]:
