@@ -13,6 +13,8 @@ from tg_dist import run_ranks, values
 from tg_rerun import train
 
 from trainguard.exitcodes import EXIT_SUSPECT_HOST
+from trainguard.report.summary import summarize
+from trainguard.report.text import report_text
 
 
 def _events(run_dir: Path, rank: int, kind: str) -> list[dict[str, Any]]:
@@ -63,3 +65,9 @@ def test_a_host_that_keeps_faulting_is_named_and_every_rank_exits(tmp_path: Path
         assert len(events) == 1 and events[0]["step"] == 5
         assert events[0]["ranks"] == [1] and events[0]["exit_code"] == EXIT_SUSPECT_HOST
         assert events[0]["transient_faults"] == {events[0]["hosts"][0]: 3}
+    host = _events(tmp_path, 0, "suspect_host")[0]["hosts"][0]
+    summary = summarize(tmp_path)  # what `trainguard report` prints
+    assert summary.hosts == {host: {"transient": 3, "persistent": 0, "suspect": 1}}
+    text = report_text(summary)
+    assert f"{host}: 3 transient, 0 persistent  SUSPECT" in text
+    assert "step 5: transient on ranks [1]" in text

@@ -59,6 +59,11 @@ class RunSummary:
     uneven_data: list[dict[str, Any]] = field(default_factory=list)
     stragglers: list[dict[str, Any]] = field(default_factory=list)
     """``straggler`` events (one copy per step and phase), in step order."""
+    reruns: list[dict[str, Any]] = field(default_factory=list)
+    """``rerun`` events (a bad step recomputed in place: transient or persistent)."""
+    hosts: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per host: ``transient`` and ``persistent`` reruns its ranks were bad in, and whether it
+    was named ``suspect`` (1)."""
     timing: list[dict[str, Any]] = field(default_factory=list)
     """Per rank: median ``data`` and ``compute`` seconds over the logged steps."""
     timing_summary: dict[str, Any] = field(default_factory=dict)
@@ -176,6 +181,8 @@ def _fill_from_events(summary: RunSummary, events: list[dict[str, Any]]) -> None
     summary.bad_input = _merged(events, "bad_input")
     summary.uneven_data = _merged(events, "uneven_data")
     summary.stragglers = _merged(events, "straggler", keys=("phase",))
+    summary.reruns = _merged(events, "rerun")
+    summary.hosts = _host_counts(summary.reruns, _merged(events, "suspect_host"))
     overflow = _merged(events, "overflow")
     summary.decisions = {"overflow": len(overflow)} if overflow else {}
 
@@ -239,6 +246,25 @@ def _hang_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         }
         for e in _merged(events, "hang", "peer_failure")
     ]
+
+
+def _host_counts(
+    reruns: list[dict[str, Any]], suspects: list[dict[str, Any]]
+) -> dict[str, dict[str, int]]:
+    """Reruns per host of the ranks whose first run went bad, and the suspect hosts."""
+    counts: dict[str, dict[str, int]] = {}
+    for event in reruns:
+        verdict = str(event.get("verdict"))
+        if verdict not in ("transient", "persistent"):
+            continue
+        for host in event.get("hosts") or []:
+            row = counts.setdefault(str(host), {"transient": 0, "persistent": 0, "suspect": 0})
+            row[verdict] += 1
+    for event in suspects:
+        for host in event.get("hosts") or []:
+            row = counts.setdefault(str(host), {"transient": 0, "persistent": 0, "suspect": 0})
+            row["suspect"] = 1
+    return dict(sorted(counts.items()))
 
 
 def _count_steps(events: list[dict[str, Any]], points: list[StepPoint]) -> int:

@@ -31,6 +31,8 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
         ("hangs", _listed(summary.hangs, _hang)),
         ("uneven data", _listed(summary.uneven_data, _uneven)),
         ("stragglers", _listed(summary.stragglers, _straggler)),
+        ("reruns", _listed(summary.reruns, _rerun)),
+        ("hosts", _hosts(summary.hosts)),
         ("timing", _timing(summary)),
         ("skipped", _skipped(summary)),
     ]
@@ -121,6 +123,20 @@ def _uneven(e: dict[str, Any]) -> str:
         f"step {e.get('step')}: ranks {e.get('exhausted_ranks')} ran out of data "
         f"(batches per rank {e.get('batches')}; {e.get('dropped', 0)} dropped)"
     )
+
+
+def _rerun(e: dict[str, Any]) -> str:
+    where = f" on ranks {e.get('ranks')}" if e.get("ranks") else ""
+    return f"step {e.get('step')}: {e.get('verdict')}{where} (hosts {e.get('hosts') or '-'})"
+
+
+def _hosts(hosts: dict[str, dict[str, int]]) -> list[str]:
+    """Transient and persistent reruns per host; a suspect host flagged."""
+    return [
+        f"{host}: {row['transient']} transient, {row['persistent']} persistent"
+        + ("  SUSPECT (drained: exit 94)" if row.get("suspect") else "")
+        for host, row in hosts.items()
+    ]
 
 
 def _straggler(e: dict[str, Any]) -> str:
