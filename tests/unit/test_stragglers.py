@@ -309,3 +309,19 @@ def test_report_lists_stragglers_and_the_timing_table(tmp_path: Path) -> None:
     assert straggler_spans(summary.stragglers, summary.steps) == [(1, 29, 50, "data")]
     data = summary.to_dict()
     assert data["timing"][1]["rank"] == 1 and len(data["stragglers"]) == 2
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_detect_stragglers_off_takes_the_timer_out(tmp_path: Path, on: bool) -> None:
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = tg.GuardConfig(run_dir=tmp_path, hang_timeout=0, detect_stragglers=on)
+    with tg.Guard(model, opt, config=config) as guard:
+        assert (guard._timer is not None) is on
+        assert bool(model._forward_hooks) is on  # the timer's hooks, nothing when off
+        for batch in guard.watch([torch.randn(3, 4) for _ in range(3)]):
+            loss = model(batch).pow(2).mean()
+            loss.backward()
+            guard.step(loss)
+    lines = [json.loads(line) for line in (tmp_path / "metrics" / "rank-0.jsonl").open()]
+    assert all(("compute_times" in line) is on for line in lines)
