@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trainguard.errors import TrainGuardError
+from trainguard.hang.flight_recorder import enable_by_default
 
 CLASSES = 4
 FEATURES = 8
@@ -193,6 +194,7 @@ def run_demo(
     folder.mkdir(parents=True, exist_ok=True)
     log = folder / "launch.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    enable_by_default(env)  # torch's flight recorder in the workers (hang reports)
     start = time.monotonic()
     with log.open("w") as out:
         proc = subprocess.Popen(

@@ -166,3 +166,17 @@ def test_the_cycle_finder_sees_a_type_checking_circle(tmp_path: Path) -> None:
     fake = tmp_path / "m.py"
     fake.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from a.b import C\n")
     assert module_imports(fake, {"a.b", "a"}) == {"a.b"}
+
+
+def test_importing_trainguard_changes_no_environment_variable() -> None:
+    """No import-time side effects: the flight recorder's variable is set by trainguard's own
+    launchers for their workers, never by ``import trainguard``."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os; before = dict(os.environ); import trainguard, trainguard.hang; "
+        "print(sorted(set(os.environ.items()) ^ set(before.items())))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -17,16 +17,15 @@
   thread's Python stack), as a ``collective_record.CollectiveRecord``
 - ``mismatch``  the ranks' collectives compared: the first differing one, and the culprits
 
-Importing this package turns torch's flight recorder on where nothing set it and no process
-group exists yet (``flight_recorder.enable_by_default``).
+Importing changes nothing (no import-time side effects): the flight recorder is turned on by
+the launchers trainguard controls (``trainguard demo``) through the workers' environment
+(``flight_recorder.enable_by_default``); torch 2.13 records 2000 collectives by default, and
+``trainguard doctor`` says how to turn it on where it is off.
 
 Offers: ``Watchdog``, ``start_watchdog``. Imports only the shared base modules
 (``progress``, ``events``, ``exitcodes``, ``errors``).
 """
 
-from trainguard.hang.flight_recorder import enable_by_default
 from trainguard.hang.watchdog import Watchdog, start_watchdog
-
-enable_by_default()
 
 __all__ = ["Watchdog", "start_watchdog"]

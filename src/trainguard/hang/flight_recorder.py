@@ -5,7 +5,8 @@ torch (2.13: gloo and NCCL) records every collective of a process group in a rin
 too). The size is read once, when the first process group is created: setting it later has
 no effect in that process.
 
-* ``enable_by_default`` (called when ``trainguard.hang`` is imported): when neither variable
+* ``enable_by_default`` (on the environment of workers a trainguard launcher starts, e.g.
+  ``trainguard demo``; never at import, which has no side effects): when neither variable
   is set, no process group exists yet and ``TRAINGUARD_FLIGHT_RECORDER`` is not ``0``, it
   sets ``TORCH_FR_BUFFER_SIZE=2000`` and marks that it did (``TRAINGUARD_FR_DEFAULTED=1``,
   so ``trainguard doctor`` can tell the job's own setting from trainguard's). A script that
