@@ -64,7 +64,8 @@ def run_mode(job: Job, mode: str, steps: int, warmup: int, every: int = 0) -> li
         guard = None
         if mode != "bare":
             rerun = job.loss if mode == "guard_rerun" else None
-            guard = tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0, rerun=rerun)
+            config = tg.GuardConfig(run_dir=run_dir, hang_timeout=0, suspect_host_after=0)
+            guard = tg.Guard(model, opt, rerun=rerun, config=config)  # faults on purpose
             if hook is not None:
                 hook.guard = guard
         batches = guard.watch(data) if guard is not None else iter(data)
