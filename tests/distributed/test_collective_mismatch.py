@@ -66,7 +66,7 @@ def progress_of(run_dir: Path) -> dict[str, str]:
     return {p.name: p.read_text() for p in sorted(run_dir.glob("progress-rank*"))}
 
 
-def run_and_check(run_dir: Path, source: str) -> dict[str, Any]:
+def run_and_check(run_dir: Path, source: str) -> tuple[dict[str, Any], str]:
     try:
         results = run_ranks(train_with_a_lone_barrier, 4, str(run_dir), timeout=RUN_LIMIT_S)
     except TimeoutError as exc:  # where each rank got to: a slow start or a missed hang?
@@ -93,11 +93,16 @@ def run_and_check(run_dir: Path, source: str) -> dict[str, Any]:
     assert records[0]["op"] == "barrier" and records[0]["site"] == barrier
     for rank in (1, 2, 3):
         assert records[rank]["op"] == "all_reduce" and records[rank]["site"] == backward
+    folder = run_dir / "hangs" / report["id"]
+    assert "collective: barrier" in (folder / "rank-0.txt").read_text()
     for rank in range(4):
+        if rank:
+            dump = (folder / f"rank-{rank}.txt").read_text()
+            assert "collective: DDP's gradient all_reduce" in dump
         hangs = [e for e in tg.read_events(run_dir, rank) if e["kind"] == "hang"]
         assert len(hangs) == 1 and hangs[0]["culprits"] == [0]
         assert line in hangs[0]["reason"]
-    return report
+    return report, text
 
 
 @pytest.mark.timeout(120)
@@ -105,7 +110,7 @@ def test_a_lone_barrier_is_named_from_the_flight_recorder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
-    report = run_and_check(tmp_path, "flight_recorder")
+    report, _ = run_and_check(tmp_path, "flight_recorder")
 
     mismatch = report["collective_mismatch"]
     records = {r["rank"]: r["collective"] for r in report["ranks"]}
@@ -120,7 +125,8 @@ def test_a_lone_barrier_is_named_from_the_stacks_with_the_recorder_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
-    report = run_and_check(tmp_path, "stack")
+    report, text = run_and_check(tmp_path, "stack")
 
     assert report["collective_mismatch"]["seq"] is None
+    assert "ranks 0-3: flight recorder off (TORCH_FR_BUFFER_SIZE=0)" in text
     assert all("TORCH_FR_BUFFER_SIZE=0" in r["collective"]["note"] for r in report["ranks"])

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.hang import flight_recorder as fr
-from trainguard.hang.collective_record import FLIGHT_RECORDER, STACK, Call
+from trainguard.hang.collective_record import FLIGHT_RECORDER, STACK, Call, describe
 from trainguard.hang.collectives import CollectiveProbe
 from trainguard.hang.frames import (
     DDP_ALL_REDUCE,
@@ -188,6 +188,7 @@ def test_the_probe_reads_the_recorder_and_names_the_call_from_the_stack() -> Non
     assert record.source == FLIGHT_RECORDER
     assert (record.op, record.label, record.seq, record.sizes) == ("barrier", "barrier", 12, [])
     assert (record.site, record.enqueued, record.top) == ("train.py:19", 12, 12)
+    assert describe(record) == "barrier, sequence id 12, at train.py:19 (flight_recorder)"
     probe.read()
     assert dump.full == 1  # the status did not change: no second full dump
     dump.status["0"]["last_enqueued_collective"] = 13

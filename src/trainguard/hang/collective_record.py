@@ -119,3 +119,13 @@ class CollectiveRecord:
             )
         except (KeyError, TypeError, ValueError):
             return None
+
+
+def describe(record: CollectiveRecord) -> str:
+    """``barrier, sequence id 37, at train.py:19 (flight_recorder)``."""
+    parts = [record.what]
+    if record.seq is not None:
+        parts.append(f"sequence id {record.seq}")
+    if record.site:
+        parts.append(f"at {record.site}")
+    return f"{', '.join(parts)} ({record.source})"

@@ -34,6 +34,7 @@ from typing import Any
 from trainguard.events import EventLog
 from trainguard.exitcodes import EXIT_HANG, EXIT_PEER_FAILURE
 from trainguard.hang.channel import StoreChannel
+from trainguard.hang.collective_record import CollectiveRecord, describe
 from trainguard.hang.report import stack_file, write_report
 from trainguard.hang.rules import HANG, Verdict
 from trainguard.hang.stacks import FrozenDump, write_stack_dump
@@ -100,6 +101,8 @@ class ExitPath:
         self._ack_wait = ack_wait_s
         self._host = socket.gethostname()
         self._pid = os.getpid()
+        self.collective: dict[str, Any] | None = None
+        """The collective this rank waits in (its latest record), for the stack dump."""
         self.before_exit: list[Callable[[], Any]] = []
         """Called (errors logged, never raised) before the process exits on a verdict: the
         loop's own buffers that ``os._exit`` would otherwise lose."""
@@ -144,6 +147,9 @@ class ExitPath:
             f"{verdict.kind} {self.hang_id}, step {self.progress.step}, phase "
             f"{self.progress.phase!r}\nculprit ranks: {verdict.culprits}\nreason: {verdict.reason}"
         )
+        record = CollectiveRecord.from_dict(self.collective)
+        if record is not None:
+            header += f"\ncollective: {describe(record)}"
         native = attempt(lambda: write_stack_dump(stacks, header))
         return stacks, bool(native)
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from trainguard.hang.collective_record import CollectiveRecord
 from trainguard.hang.heartbeat import RankView
+from trainguard.hang.mismatch import rank_list
 from trainguard.hang.rules import HANG, Verdict, collective_mismatch
 
 
@@ -138,7 +139,21 @@ def collective_lines(report: dict[str, Any]) -> list[str]:
         "collectives (seq: sequence id in the guard's process group; last: its latest",
         "collectives from the flight recorder, * = not completed)",
         *[line.rstrip() for line in table],
+        *recorder_notes(report),
     ]
+
+
+def recorder_notes(report: dict[str, Any]) -> list[str]:
+    """Why ranks answered from their stacks: ``ranks 0-3: flight recorder off (...)``."""
+    notes: dict[str, list[int]] = {}
+    for r in report["ranks"]:
+        record = CollectiveRecord.from_dict(r.get("collective"))
+        if record is not None and record.note:
+            notes.setdefault(record.note, []).append(r["rank"])
+    lines = [f"{rank_list(ranks)}: {note}" for note, ranks in notes.items()]
+    if lines:
+        lines.append("(trainguard doctor says how to turn the flight recorder on)")
+    return lines
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -260,6 +260,7 @@ class Watchdog:
         self._stalls.observe(self.progress, self.steps_done(), now)
         self._log_timeout()
         collective = self._collective(now)
+        self._exit.collective = collective
         try:
             self.channel.publish(self._beat(collective=collective))
             beats, verdict = self.channel.read(self._watch.reads())
