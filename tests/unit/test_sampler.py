@@ -15,7 +15,7 @@ from torch.utils.data.distributed import DistributedSampler
 import trainguard as tg
 from trainguard.events import EventLog
 from trainguard.progress import Progress
-from trainguard.step.consensus import Agreement, Consensus, LocalReport, Reduced
+from trainguard.step.consensus import COLUMNS, Agreement, Consensus, LocalReport, Reduced
 from trainguard.step.data import BatchStream, iterable_length
 
 
@@ -53,8 +53,11 @@ class _TwoRanks(Consensus):
         self.other = other
 
     def agree(self, report: LocalReport, sum_grad_norms: bool) -> Agreement:
-        mine = [*report.values.tolist(), float(report.exhausted), float(report.batches)]
-        theirs = [float(self.other), 0.0, 0.0, 0.0, 1.0, float(self.other)]
+        host = [float(report.exhausted), float(report.batches), 0.0, 0.0]  # + data, compute
+        mine = [*report.values.tolist(), *host]
+        # loss column = its len(); grad norm, input, fingerprint 0; exhausted, all fetched
+        theirs = [float(self.other), 0.0, 0.0, 0.0, 0.0, 1.0, float(self.other), 0.0, 0.0]
+        assert len(mine) == len(theirs) == len(COLUMNS)
         reduced = Reduced(torch.tensor(mine + theirs), report, sum_grad_norms)
         return self.read(mine + theirs, reduced)
 
