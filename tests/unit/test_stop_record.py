@@ -41,6 +41,17 @@ def _signals_and_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         signal.signal(sig, handler)
 
 
+@pytest.fixture(autouse=True)
+def _trainguard_logs(caplog: pytest.LogCaptureFixture) -> None:
+    """Frameworks imported by other tests (``logging.config`` with
+    ``disable_existing_loggers``) can disable trainguard's loggers; these tests read them."""
+    for name, logger in logging.root.manager.loggerDict.items():
+        if name.startswith("trainguard") and isinstance(logger, logging.Logger):
+            logger.disabled = False
+            logger.propagate = True
+    caplog.set_level(logging.INFO)
+
+
 def _config(run_dir: Path, **overrides: Any) -> tg.GuardConfig:
     fields: dict[str, Any] = {
         "run_dir": run_dir,
