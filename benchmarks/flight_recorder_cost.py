@@ -1,7 +1,8 @@
 """What torch's flight recorder costs a training step (issue 24).
 
-trainguard turns the recorder on where nothing set it (``TORCH_FR_BUFFER_SIZE=2000``) so a
-hang report can compare the ranks' collectives. torch reads the size once, when the process
+A hang report compares the ranks' collectives from the recorder, so trainguard wants it on
+(torch 2.13's default: 2000 entries; trainguard's launchers set ``TORCH_FR_BUFFER_SIZE=2000``
+where nothing set it). torch reads the size once, when the process
 group is created, so "on" and "off" cannot share a process: each job is a fresh 2-rank DDP
 run (spawned processes, gloo) of the transformer workload of ``overhead_modes``, with the
 recorder off (``TORCH_FR_BUFFER_SIZE=0``) or on (2000). Rounds are interleaved: each round

@@ -231,7 +231,7 @@ def test_the_ddp_search_is_cached() -> None:
 def test_the_recorder_is_turned_on_only_where_nothing_set_it() -> None:
     env: dict[str, str] = {}
     assert fr.enable_by_default(env)
-    assert env == {"TORCH_FR_BUFFER_SIZE": "2000", "TRAINGUARD_FR_DEFAULTED": "1"}
+    assert env == {"TORCH_FR_BUFFER_SIZE": "2000"}
     for preset in (
         {"TORCH_FR_BUFFER_SIZE": "0"},
         {"TORCH_NCCL_TRACE_BUFFER_SIZE": "500"},

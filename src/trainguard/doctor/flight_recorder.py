@@ -5,10 +5,10 @@ off, the report falls back to each rank's Python stack (no sequence ids, no size
 for NCCL's asynchronous collectives).
 
 torch reads ``TORCH_FR_BUFFER_SIZE`` (or the older ``TORCH_NCCL_TRACE_BUFFER_SIZE``) when
-the first process group is created. Importing trainguard before ``init_process_group`` sets
-it to 2000 where nothing set it, and marks that it did (``TRAINGUARD_FR_DEFAULTED=1``): the
-doctor's own import did that too, so ``job_environment`` takes that default back out and the
-doctor judges what the job itself sets.
+the first process group is created; unset, torch's default applies (torch 2.13 records the
+last 2000 collectives). Importing trainguard sets nothing (no import-time side effects);
+trainguard's own launchers (``trainguard demo``) set it for their workers. So the doctor
+judges the environment the job gets, and says how to turn the recorder on.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from trainguard.doctor.findings import Finding
 
 BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 OLD_BUFFER_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
-DEFAULTED_ENV = "TRAINGUARD_FR_DEFAULTED"
 SUGGESTED = 2000
 CHECK = "environment.recorder"
 TURN_ON = (
@@ -29,15 +28,6 @@ TURN_ON = (
     "when the process group is created, so setting it in the script after "
     "init_process_group does nothing)"
 )
-
-
-def job_environment(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` without the default trainguard's import put there."""
-    out = dict(env)
-    if out.get(DEFAULTED_ENV) == "1" and out.get(BUFFER_ENV) == str(SUGGESTED):
-        del out[BUFFER_ENV]
-    out.pop(DEFAULTED_ENV, None)
-    return out
 
 
 def recorder_available() -> bool:
@@ -63,8 +53,8 @@ def flight_recorder_finding(env: Mapping[str, str], available: bool) -> Finding:
         return Finding(
             CHECK,
             "ok",
-            f"flight recorder on: importing trainguard before init_process_group sets "
-            f"{BUFFER_ENV}={SUGGESTED} (export it if the process group may come first)",
+            f"flight recorder: {BUFFER_ENV} unset, torch's default applies (torch 2.13 records "
+            f"the last {SUGGESTED} collectives); export {BUFFER_ENV}={SUGGESTED} to be sure",
         )
     value = env[name].strip()
     if not value.isdigit():

@@ -12,11 +12,7 @@ import torch.distributed as dist
 
 from trainguard.doctor import environment as envcheck
 from trainguard.doctor.findings import DoctorReport
-from trainguard.doctor.flight_recorder import (
-    flight_recorder_finding,
-    job_environment,
-    recorder_available,
-)
+from trainguard.doctor.flight_recorder import flight_recorder_finding, recorder_available
 from trainguard.doctor.rendezvous import Launch, check_master, read_launch
 from trainguard.doctor.session import run_session
 from trainguard.doctor.variables import check_variables, relevant
@@ -35,7 +31,7 @@ class DoctorOptions:
 
 
 def run_doctor(options: DoctorOptions, env: Mapping[str, str] | None = None) -> DoctorReport:
-    env = job_environment(os.environ if env is None else env)
+    env = dict(os.environ) if env is None else dict(env)
     launch, launch_findings = read_launch(env)
     report = DoctorReport(
         rank=launch.rank if launch else None, world_size=launch.world_size if launch else 1

@@ -1,4 +1,4 @@
-"""torch's flight recorder: on by default where trainguard can, and read at a hang.
+"""torch's flight recorder: on where trainguard launches the workers, and read at a hang.
 
 torch (2.13: gloo and NCCL) records every collective of a process group in a ring buffer
 (``TORCH_FR_BUFFER_SIZE`` entries; the older name ``TORCH_NCCL_TRACE_BUFFER_SIZE`` is read
@@ -8,10 +8,9 @@ no effect in that process.
 * ``enable_by_default`` (on the environment of workers a trainguard launcher starts, e.g.
   ``trainguard demo``; never at import, which has no side effects): when neither variable
   is set, no process group exists yet and ``TRAINGUARD_FLIGHT_RECORDER`` is not ``0``, it
-  sets ``TORCH_FR_BUFFER_SIZE=2000`` and marks that it did (``TRAINGUARD_FR_DEFAULTED=1``,
-  so ``trainguard doctor`` can tell the job's own setting from trainguard's). A script that
-  creates the process group before importing trainguard keeps torch's default (2000 in torch
-  2.13; 0 in older releases): set the variable in the job's environment to be sure.
+  sets ``TORCH_FR_BUFFER_SIZE=2000``. Elsewhere torch's default applies (torch 2.13 records
+  2000 collectives; older releases may not record gloo): set the variable in the job's
+  environment to be sure (``trainguard doctor`` says so).
 * ``pg_status``: the group's enqueued / completed sequence ids, without the entries (about
   10 us): the watchdog re-reads the entries only when these changed.
 * ``read_calls``: the last collectives of one process group as ``Call`` s (a full dump: tens
@@ -38,9 +37,8 @@ logger = logging.getLogger(__name__)
 BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 OLD_BUFFER_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
 OPT_OUT_ENV = "TRAINGUARD_FLIGHT_RECORDER"
-DEFAULTED_ENV = "TRAINGUARD_FR_DEFAULTED"
 DEFAULT_ENTRIES = 2000
-"""torch's own default in 2.13, and the size its docs suggest."""
+"""torch's own default in 2.13."""
 
 LAST_CALLS = 4
 """Collectives of the group a rank publishes, and pending ones before them up to
@@ -61,7 +59,6 @@ def enable_by_default(environ: MutableMapping[str, str] | None = None) -> bool:
     if dist.is_available() and dist.is_initialized():
         return False
     env[BUFFER_ENV] = str(DEFAULT_ENTRIES)
-    env[DEFAULTED_ENV] = "1"
     logger.debug("trainguard: %s=%d (torch's flight recorder)", BUFFER_ENV, DEFAULT_ENTRIES)
     return True
 
