@@ -7,8 +7,10 @@ sizes, two rounds); the step clock's parity ratio is checked on known tick times
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +24,17 @@ pytest.importorskip("transformers")
 
 
 @pytest.fixture()
-def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
+def bench(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The benchmark's runners quiet the frameworks' and trainguard's loggers (to ERROR) for
+    its own process; put the levels back so later tests in this process still log."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import integrations_overhead
 
-    return integrations_overhead
+    names = ("lightning", "lightning.pytorch", "lightning.fabric", "transformers", "trainguard")
+    levels = {name: logging.getLogger(name).level for name in names}
+    yield integrations_overhead
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
 
 
 def test_parity_ratio_is_even_over_odd_step_time(bench: Any) -> None:

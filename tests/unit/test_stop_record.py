@@ -50,6 +50,7 @@ def _trainguard_logs(caplog: pytest.LogCaptureFixture) -> None:
             logger.disabled = False
             logger.propagate = True
     caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="trainguard")  # a level set by another test
 
 
 def _config(run_dir: Path, **overrides: Any) -> tg.GuardConfig:
