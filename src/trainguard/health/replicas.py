@@ -138,6 +138,8 @@ class ReplicaWatch:
         """The first step at which the replicas were seen to differ (None: never)."""
         self.divergence: dict[str, Any] | None = None
         """The fields of the latest ``replica_divergence`` event (with its ``step``)."""
+        self.divergences = 0
+        """Checks that found the replicas differing (``replica_divergence`` events)."""
 
     # -- the fingerprint (every rank, each due step) -----------------------------------------
 
@@ -229,6 +231,7 @@ class ReplicaWatch:
             "fingerprints": fingerprints,
         }
         self._events.write("replica_divergence", step, **fields)
+        self.divergences += 1
         if self.diverged_at is None:
             self.diverged_at = step
         self.divergence = {"step": step, **fields}

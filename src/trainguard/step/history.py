@@ -165,6 +165,10 @@ class StepHistory:
         """The ring, oldest first."""
         return list(self._ring)
 
+    def last(self) -> StepRecord | None:
+        """The newest record (None before the first decided step); no copy of the ring."""
+        return self._ring[-1] if self._ring else None
+
     def bundle_history(self) -> dict[str, Any]:
         """The content of a bundle's ``history.json`` (before ``to_jsonable``)."""
         return {"format": HISTORY_FORMAT, "records": [r.bundle_fields() for r in self._ring]}
