@@ -1,0 +1,30 @@
+"""benchmarks/fixed_cost.py still runs: a few steps, two rounds, every mode and the breakdown."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "fixed_cost.py"
+
+
+def test_fixed_cost_quick(tmp_path: Path) -> None:
+    out = tmp_path / "fixed.json"
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--rounds", "2", "--steps", "5"]
+    proc = subprocess.run(
+        [*cmd, "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| mode | us/step |" in proc.stdout
+    report = json.loads(out.read_text(encoding="utf-8"))
+    modes = report["modes"]
+    assert set(modes) == {"bare", "naive_loss", "naive_norm", "guard_check", "guard_step"}
+    for name, entry in modes.items():
+        assert len(entry["us_per_step"]) == 2 and entry["median_us"] > 0, name
+    assert modes["guard_check"]["ratio"] > 0 and "fixed_cost_us" in modes["guard_step"]
+    parts = report["breakdown"]["parts"]
+    assert parts["check()"]["calls_per_step"] == 1.0
+    assert set(report["breakdown"]["loop_phases_us"]) == {"bare", "guard_check"}
