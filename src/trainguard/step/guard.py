@@ -45,6 +45,7 @@ from trainguard.recovery import (
 from trainguard.step import amp
 from trainguard.step.capturer import Capturer, step_evidence, unwrap
 from trainguard.step.consensus import Agreement, Consensus, LocalReport
+from trainguard.step.dashboard import Dashboard
 from trainguard.step.data import BatchStream
 from trainguard.step.deferred import PendingStep, StepOutcome, uses_fused
 from trainguard.step.detect import (
@@ -152,6 +153,7 @@ class Guard:
         self._sampler_epochs = SamplerEpochs(self.events, self.rank)
         metrics = MetricsLog(metrics_path(self.run_dir)) if self.rank == 0 else None
         self.history = StepHistory(self.config.history_steps, metrics)
+        self._dashboard = Dashboard(self)  # metrics(): reads the parts when called
         # Recovery restores at step boundaries: it needs the decision before the update.
         sync_free = uses_fused(optimizer) and scaler is None
         sync_free = sync_free and not recovery_enabled(self.config) and rerun is None
@@ -663,6 +665,11 @@ class Guard:
         return error
 
     # -- lifecycle ------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float | int]:
+        """The per-step numbers as a flat dict for any logger (``trainguard/...`` keys, the same
+        on every rank; no collective, no device sync; the keys: ``step/dashboard.py``)."""
+        return self._dashboard.read()
 
     def state_dict(self) -> dict[str, Any]:
         """The guard's counters, to save with a checkpoint.
