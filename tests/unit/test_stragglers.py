@@ -16,6 +16,7 @@ import torch
 
 import trainguard as tg
 from trainguard.events import EventLog, read_events
+from trainguard.health import stragglers
 from trainguard.health.stragglers import PhaseWindow, StragglerWatch, judge
 from trainguard.report.summary import summarize
 from trainguard.report.text import report_text
@@ -325,3 +326,28 @@ def test_detect_stragglers_off_takes_the_timer_out(tmp_path: Path, on: bool) -> 
             guard.step(loss)
     lines = [json.loads(line) for line in (tmp_path / "metrics" / "rank-0.jsonl").open()]
     assert all(("compute_times" in line) is on for line in lines)
+
+
+@pytest.mark.parametrize("world", [1, 2, 5])
+def test_small_worlds_on_host_floats_judge_as_the_ring_tensor(
+    tmp_path: Path, world: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to SMALL_WORLD ranks the window is a list per rank and the quiet steps are judged on
+    host floats (fixed_cost.py, issue 26); the events are those of the tensor ring."""
+    rng = random.Random(world)
+
+    def data(step: int, rank: int) -> float:
+        slow = rank == world - 1 and world > 1 and 80 <= step < 220
+        return (0.06 if slow else 0.005) * math.exp(rng.gauss(0.0, 0.3))
+
+    series = [[data(s, r) for r in range(world)] for s in range(400)]
+
+    def events(name: str) -> list[tuple[Any, ...]]:
+        watch = _watch(tmp_path / name)
+        _run(watch, 400, lambda s, r: series[s][r], world=world)
+        return [(e["step"], e["ranks"], e["recovered"]) for e in _stragglers(tmp_path / name)]
+
+    on_host = events("host")
+    monkeypatch.setattr(stragglers, "SMALL_WORLD", 0)  # every world on the ring tensor
+    assert events("tensor") == on_host
+    assert bool(on_host) == (world > 1)

@@ -60,6 +60,10 @@ SLOW_SHARE = 0.75
 RANKS_PER_JUDGED_STEP = 128
 """Past this many ranks the window is judged every ``world // 128`` steps, not every step:
 the per-rank medians cost about 0.5 us per rank (``benchmarks/straggler_cost.py``)."""
+SMALL_WORLD = 16
+"""Up to this many ranks a window is kept in Python lists and the usual step (nobody near a
+floor, nobody named) is judged on host floats, with no tensor op: torch's per-op overhead
+made the judgement of 2 ranks cost about 190 us a step (``benchmarks/fixed_cost.py``)."""
 
 
 @dataclass(frozen=True)
@@ -104,9 +108,7 @@ def judge(
     values = torch.as_tensor(medians, dtype=torch.float64)
     low = values if lows is None else torch.as_tensor(lows, dtype=torch.float64)
     reference = float(values.median())  # the lower middle one for an even number of ranks
-    loosest = max(1.0 + (slowdown - 1.0) * HYSTERESIS, 1.0) * reference
-    top = float(low.max())
-    if top <= reference or top < loosest or top - reference < min_lost * HYSTERESIS:
+    if quiet(reference, float(low.max()), slowdown, min_lost):
         return Verdict((), low, values, reference)  # the usual case: nobody near a floor
     ratio = torch.full_like(low, slowdown)
     lost = torch.full_like(low, min_lost)
@@ -121,16 +123,37 @@ def judge(
     return Verdict(tuple(ranks), low, values, reference)
 
 
+def quiet(reference: float, top: float, slowdown: float, min_lost: float) -> bool:
+    """Whether the slowest rank's judged seconds ``top`` are below even the held (loosest)
+    floors over ``reference``: then nobody is named, whoever was named before."""
+    loosest = max(1.0 + (slowdown - 1.0) * HYSTERESIS, 1.0) * reference
+    return top <= reference or top < loosest or top - reference < min_lost * HYSTERESIS
+
+
 class PhaseWindow:
     """The last ``size`` steps of one phase's per-rank seconds (a ring tensor, ranks x steps:
-    each rank's steps contiguous, so sorting them is one cheap ``sort`` along a row)."""
+    each rank's steps contiguous, so sorting them is one cheap ``sort`` along a row; up to
+    ``SMALL_WORLD`` ranks a list per rank instead, see ``host_stats``)."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self._ring: Tensor | None = None
+        self._rows: list[list[float]] | None = None
         self._count = 0
 
     def add(self, times: Sequence[float]) -> None:
+        if len(times) <= SMALL_WORLD:
+            rows = self._rows
+            if rows is None or len(rows) != len(times):  # first step (or a new world)
+                rows = self._rows = [[0.0] * self.size for _ in times]
+                self._ring = None
+                self._count = 0
+            slot = self._count % self.size
+            for ranks_row, seconds in zip(rows, times, strict=True):
+                ranks_row[slot] = seconds
+            self._count += 1
+            return
+        self._rows = None
         ring = self._ring
         if ring is None or ring.shape[0] != len(times):  # first step (or a new world)
             ring = self._ring = torch.zeros(len(times), self.size, dtype=torch.float64)
@@ -146,11 +169,26 @@ class PhaseWindow:
     def stats(self) -> tuple[Tensor, Tensor]:
         """Each rank's median and lower quartile (``SLOW_SHARE``) over the window: the values
         it exceeds in half and in ``SLOW_SHARE`` of the steps (the lower one when between)."""
+        found = self.host_stats()
+        if found is not None:
+            medians, lows = found
+            return torch.tensor(medians, dtype=torch.float64), torch.tensor(
+                lows, dtype=torch.float64
+            )
         assert self._ring is not None
         ordered = self._ring.sort(dim=1).values
         median = (self.size - 1) // 2
         low = int((1.0 - SLOW_SHARE) * (self.size - 1))
         return ordered[:, median], ordered[:, low]
+
+    def host_stats(self) -> tuple[list[float], list[float]] | None:
+        """``stats()`` as host floats for a window kept in lists (None: a ring tensor)."""
+        if self._rows is None:
+            return None
+        median = (self.size - 1) // 2
+        low = int((1.0 - SLOW_SHARE) * (self.size - 1))
+        ordered = [sorted(row) for row in self._rows]
+        return [row[median] for row in ordered], [row[low] for row in ordered]
 
 
 @dataclass
@@ -176,8 +214,10 @@ class StragglerWatch:
         return {phase: sorted(state.named) for phase, state in self._phases.items()}
 
     def observe(self, step: int, data_times: list[float], compute_times: list[float]) -> None:
-        """One decided step's per-rank times (the same lists on every rank)."""
-        if not self._enabled or not data_times:
+        """One decided step's per-rank times (the same lists on every rank). A world of one
+        is not judged: a rank's lower quartile never exceeds its own median (the reference),
+        so no verdict could name it; its windows stay empty."""
+        if not self._enabled or len(data_times) < 2:
             return
         self._seen += 1
         if self._seen <= self._config.straggler_warmup:
@@ -192,6 +232,13 @@ class StragglerWatch:
         if not (due and state.window.full):
             return
         config = self._config
+        host = state.window.host_stats()
+        if host is not None and not state.named:  # small worlds: the usual step, no tensor
+            medians_now, lows_now = host
+            reference = sorted(medians_now)[(len(medians_now) - 1) // 2]  # as Tensor.median
+            slowdown, min_lost = config.straggler_slowdown, config.straggler_min_lost
+            if quiet(reference, max(lows_now), slowdown, min_lost):
+                return
         medians, lows = state.window.stats()
         slowdown, min_lost = config.straggler_slowdown, config.straggler_min_lost
         verdict = judge(medians, slowdown, min_lost, state.named, lows)
