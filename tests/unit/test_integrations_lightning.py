@@ -160,3 +160,71 @@ def test_a_skipped_step_leaves_batchnorm_as_if_the_batch_never_came(tmp_path: Pa
     want = reference.state_dict()
     for key, got in model.state_dict().items():
         assert torch.equal(got, want[key]), key  # running_mean/var, num_batches_tracked too
+
+
+class _RecordingLogger(L.loggers.logger.Logger):  # type: ignore[misc]
+    """A Lightning logger that keeps every ``log_metrics`` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.calls.append((step, dict(metrics)))
+
+
+def _fit_with_logger(tmp_path: Path, **options: Any) -> tuple[_RecordingLogger, Any]:
+    ex = _example()
+    L.seed_everything(0, verbose=False)
+    logger = _RecordingLogger()
+    callback = TrainGuard(run_dir=tmp_path, hang_timeout=0, capture=False, **options)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        callbacks=[callback],
+        logger=logger,
+        log_every_n_steps=2,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(ex.Regressor(), DataLoader(ex.Points(), batch_size=8))
+    return logger, ex
+
+
+def test_guard_metrics_reach_the_trainers_logger(tmp_path: Path) -> None:
+    logger, ex = _fit_with_logger(tmp_path)
+    ours = [(step, m) for step, m in logger.calls if "trainguard/skipped_steps" in m]
+    bad = ex.POISONED // 8  # one process: sample 27 sits in batch (= step) 3
+    # every 2nd step as Lightning logs (log_every_n_steps=2), and the skipped step at once
+    assert [step for step, _ in ours] == [1, bad, 5, 7]
+    assert [m["trainguard/skipped_steps"] for _, m in ours] == [0, 1, 1, 1]
+    assert [m["trainguard/step"] for _, m in ours] == [2, bad + 1, 6, 8]
+    skipped = ours[1][1]
+    assert skipped["trainguard/consecutive_bad"] == 1 and math.isinf(
+        skipped["trainguard/grad_norm"]
+    )
+    assert all(type(v) in (int, float) for _, m in ours for v in m.values())  # no tensors
+    lightnings = [step for step, m in logger.calls if "loss" in m]  # the module's self.log
+    assert set(lightnings) >= {1, 5, 7}  # the same step numbers as Lightning's own
+
+
+def test_log_metrics_false_keeps_the_logger_clean(tmp_path: Path) -> None:
+    logger, _ = _fit_with_logger(tmp_path, log_metrics=False)
+    assert logger.calls and not any("trainguard/step" in m for _, m in logger.calls)
+    with pytest.raises(ConfigError, match="log_metrics"):
+        TrainGuard(log_metrics="yes")

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import trainguard as tg
 from trainguard.errors import ConfigError
@@ -112,16 +112,24 @@ def test_the_whole_accumulation_window_is_captured(tmp_path: Path) -> None:
     )  # both micro-batches of the window, as the Trainer fetched them
 
 
-def test_callback_without_the_mixin_is_refused(tmp_path: Path) -> None:
+def test_callback_without_the_mixin_is_refused_before_any_forward(tmp_path: Path) -> None:
     ex = _example()
+    model = ex.tiny_gpt2()
+    forwards = {"n": 0}
+
+    def count(module: Any, args: Any) -> None:
+        forwards["n"] += 1
+
+    model.register_forward_pre_hook(count)
     trainer = Trainer(
-        model=ex.tiny_gpt2(),
+        model=model,
         args=_args(tmp_path),
         train_dataset=ex.Tokens(masked=None),
         callbacks=[TrainGuardCallback(run_dir=tmp_path, hang_timeout=0)],
     )
-    with pytest.raises(ConfigError, match="TrainGuardMixin"):
+    with pytest.raises(ConfigError, match=r"class MyTrainer\(TrainGuardMixin, Trainer\)"):
         trainer.train()
+    assert forwards["n"] == 0  # refused in on_train_begin: no forward, no backward ran
 
 
 def test_mixin_without_the_callback_is_refused(tmp_path: Path) -> None:
@@ -145,3 +153,52 @@ def test_model_loss_is_the_models_own_loss() -> None:
     assert torch.allclose(model_loss(model, batch), model(**batch).loss)
     masked = {k: v[None] for k, v in ex.Tokens()[ex.MASKED].items()}
     assert math.isnan(float(model_loss(model, masked)))
+
+
+class _LogReader(TrainerCallback):  # type: ignore[misc]
+    """Keeps the ``logs`` every ``on_log`` receives (as W&B / TensorBoard reporters do)."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict[str, Any]] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        self.logs.append(dict(logs or {}))
+
+
+def test_guard_metrics_reach_the_reporters_logs(tmp_path: Path) -> None:
+    ex = _example()
+    reader = _LogReader()
+    trainer = ex.GuardedTrainer(
+        model=ex.tiny_gpt2(),
+        args=_args(tmp_path, max_steps=8, logging_steps=1, average_tokens_across_devices=False),
+        train_dataset=ex.Tokens(),  # sample MASKED is all -100: its step's loss is NaN
+        callbacks=[reader, TrainGuardCallback(run_dir=tmp_path, hang_timeout=0, capture=False)],
+    )
+    trainer.train()  # the reader comes first, as the report_to reporters do, and still sees them
+    steps = [log for log in reader.logs if "loss" in log]
+    assert len(steps) == 8
+    assert all("trainguard/skipped_steps" in log for log in steps)
+    [skip] = [e["step"] for e in tg.read_events(tmp_path, 0) if e["kind"] == "skip"]
+    assert [log["trainguard/skipped_steps"] for log in steps] == [0] * skip + [1] * (8 - skip)
+    assert [log["trainguard/step"] for log in steps] == list(range(1, 9))
+    bad = steps[skip]
+    assert bad["trainguard/consecutive_bad"] == 1 and math.isnan(bad["trainguard/loss"])
+    keys = {"trainguard/grad_norm", "trainguard/lr_factor", "trainguard/spikes"}
+    assert keys <= set(steps[0])
+    summary = reader.logs[-1]  # train_runtime, train_loss...: the final counts ride along
+    assert "train_loss" in summary and summary["trainguard/skipped_steps"] == 1
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    assert history[-1]["trainguard/skipped_steps"] == 1
+
+
+def test_log_metrics_false_leaves_the_logs_alone(tmp_path: Path) -> None:
+    ex = _example()
+    reader = _LogReader()
+    trainer = ex.GuardedTrainer(
+        model=ex.tiny_gpt2(),
+        args=_args(tmp_path, max_steps=2, logging_steps=1),
+        train_dataset=ex.Tokens(masked=None),
+        callbacks=[TrainGuardCallback(run_dir=tmp_path, hang_timeout=0, log_metrics=False), reader],
+    )
+    trainer.train()
+    assert reader.logs and not any(k.startswith("trainguard/") for log in reader.logs for k in log)

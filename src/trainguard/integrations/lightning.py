@@ -16,6 +16,10 @@ Where each part of a step happens, in Lightning's own hooks:
 - validation runs under ``guard.phase("validation")`` (the hang watchdog does not mistake a
   long evaluation for a hang).
 
+``log_metrics=True`` (the default): after each check, ``guard.metrics()`` goes to the
+Trainer's loggers (``logger.log_metrics``, rank 0, at ``log_every_n_steps`` and at once after
+a step that was not applied), as host numbers: no tensor is made, no sync, no collective.
+
 What it refuses at setup (ConfigError): DeepSpeed (the optimizer step runs inside its
 backward: there is no point between the gradients and the update) and manual optimization
 (call ``Guard.check`` in your ``training_step`` instead).
@@ -41,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from trainguard.errors import ConfigError
-from trainguard.integrations.options import guard_config, with_accumulation
+from trainguard.integrations.options import guard_config, pop_log_metrics, with_accumulation
 from trainguard.integrations.rerun import StepMicroBatches, backpropagated, pop_rerun
 from trainguard.step.guard import Guard
 
@@ -77,13 +81,15 @@ class TrainGuard(Callback):  # type: ignore[misc]
     ``on_nonfinite``, ``max_consecutive``, ``capture``, ``grad_clip``, ``hang_timeout``...);
     ``accumulation_steps`` comes from ``Trainer(accumulate_grad_batches=...)``.
     ``rerun=True``: rerun a bad step's ``training_step`` in place before deciding (see the
-    module's docstring and docs/lightning.md).
+    module's docstring and docs/lightning.md). ``log_metrics=False``: keep ``guard.metrics()``
+    out of the Trainer's loggers.
     """
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
         options = dict(options)
         self._rerun = pop_rerun(options, "TrainGuard")
+        self._log_metrics = pop_log_metrics(options, "TrainGuard")
         self._config = guard_config(options, "TrainGuard")
         self._micro = StepMicroBatches()
         self.guard: Guard | None = None
@@ -162,7 +168,9 @@ class TrainGuard(Callback):  # type: ignore[misc]
         loss, self._loss = self._loss, None
         if loss is None:  # no backward this step (training_step returned None on every rank)
             loss = torch.zeros((), device=next(pl_module.parameters()).device)
-        guard.check(loss)  # skip: gradients cleared on every rank; raise: on every rank
+        applied = guard.check(loss)  # skip: gradients cleared on every rank; raise: on every rank
+        if self._log_metrics:
+            _log_guard_metrics(trainer, guard, applied)
 
     # -- phases and the end -----------------------------------------------------------------
 
@@ -204,6 +212,24 @@ class TrainGuard(Callback):  # type: ignore[misc]
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
             self._saved_state = dict(state_dict)
+
+
+def _log_guard_metrics(trainer: pl.Trainer, guard: Guard, applied: bool) -> None:
+    """``guard.metrics()`` to the Trainer's loggers at the optimizer step being taken
+    (``trainer.global_step``, the step Lightning logs its own step metrics at), every
+    ``log_every_n_steps`` steps as Lightning logs, and at once after a step that was not
+    applied. Rank 0 only (the values are the same on every rank). Straight to
+    ``logger.log_metrics``: ``self.log`` would make a device tensor of each number (a
+    host-to-device copy, a sync on a GPU) to aggregate values that need none."""
+    every = int(getattr(trainer, "log_every_n_steps", 50))  # set by the logger connector
+    if every <= 0 or not trainer.loggers or not trainer.is_global_zero:
+        return
+    step = trainer.global_step
+    if applied and (step + 1) % every != 0:
+        return
+    metrics = guard.metrics()
+    for logger_ in trainer.loggers:
+        logger_.log_metrics(metrics, step=step)
 
 
 def _step_loss(loss: Tensor, trainer: pl.Trainer) -> Tensor:

@@ -32,6 +32,18 @@ def guard_config(options: dict[str, Any], where: str) -> GuardConfig:
     return config
 
 
+def pop_log_metrics(options: dict[str, Any], where: str) -> bool:
+    """The integration's ``log_metrics`` option (True by default), taken out of the Guard's
+    options: whether ``guard.metrics()`` goes to the framework's loggers."""
+    log_metrics = options.pop("log_metrics", True)
+    if not isinstance(log_metrics, bool):
+        raise ConfigError(
+            "log_metrics",
+            f"{where}(log_metrics=...) takes True or False, got {log_metrics!r}",
+        )
+    return log_metrics
+
+
 def with_accumulation(config: GuardConfig, steps: int) -> GuardConfig:
     """The config with the framework's gradient accumulation (validated again)."""
     return dataclasses.replace(config, accumulation_steps=int(steps))

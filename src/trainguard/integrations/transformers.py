@@ -21,6 +21,12 @@ for a step whose update was zero, so the schedule stays aligned with ``global_st
 ``max_steps``. ``on_nonfinite="raise"`` and escalation raise on every rank out of
 ``trainer.train()``. Evaluation runs under ``guard.phase("evaluation")``.
 
+A Trainer without ``TrainGuardMixin`` is refused in ``on_train_begin``, before any forward.
+``log_metrics=True`` (the default): the mixin's ``log()`` adds ``guard.metrics()`` to the
+Trainer's training logs before its callbacks see them, so the reporting integrations
+(``report_to``: W&B, TensorBoard, MLflow...), which the Trainer puts before the user's
+callbacks, receive ``trainguard/skipped_steps`` and the rest.
+
 ``TrainGuardCallback(rerun=True)``: an agreed bad step is rerun in place before the decision
 (``Guard(rerun=...)``), through the Trainer's own ``training_step`` (the user's override and
 ``compute_loss`` included) on the model the loop passed (``model_wrapped``: DDP's forward and
@@ -40,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from trainguard.errors import ConfigError
-from trainguard.integrations.options import guard_config, with_accumulation
+from trainguard.integrations.options import guard_config, pop_log_metrics, with_accumulation
 from trainguard.integrations.rerun import StepMicroBatches, backpropagated, pop_rerun
 from trainguard.step.guard import Guard
 
@@ -61,11 +67,13 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
     Takes the Guard's options by name (every ``GuardConfig`` field); ``accumulation_steps``
     comes from ``TrainingArguments.gradient_accumulation_steps``. ``rerun=True``: rerun a bad
     step's ``training_step`` in place before deciding (module docstring, docs/transformers.md).
+    ``log_metrics=False``: keep ``guard.metrics()`` out of the Trainer's logs.
     """
 
     def __init__(self, **options: Any) -> None:
         options = dict(options)
         self._rerun = pop_rerun(options, "TrainGuardCallback")
+        self._log_metrics = pop_log_metrics(options, "TrainGuardCallback")
         self._config = guard_config(options, "TrainGuardCallback")
         self._micro = StepMicroBatches()
         self._trainer: Any = None  # bound by TrainGuardMixin.train()
@@ -83,6 +91,15 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
                 "deepspeed",
                 "TrainGuardCallback cannot guard DeepSpeed: it steps the optimizer inside "
                 "backward, so no hook sees the gradients before the update",
+            )
+        if self._rerun:  # its own message: the rerun calls the mixin's training_step
+            _check_rerun(args, self._trainer)
+        if not isinstance(self._trainer, TrainGuardMixin):  # bound by the mixin's train()
+            raise ConfigError(
+                "trainer",
+                "TrainGuardCallback needs the Trainer to have TrainGuardMixin (class "
+                "MyTrainer(TrainGuardMixin, Trainer)): a callback sees neither the loss nor "
+                "the batches; refused before the first step",
             )
         model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
         if not isinstance(model, nn.Module) or optimizer is None:
@@ -113,6 +130,17 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
     def bind(self, trainer: Any) -> None:
         """The Trainer this callback guards (``TrainGuardMixin.train`` calls it)."""
         self._trainer = trainer
+
+    def add_metrics(self, logs: dict[str, Any]) -> None:
+        """Add ``guard.metrics()`` to a training log of the Trainer (one with ``loss``, or the
+        final ``train_loss``); evaluation logs are left alone. Host numbers, no sync."""
+        guard = self.guard
+        if guard is None or not self._log_metrics:
+            return
+        if "loss" not in logs and "train_loss" not in logs:
+            return
+        for key, value in guard.metrics().items():
+            logs.setdefault(key, value)
 
     @property
     def rerunning(self) -> bool:
@@ -184,6 +212,16 @@ class TrainGuardMixin:
         last_of_step = bool(getattr(accelerator, "sync_gradients", True))
         guard.after_micro_batch(loss, last_of_step)
         return loss
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's ``log``, with ``guard.metrics()`` added to its training logs first:
+        every callback's ``on_log`` (the reporters come before the user's callbacks) sees
+        them, and so does ``state.log_history``."""
+        handler = getattr(self, "callback_handler", None)
+        for callback in getattr(handler, "callbacks", []):
+            if isinstance(callback, TrainGuardCallback):
+                callback.add_metrics(logs)
+        super().log(logs, *args, **kwargs)  # type: ignore[misc]
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         self._trainguard().bind(self)
