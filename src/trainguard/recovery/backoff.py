@@ -4,7 +4,10 @@ The factor is applied only around ``optimizer.step()``: a step pre-hook multipli
 param group's ``lr`` by the factor and a post-hook puts the scheduler's value back. So
 ``scheduler.step()`` (which, for the chainable schedulers, computes from the current
 ``group["lr"]``), ``optimizer.state_dict()`` and ``optimizer.load_state_dict()`` never see a
-scaled LR, and the schedule goes on as if there had been no backoff. The factor lives in
+scaled LR, and the schedule goes on as if there had been no backoff. A loop that sets
+``group["lr"]`` itself before each step gets its value scaled the same way (once: an optimizer
+subclass whose ``step()`` calls ``super().step()`` runs the hooks twice, and the nested pair
+is recognised by the very ``lr`` objects the outer one set). The factor lives in
 the guard's recovery state (saved with snapshots and checkpoints) and ramps linearly back to 1.
 """
 
@@ -58,6 +61,9 @@ class LrFactor:
         self.step = 0
         """The optimizer step the next ``optimizer.step()`` performs (set by the guard)."""
         self._saved: list[float] | None = None
+        self._scaled: list[Any] = []
+        """The very ``lr`` objects the pre-hook set: seeing them again means a nested step."""
+        self._nested = 0
         self._handles: list[RemovableHandle] = [
             optimizer.register_step_pre_hook(self._pre),
             optimizer.register_step_post_hook(self._post),
@@ -67,15 +73,32 @@ class LrFactor:
         return self.backoff.at(self.step)
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._saved is not None and self._is_scaled(optimizer):
+            # A subclass's step() calling super().step(): torch runs the hooks of both
+            # patched methods. The LR is scaled already; scaling again would square it.
+            self._nested += 1
+            return
         factor = self.current()
         if factor == 1.0:
+            self._saved = None
             return
         self._saved = [group["lr"] for group in optimizer.param_groups]
         for group in optimizer.param_groups:
             group["lr"] = _scaled(group["lr"], factor)
+        self._scaled = [group["lr"] for group in optimizer.param_groups]
+
+    def _is_scaled(self, optimizer: torch.optim.Optimizer) -> bool:
+        groups = optimizer.param_groups
+        return len(groups) == len(self._scaled) and all(
+            group["lr"] is lr for group, lr in zip(groups, self._scaled, strict=True)
+        )
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._nested:
+            self._nested -= 1
+            return
         saved, self._saved = self._saved, None
+        self._scaled = []
         if saved is None:
             return
         for group, lr in zip(optimizer.param_groups, saved, strict=True):

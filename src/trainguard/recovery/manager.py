@@ -175,6 +175,10 @@ class Recovery:
             self.state.attempts = 0  # progress: past the last failure, healthy
             self.state.failed_at = None
 
+    def lr_factor(self, step: int) -> float:
+        """The LR backoff factor the optimizer hooks apply to optimizer step ``step``."""
+        return self.state.backoff.at(step)
+
     # -- checkpoints on disk ------------------------------------------------------------------
 
     def _checkpoint_due(self, step: int) -> bool:

@@ -58,16 +58,19 @@ from trainguard.step.detect import (
 )
 from trainguard.step.history import StepHistory
 from trainguard.step.inputs import InputCheck
+from trainguard.step.losses import LossLike, StepLosses
 from trainguard.step.manual import RecordedBatches
 from trainguard.step.metrics import MetricsLog, metrics_path
 from trainguard.step.nonfinite import log_nonfinite, stop_error
 from trainguard.step.policy import Decision, decide
 from trainguard.step.rerun import LossFn, StepRerun, SuspectHosts
 from trainguard.step.sampler import SamplerEpochs
+from trainguard.step.saved import guard_state_dict, load_guard_state
 from trainguard.step.spikewatch import SpikeWatch
 from trainguard.step.start import StepStart
 from trainguard.step.state import GuardState
 from trainguard.step.syncfree import SyncFreeParts, SyncFreeStep
+from trainguard.step.usage import NoGradientsCheck
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +148,8 @@ class Guard:
         self._start = StepStart(
             model, lambda: self.state.step, restore_buffers=self.config.restore_buffers
         )
-        self._micro_losses: list[Tensor] = []
+        self._losses = StepLosses()  # record_loss() and check()'s loss: step/losses.py
+        self._no_grads = NoGradientsCheck(self._params, self.events, self.rank)
         self._capturer = Capturer(self.run_dir, self._consensus, self.events)
         self.spikes = SpikeWatch(self.config, self.events, self.rank)
         self.state.spikes = self.spikes  # saved and restored with the counters
@@ -201,7 +205,16 @@ class Guard:
         """Yield the batches; every rank ends at the same step when any rank runs out.
 
         ``epoch``: with recovery, which epoch this pass is (default: the DistributedSampler's
-        ``epoch``, else a count of ``watch()`` calls); a resumed run skips what it consumed."""
+        ``epoch``, else a count of ``watch()`` calls); a resumed run skips what it consumed.
+
+        It fetches one step ahead, before your loop body runs: that is how every rank knows
+        at ``check()`` that all ranks hold another step, with no collective of its own. There
+        is no ``lookahead=0``: without the fetched step, running out would be found only
+        after another rank had started its forward (a hang), or at the cost of a second
+        all-reduce per step. So a batch function that draws from the global RNG
+        (``torch.randint`` in ``get_batch``) draws in another order than in the unguarded
+        loop; give it its own ``torch.Generator`` seeded per rank and the guarded loop sees
+        the unguarded loop's batches bit for bit (docs/guard.md, "Your own batch RNG")."""
         recovery = self.recovery
         resumed = recovery.stream_start(iterable, epoch) if recovery is not None else None
         if resumed is not None:
@@ -229,9 +242,11 @@ class Guard:
         finally:
             self.progress.enter("done")
 
-    def record_loss(self, loss: Tensor) -> None:
-        """Record a micro-batch's loss (gradient accumulation); no host sync."""
-        self._micro_losses.append(loss.detach())
+    def record_loss(self, loss: LossLike) -> None:
+        """Record a micro-batch's loss (gradient accumulation); no host sync. Each loss is
+        kept once: ``check()`` does not add its loss again when it is the one last recorded
+        (``step/losses.py``, docs/guard.md)."""
+        self._losses.record(loss, self._consensus.device)
 
     def record_batch(self, batch: Any) -> None:
         """For loops that do not iterate ``watch()``: hand each micro-batch over before its
@@ -239,9 +254,11 @@ class Guard:
         self._start.begin(self.state.step)
         self._recorded.record(batch, self.state.step)
 
-    def check(self, loss: Tensor) -> bool:
+    def check(self, loss: LossLike) -> bool:
         """After backward, before the optimizer step. True only when the loss and every
-        gradient are finite on every rank; every rank gets the same answer."""
+        gradient are finite on every rank; every rank gets the same answer. ``loss``: a
+        tensor, or a Python float/int (``loss.item()``)."""
+        loss = self._losses.tensor(loss, self._consensus.device)
         self._resolve_pending()
         step = self.state.step
         self.progress.enter("check", step)
@@ -260,11 +277,11 @@ class Guard:
             self._health(step, agreement)  # after a skip's restore: a resync is not undone
             return applied
         finally:
-            self._micro_losses = []
+            self._losses.clear()
             self._step_taken(step)
             self.progress.enter("step", step + 1)
 
-    def step(self, loss: Tensor) -> StepOutcome:
+    def step(self, loss: LossLike) -> StepOutcome:
         """``check()``, then the optimizer step (when good) and ``zero_grad`` in one call.
 
         With a fused optimizer (and no GradScaler) the step is sync-free: the agreed flag goes
@@ -273,6 +290,7 @@ class Guard:
         ``step()``/``check()``/``close()``, or when the returned outcome is tested. So a
         "raise" or an escalation surfaces one step later; the skipped update does not.
         """
+        loss = self._losses.tensor(loss, self._consensus.device)
         if self._sync_free is not None:
             return self._sync_free.step(loss)
         ok = self.check(loss)
@@ -314,9 +332,9 @@ class Guard:
                 step,
             )
             return first, first_stats
-        self._micro_losses = []
+        self._losses.clear()
         result = self._rerun.run(step, batches)
-        self._micro_losses = result.micro_losses
+        self._losses.replace([*result.micro_losses, result.loss])
         stats, report, sharded = self._measure(result.loss)
         agreement = self._consensus.agree(report, sharded)
         verdict = "persistent" if agreement.bad else "transient"
@@ -447,16 +465,15 @@ class Guard:
 
     def _measure(self, loss: Tensor) -> tuple[GradStats, LocalReport, bool]:
         """Record the loss, take the one gradient pass, build this rank's report."""
-        self.record_loss(loss)
         self._start.buffers.learn(self.state.step)
         sharded = self._sharded()
         stats = grad_stats(self._params, self._consensus.device, sharded, self._mixed_grads)
         self._mixed_grads = stats.mixed  # stays True once seen
+        self._no_grads.seen(stats, self.state.step)  # check() before backward(): warn once
         return stats, self._report(stats, loss), sharded
 
     def _take_losses(self) -> list[Tensor]:
-        losses, self._micro_losses = self._micro_losses, []
-        return losses
+        return self._losses.take()
 
     def _agreed(self, agreement: Agreement, steps_ago: int) -> None:
         if self._stream is not None:
@@ -489,7 +506,7 @@ class Guard:
 
     def _report(self, stats: GradStats, loss: Tensor) -> LocalReport:
         device = self._consensus.device
-        last, check = loss_columns(loss, self._micro_losses, device)
+        last, check = loss_columns(loss, self._losses.checked(loss), device)
         stream = self._stream
         batches = self._step_batches(self.state.step)[0] if stream is not None else []
         inputs = self._inputs.value(self.state.step, batches, device)
@@ -590,7 +607,7 @@ class Guard:
             autocast = pending.autocast
         else:
             batches, rng = self._step_batches(step)
-            losses = self._micro_losses
+            losses = self._losses.step_losses()
             autocast = self._start.autocast if self._start.started(step) else None
         evidence = step_evidence(step, decision, agreement, stats, batches, rng, losses)
         evidence.history = self.history.bundle_history()
@@ -678,11 +695,26 @@ class Guard:
         only the spike statistics of the sync-free step's device rule (six numbers). Under
         the sync-free ``step()`` the last step's outcome is not read yet, so its counters
         (``total_nonfinite``...) land in the next state_dict; ``step`` is already counted."""
-        return {"format": 1, "state": self.state.state_dict()}
+        recovery = self.recovery.state if self.recovery is not None else None
+        return guard_state_dict(self.state, recovery)  # step/saved.py: what it holds
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.state.load_state_dict(state["state"])
+        """Restore ``state_dict()``'s counters, step, spike state and LR backoff."""
+        load_guard_state(state, self.state, self.recovery.state if self.recovery else None)
         self.progress.enter(self.progress.phase, self.state.step)
+
+    @property
+    def global_step(self) -> int:
+        """The guard's step count (calls of ``check()``): moved back by a rollback, restored
+        by ``resume`` and ``load_state_dict()``. Drive a hand-written LR schedule with it."""
+        return self.state.step
+
+    @property
+    def lr_factor(self) -> float:
+        """The LR backoff factor for optimizer step ``global_step`` (1.0: none). The guard's
+        optimizer hook already multiplies the LR by it: read it to log the LR in force,
+        never multiply your LR by it (docs/guard.md, "Hand-written LR schedules")."""
+        return self.recovery.lr_factor(self.state.step) if self.recovery is not None else 1.0
 
     def close(self) -> None:
         """Read the last sync-free step (its policy may still raise), then close the logs.

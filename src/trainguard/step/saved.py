@@ -1,0 +1,47 @@
+"""``Guard.state_dict()`` / ``load_state_dict()``: the guard's part of the loop's own checkpoint.
+
+What the guard needs to go on as if it had not stopped: its counters and step (``GuardState``,
+which carries the spike statistics), and with recovery on the recovery state (the LR backoff
+in force and how far it has ramped, rollbacks so far and since the last progress). Plain
+Python values only (ints, floats, lists, dicts, None), so ``torch.save`` /
+``torch.load(weights_only=True)``, JSON or any checkpoint format takes it as it is.
+
+Not in it: the in-memory snapshots (taken again from the loaded weights), the batches and RNG
+(the loop's own checkpoint holds its data position), the history ring and the health windows
+(they refill within a few steps).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainguard.errors import ConfigError
+from trainguard.recovery.types import RecoveryState
+from trainguard.step.state import GuardState
+
+FORMAT = 1
+
+_FIX = "pass the dict guard.state_dict() returned (as saved in your checkpoint)"
+
+
+def guard_state_dict(state: GuardState, recovery: RecoveryState | None) -> dict[str, Any]:
+    saved: dict[str, Any] = {"format": FORMAT, "state": state.state_dict()}
+    if recovery is not None:
+        saved["recovery"] = recovery.state_dict()
+    return saved
+
+
+def load_guard_state(saved: Any, state: GuardState, recovery: RecoveryState | None) -> None:
+    """Restore what ``guard_state_dict`` saved. A dict saved without recovery leaves the
+    recovery state as it is (no backoff); one saved with it, loaded by a guard without
+    recovery, drops it."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
+        raise ConfigError("state_dict", f"got {type(saved).__name__} without a 'state'; {_FIX}")
+    version = saved.get("format", FORMAT)
+    if version != FORMAT:
+        raise ConfigError(
+            "state_dict", f"format {version!r} is not {FORMAT} (saved by another trainguard)"
+        )
+    state.load_state_dict(saved["state"])
+    if recovery is not None and isinstance(saved.get("recovery"), dict):
+        recovery.load_state_dict(saved["recovery"])
