@@ -18,6 +18,7 @@ import logging
 from collections import deque
 from typing import Any
 
+from trainguard.capture.rng import RngSnapshot
 from trainguard.events import EventLog
 
 logger = logging.getLogger(__name__)
@@ -33,13 +34,13 @@ class StepBatches:
         self._k = accumulation_steps
         self._events = events
         self._rank = rank
-        self._items: deque[tuple[Any, dict[str, Any] | None]] = deque()
+        self._items: deque[tuple[Any, RngSnapshot | None]] = deque()
         self._ahead: int | None = None
         """How many items the loop holds ahead at a decision (set by the first step)."""
         self.mismatch = False
         """The loop's batches per step did not match ``accumulation_steps`` (said once)."""
 
-    def handed_out(self, batch: Any, rng: dict[str, Any] | None) -> None:
+    def handed_out(self, batch: Any, rng: RngSnapshot | None) -> None:
         """``watch()`` yielded ``batch`` (``rng``: states taken before it, or None)."""
         self._items.append((batch, rng))
         if len(self._items) > MAX_AHEAD + self._k:
@@ -51,7 +52,8 @@ class StepBatches:
 
     def step_rng(self) -> dict[str, Any] | None:
         """RNG states taken when the step's first micro-batch was handed out, if any."""
-        return self._items[0][1] if self._items else None
+        rng = self._items[0][1] if self._items else None
+        return rng.state() if rng is not None else None
 
     def taken(self, step: int) -> None:
         """Step ``step`` was decided: its micro-batches leave; a mismatch is said once."""

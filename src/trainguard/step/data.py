@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from trainguard.capture.rng import rng_state
+from trainguard.capture.rng import RngSnapshot
 from trainguard.events import EventLog
 from trainguard.health.timing import StepTimer
 from trainguard.progress import Progress
@@ -145,7 +145,7 @@ class BatchStream:
                 if micro == 0:
                     if self._on_step_start is not None:
                         self._on_step_start()  # recovery: snapshot at the step boundary
-                    rng = rng_state() if self.rng_at_yield else None
+                    rng = RngSnapshot.take() if self.rng_at_yield else None
                 batch = self._queue.popleft()[1]
                 self.unchecked.handed_out(batch, rng)
                 self._yielded += 1

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainguard.capture.rng import rng_state
+from trainguard.capture.rng import RngSnapshot
 from trainguard.step.buffers import BufferKeeper
 from trainguard.step.capturer import unwrap
 
@@ -72,9 +72,20 @@ class StepStart:
         """The step whose start was recorded last (-1: none yet)."""
         self.seen = False
         """Whether a hook has fired at all (then the stream need not take RNG states)."""
-        self.rng: dict[str, Any] | None = None
+        self._rng: RngSnapshot | dict[str, Any] | None = None
         self.autocast: dict[str, Any] | None = None
         self._handles = [m.register_forward_pre_hook(self._pre_hook) for m in self._hooked()]
+
+    @property
+    def rng(self) -> dict[str, Any] | None:
+        """The RNG states at the recorded step's start, as ``rng_state()`` gives them (built
+        from the cheap per-step snapshot when first read: a bad step's capture, a rerun)."""
+        found = self._rng
+        return found.state() if isinstance(found, RngSnapshot) else found
+
+    @rng.setter
+    def rng(self, value: dict[str, Any] | None) -> None:
+        self._rng = value
 
     def _hooked(self) -> list[nn.Module]:
         modules = [self._model, self._inner, *self._inner.children()]
@@ -95,7 +106,7 @@ class StepStart:
             return
         self.step = step
         self.buffers.begin(step)
-        self.rng = rng_state()
+        self._rng = RngSnapshot.take()
         self.autocast = autocast_state(self._device_type)
 
     def started(self, step: int) -> bool:
