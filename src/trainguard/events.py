@@ -7,10 +7,11 @@ Each line is one JSON object with at least ``time`` (unix seconds), ``rank``, ``
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -28,6 +29,12 @@ def to_jsonable(value: Any) -> Any:
     return value
 
 
+logger = logging.getLogger(__name__)
+
+Listener = Callable[[dict[str, Any]], None]
+"""Called with each record after its line is written (``EventLog.add_listener``)."""
+
+
 class EventLog:
     """Append-only event log of one rank. Thread-safe (the watchdog writes from a thread)."""
 
@@ -36,6 +43,7 @@ class EventLog:
         self.rank = rank
         self._lock = threading.Lock()
         self._file: TextIO | None = None
+        self._listeners: list[Listener] = []
 
     def write(self, kind: str, step: int | None, **fields: Any) -> dict[str, Any]:
         record: dict[str, Any] = {"time": time.time(), "rank": self.rank, "step": step}
@@ -48,7 +56,28 @@ class EventLog:
                 self._file = self.path.open("a", encoding="utf-8")
             self._file.write(line + "\n")
             self._file.flush()
+        for listener in list(self._listeners):
+            self._tell(listener, record)
         return record
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(record)`` after each event is written (the record as ``write``
+        returns it: ``time``, ``rank``, ``step``, ``kind`` and the fields). It runs on the
+        writing thread (the training loop's, or the hang watchdog's for ``hang`` and
+        ``peer_failure``, just before the process exits): keep it short; what it raises is
+        logged, never passed on to the run."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    @staticmethod
+    def _tell(listener: Listener, record: dict[str, Any]) -> None:
+        try:
+            listener(record)
+        except Exception:
+            logger.exception("trainguard: event listener %r failed on %s", listener, record["kind"])
 
     def close(self) -> None:
         with self._lock:

@@ -6,7 +6,9 @@ Offers (each imported lazily: ``import trainguard`` never imports lightning/tran
   ``replay_spec(module)`` for ``trainguard replay --factory`` (extra ``trainguard[lightning]``);
 - ``trainguard.integrations.transformers.TrainGuardCallback`` with ``TrainGuardMixin`` (the
   Trainer hooks that see the loss and the batches), and ``replay_spec(model)`` (extra
-  ``trainguard[transformers]``).
+  ``trainguard[transformers]``);
+- ``trainguard.integrations.tensorboard.TensorBoardLogger``: ``guard.metrics()`` as scalars and
+  the guard's notable events as text (extra ``trainguard[tensorboard]``).
 
 Both run the same ``Guard`` as a hand-written loop: the loss and the batches are handed over
 with ``guard.record_loss`` / ``guard.record_batch``, and ``guard.check()`` runs once per

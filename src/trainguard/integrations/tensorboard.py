@@ -1,0 +1,174 @@
+"""TensorBoard: ``guard.metrics()`` as scalars, the guard's notable events as text.
+
+    from trainguard.integrations.tensorboard import TensorBoardLogger
+
+    guard = tg.Guard(model, opt, run_dir="runs/x")
+    tb = TensorBoardLogger(guard)
+    with guard:
+        for step, batch in enumerate(guard.watch(loader)):
+            ...
+            if guard.check(loss):
+                opt.step()
+            tb.log(step)            # trainguard/skipped_steps, trainguard/loss, ... as scalars
+    tb.close()                      # after the guard's close (its last events come there)
+
+Needs ``tensorboard`` (extra ``trainguard[tensorboard]``); the writer is
+``torch.utils.tensorboard.SummaryWriter`` (pass your own to share its event file), written to
+``run_dir/tensorboard`` by default, on rank 0 only (the numbers are the same on every rank).
+
+Scalars: ``log(step)`` writes ``guard.metrics()`` (host numbers the guard already holds: no
+sync, no collective); call it as often as you log the rest. Events: the logger listens on the
+guard's event log (``EventLog.add_listener``) and writes each notable event (``NOTABLE``:
+skip, non-finite, spike, rollback, rerun, straggler, replica divergence, hang...) at once as
+text under the tag ``trainguard/events``, at the event's step, and flushes: no file is read,
+and nothing is done on a step without such an event. ``hang`` and ``peer_failure`` events
+are written by the hang watchdog's thread just before the process exits; the flush makes
+them reach the file first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol
+
+from trainguard.events import to_jsonable
+from trainguard.step.guard import Guard
+
+logger = logging.getLogger(__name__)
+
+NOTABLE = frozenset(
+    {
+        "nonfinite",
+        "bad_input",
+        "skip",
+        "capture",
+        "spike",
+        "escalate",
+        "rollback",
+        "rollback_refused",
+        "rerun",
+        "suspect_host",
+        "straggler",
+        "replica_divergence",
+        "buffers_not_restored",
+        "hang",
+        "peer_failure",
+    }
+)
+"""The event kinds written as text by default."""
+
+TEXT_TAG = "trainguard/events"
+"""The text's tag (``SummaryWriter.add_text`` stores it as ``trainguard/events/text_summary``)."""
+MAX_TEXT = 800
+"""Characters of an event's fields shown (a ``nonfinite`` event can name many parameters)."""
+
+
+class Writer(Protocol):
+    """What is used of ``torch.utils.tensorboard.SummaryWriter``."""
+
+    def add_scalar(self, tag: str, scalar_value: Any, global_step: int | None = None) -> Any: ...
+    def add_text(self, tag: str, text_string: str, global_step: int | None = None) -> Any: ...
+    def flush(self) -> Any: ...
+    def close(self) -> Any: ...
+
+
+def summary_writer(log_dir: Path | str) -> Writer:
+    """A ``torch.utils.tensorboard.SummaryWriter`` (ImportError naming the extra without
+    ``tensorboard``)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:  # torch's module imports tensorboard
+        raise ImportError(
+            "trainguard.integrations.tensorboard needs tensorboard: "
+            "pip install 'trainguard[tensorboard]'"
+        ) from exc
+    writer: Writer = SummaryWriter(log_dir=str(log_dir))
+    return writer
+
+
+def write_scalars(writer: Writer, metrics: dict[str, float | int], step: int) -> None:
+    """``guard.metrics()`` (or any flat dict of numbers) as scalars at ``step``."""
+    for key, value in metrics.items():
+        writer.add_scalar(key, value, global_step=step)
+
+
+def event_text(record: dict[str, Any]) -> str:
+    """One event as a line of TensorBoard text (markdown)."""
+    fields = {k: v for k, v in record.items() if k not in ("time", "rank", "step", "kind", "run")}
+    shown = json.dumps(to_jsonable(fields), separators=(", ", ": "))
+    if len(shown) > MAX_TEXT:
+        shown = shown[:MAX_TEXT] + " ..."
+    return f"**{record['kind']}** at step {record['step']} (rank {record['rank']}): `{shown}`"
+
+
+class TensorBoardLogger:
+    """Writes ``guard.metrics()`` as scalars (``log``) and the guard's notable events as text.
+
+    ``writer``: a ``SummaryWriter`` to share (it stays open at ``close``); default: one of its
+    own in ``log_dir`` (default ``run_dir/tensorboard``). ``events``: the kinds written as
+    text. ``all_ranks``: every rank writes (give each its own ``log_dir``); default rank 0.
+    """
+
+    def __init__(
+        self,
+        guard: Guard,
+        writer: Writer | None = None,
+        *,
+        log_dir: Path | str | None = None,
+        events: frozenset[str] = NOTABLE,
+        all_ranks: bool = False,
+    ) -> None:
+        self.guard = guard
+        self.events = frozenset(events)
+        self._owned = False
+        self.writer: Writer | None = None
+        if all_ranks or guard.rank == 0:
+            if writer is None:
+                writer = summary_writer(log_dir or Path(guard.run_dir) / "tensorboard")
+                self._owned = True
+            self.writer = writer
+            guard.events.add_listener(self._on_event)
+
+    def log(self, step: int | None = None) -> None:
+        """``guard.metrics()`` as scalars at ``step`` (default: the step just checked,
+        ``trainguard/step - 1``). Pass your loop's own counter to line them up with your
+        other scalars (a rollback sends the guard's step back)."""
+        writer = self.writer
+        if writer is None:
+            return
+        metrics = self.guard.metrics()
+        at = int(metrics["trainguard/step"]) - 1 if step is None else step
+        write_scalars(writer, metrics, at)
+
+    def _on_event(self, record: dict[str, Any]) -> None:
+        writer = self.writer
+        if writer is None or record.get("kind") not in self.events:
+            return
+        step = record.get("step")
+        writer.add_text(TEXT_TAG, event_text(record), global_step=step if step is not None else 0)
+        writer.flush()  # rare; and a hang's event must be on disk before the exit
+
+    def close(self) -> None:
+        """Stop listening; flush (and close the writer this logger made)."""
+        writer, self.writer = self.writer, None
+        if writer is None:
+            return
+        self.guard.events.remove_listener(self._on_event)
+        if self._owned:
+            writer.close()
+        else:
+            writer.flush()
+
+    def __enter__(self) -> TensorBoardLogger:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,135 @@
+"""TensorBoard: guard.metrics() as scalars and the notable events as text, read back with
+TensorBoard's own EventAccumulator; the event listener of the EventLog."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("tensorboard")
+
+import torch
+from tensorboard.backend.event_processing.event_accumulator import (
+    EventAccumulator,
+)
+from tensorboard.util import tensor_util
+from torch import nn
+
+import trainguard as tg
+from trainguard.events import EventLog
+from trainguard.integrations.tensorboard import TensorBoardLogger, summary_writer
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tensorboard_metrics.py"
+TEXT = "trainguard/events/text_summary"  # add_text's tag, as SummaryWriter stores it
+
+
+def _example() -> Any:
+    spec = importlib.util.spec_from_file_location("tg_tensorboard_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _read(log_dir: Path) -> EventAccumulator:
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def _texts(acc: EventAccumulator) -> list[tuple[int, str]]:
+    return [
+        (ev.step, tensor_util.make_ndarray(ev.tensor_proto).item().decode())
+        for ev in acc.Tensors(TEXT)
+    ]
+
+
+def test_the_example_writes_the_skip_as_a_scalar_and_as_text(tmp_path: Path) -> None:
+    ex = _example()
+    ex.train(tmp_path)
+    acc = _read(tmp_path / "tensorboard")
+    skipped = [(s.step, s.value) for s in acc.Scalars("trainguard/skipped_steps")]
+    assert skipped == [(i, 0.0 if i < ex.POISONED else 1.0) for i in range(12)]
+    assert {"train/loss", "trainguard/loss", "trainguard/grad_norm"} <= set(acc.Tags()["scalars"])
+    assert math.isnan(acc.Scalars("trainguard/loss")[ex.POISONED].value)
+    texts = _texts(acc)
+    kinds = [text.split("**")[1] for _, text in texts]
+    assert kinds == ["bad_input", "nonfinite", "capture", "skip"]
+    assert all(step == ex.POISONED for step, _ in texts)
+    assert "at step 5 (rank 0)" in texts[3][1] and '"consecutive": 1' in texts[3][1]
+
+
+def test_an_event_from_another_thread_is_on_disk_at_once(tmp_path: Path) -> None:
+    """A hang's event comes from the watchdog's thread just before os._exit: no close."""
+    model = nn.Linear(2, 1)
+    guard = tg.Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=tmp_path, hang_timeout=0
+    )
+    tb = TensorBoardLogger(guard)  # its own writer, under run_dir/tensorboard
+    watchdog = threading.Thread(
+        target=guard.events.write, args=("hang", 3), kwargs={"culprits": [1], "exit_code": 91}
+    )
+    watchdog.start()
+    watchdog.join()
+    texts = _texts(_read(tmp_path / "tensorboard"))  # read before anything is closed
+    assert texts == [(3, '**hang** at step 3 (rank 0): `{"culprits": [1], "exit_code": 91}`')]
+    guard.events.write("phase", 3, phase="eval")  # not a notable kind: not written
+    tb.close()
+    guard.close()
+    guard.events.write("skip", 4)  # after close: no longer listening
+    assert len(_texts(_read(tmp_path / "tensorboard"))) == 1
+
+
+def test_a_shared_writer_stays_open(tmp_path: Path) -> None:
+    model = nn.Linear(2, 1)
+    guard = tg.Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=tmp_path, hang_timeout=0
+    )
+    writer = summary_writer(tmp_path / "tb")
+    with TensorBoardLogger(guard, writer) as tb:
+        tb.log()  # before any step: at step -1
+    writer.add_scalar("mine", 1.0, 0)  # still usable
+    writer.close()
+    guard.close()
+    acc = _read(tmp_path / "tb")
+    assert [s.step for s in acc.Scalars("trainguard/step")] == [-1]
+    assert acc.Scalars("mine")[0].value == 1.0
+
+
+def test_a_failing_listener_is_logged_and_the_run_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    log = EventLog(tmp_path, 0)
+    seen: list[str] = []
+
+    def broken(record: dict[str, Any]) -> None:
+        raise RuntimeError("listener bug")
+
+    log.add_listener(broken)
+    log.add_listener(lambda record: seen.append(record["kind"]))
+    with caplog.at_level(logging.ERROR, logger="trainguard.events"):
+        record = log.write("skip", 1, consecutive=1)
+    assert record["kind"] == "skip" and seen == ["skip"]
+    assert "listener" in caplog.text and "listener bug" in caplog.text
+    log.remove_listener(broken)
+    log.remove_listener(broken)  # not there any more: no error
+    log.write("skip", 2)
+    log.close()
+    assert seen == ["skip", "skip"]
+    assert len(tg.read_events(tmp_path, 0)) == 2
+
+
+def test_importing_the_module_imports_no_tensorboard() -> None:
+    code = (
+        "import sys, trainguard, trainguard.integrations.tensorboard; "
+        "assert not {'tensorboard', 'torch.utils.tensorboard'} & set(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
