@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_capture_commands(commands)
     _add_doctor_command(commands)
     _add_report_command(commands)
+    _add_run_command(commands)
     return parser
 
 
@@ -261,6 +262,71 @@ def _doctor(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         os._exit(report.exit_code)
     return report.exit_code
+
+
+# -- run ---------------------------------------------------------------------------------------
+
+
+def _add_run_command(commands: Any) -> None:
+    run = commands.add_parser(
+        "run",
+        help="run an unmodified training script with the guard attached",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run COMMAND (python script.py, python -m module, torchrun ... script.py) "
+        "with the guard attached from the outside: at the first optimizer step it finds the "
+        "model and the process group, checks every step's gradients on every rank (a "
+        "non-finite one skips the step on all ranks, buffers put back, a replay bundle "
+        "written) and runs the hang watchdog (exit 91 hang, 92 peer failure). It cannot see "
+        "the loss value, loss spikes or uneven data across ranks. It stands aside (one line, "
+        "the script runs unguarded) when the model already has a trainguard guard, when a "
+        "second optimizer steps, or when it cannot find the model. Exit status: the "
+        "command's, or 91/92 when the guard ended the run. See docs/run.md.",
+        epilog="environment passed to the job: TRAINGUARD_RUN (the options as JSON), "
+        "PYTHONPATH (trainguard's bootstrap folder first)",
+    )
+    run.add_argument("--run-dir", default="runs/trainguard", help="events/, captures/, hangs/")
+    run.add_argument(
+        "--on-nonfinite",
+        choices=("skip", "warn", "raise"),
+        default="skip",
+        help="skip the step on every rank (default), only log it, or raise in the script",
+    )
+    run.add_argument(
+        "--hang-timeout",
+        type=_non_negative_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="seconds without progress before a hang (default: learned; 0: no watchdog)",
+    )
+    run.add_argument(
+        "--capture",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write a replay bundle of the first bad step (default: on)",
+    )
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    run.set_defaults(handler=_run)
+
+
+def _non_negative_seconds(text: str) -> float:
+    value = _number(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"got {text}; use a number of seconds >= 0")
+    return value
+
+
+def _run(args: argparse.Namespace) -> int:
+    from trainguard.attach.launch import run_command
+    from trainguard.attach.options import RunOptions
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    options = RunOptions(
+        run_dir=args.run_dir,
+        on_nonfinite=args.on_nonfinite,
+        hang_timeout=args.hang_timeout,
+        capture=args.capture,
+    )
+    return run_command(command, options)
 
 
 if __name__ == "__main__":

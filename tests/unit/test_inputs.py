@@ -80,3 +80,18 @@ def test_a_nan_input_skips_the_step_with_the_event(tmp_path: Path) -> None:
 def test_check_inputs_off(tmp_path: Path) -> None:
     assert _run(tmp_path, check_inputs=False) == [True] * 4
     assert _events(tmp_path, "bad_input") == []
+
+
+def test_cpu_max_abs_over_mixed_dtypes_propagates_nan_and_inf() -> None:
+    """The CPU path (aminmax per tensor, one stack and one float64 inf-norm per dtype)."""
+    cpu = torch.device("cpu")
+    a = torch.tensor([[1.0, -7.5], [2.0, 3.0]])
+    b = torch.tensor([4.0, -2.0], dtype=torch.bfloat16)
+    c = torch.tensor([0.5, 6.0], dtype=torch.float16)
+    assert max_abs([a, b, c], cpu).item() == 7.5 and max_abs([a, b, c], cpu).dtype == torch.float64
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        worse = b.clone()
+        worse[1] = bad
+        assert not torch.isfinite(max_abs([a, worse, c], cpu)).item(), bad
+        assert not torch.isfinite(max_abs([worse], cpu)).item(), bad
+    assert max_abs([], cpu).item() == 0.0

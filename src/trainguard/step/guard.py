@@ -254,6 +254,11 @@ class Guard:
         self._start.begin(self.state.step)
         self._recorded.record(batch, self.state.step)
 
+    def check_gradients(self) -> bool:
+        """``check()`` where the loss is not at hand (``trainguard run`` sees the optimizer,
+        not the loss): the gradients alone decide; the loss columns hold 0.0 (unknown)."""
+        return self.check(torch.zeros(()))
+
     def check(self, loss: LossLike) -> bool:
         """After backward, before the optimizer step. True only when the loss and every
         gradient are finite on every rank; every rank gets the same answer. ``loss``: a
