@@ -1,0 +1,9 @@
+"""``trainguard run``: the guard attached to an unmodified training script from the outside.
+
+One concept per module: ``options`` (the command's options and the environment that carries
+them to every process), ``bootstrap/sitecustomize.py`` (runs at each process's start-up and
+installs the hooks once torch is imported), ``prestart`` (the first step's start, recorded
+before the guard exists), ``discovery`` (which module is the model; a guard already there),
+``hooks`` (the optimizer and model hooks, the guard they attach, standing aside) and
+``launch`` (running the command, its exit status). See docs/run.md.
+"""

@@ -1,0 +1,304 @@
+"""The hooks ``trainguard run`` puts into an unmodified script, and the guard they attach.
+
+Installed by the bootstrap once ``torch`` is imported (``install``); nothing else in the
+script's process changes. The attach points need no cooperation from the script:
+
+* process-wide module hooks (``prestart.PreStart``) record the first step's top-level
+  module calls until the guard exists;
+* ``torch.optim.optimizer.register_optimizer_step_pre_hook`` (process-wide): at the first
+  optimizer step the guard is made (``discovery`` finds the model; the process group is
+  torch.distributed's default group, the watchdog runs on the job's own c10d store), and at
+  every step of that optimizer the gradients are checked (``Guard.check_gradients``; one
+  small all-reduce) before the optimizer reads them. A skip clears every gradient
+  (``p.grad = None``) so the optimizer's own step leaves the weights and its state alone,
+  and puts back the buffers the step's forward changed. A step given a closure (Lightning,
+  LBFGS-style loops) is checked when the closure returns, with the loss it returns;
+* a forward pre-hook on the model records each step's micro-batches (the call's
+  arguments, by reference) and marks the loop's progress for the watchdog; the post-step
+  hook marks the data phase (a rank stuck in its loader is named as such);
+* ``torch.distributed.destroy_process_group`` (wrapped) closes the guard first, so that
+  work after training is not taken for a hang.
+
+When the guard cannot attach it says why in one line and stands aside: every hook is
+removed and the script runs unguarded, as it would without ``trainguard run``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils.hooks import RemovableHandle
+
+from trainguard.attach.discovery import describe, describe_module, existing_guard, find_model
+from trainguard.attach.options import RunOptions
+from trainguard.attach.prestart import PreStart, StepZero, batch_of
+from trainguard.errors import ConfigError
+from trainguard.step.guard import Guard
+
+logger = logging.getLogger(__name__)
+
+ANNOUNCER = "trainguard.run"
+"""The logger of ``trainguard run``'s own lines (start-up, standing aside): its own stderr
+handler, not propagated, so the script's logging setup neither hides nor doubles them."""
+
+UNSEEN = "it cannot see the loss value, loss spikes or uneven data across ranks"
+
+_attacher: Attacher | None = None
+
+
+def install(raw: Mapping[str, Any]) -> None:
+    """Called by the bootstrap once ``torch`` is imported: install the lazy hooks (once)."""
+    global _attacher
+    if _attacher is not None:
+        return
+    try:
+        options = RunOptions.from_mapping(raw)
+    except (ConfigError, TypeError) as exc:
+        announcer().error("trainguard run: not attached: %s", exc)
+        return
+    _attacher = Attacher(options)
+    _attacher.install()
+
+
+def announcer() -> logging.Logger:
+    """The ``trainguard.run`` logger, with its own stderr handler (added once)."""
+    log = logging.getLogger(ANNOUNCER)
+    if not any(getattr(h, "trainguard_run", False) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.trainguard_run = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+        log.propagate = False
+        log.setLevel(logging.INFO)
+    return log
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class Attacher:
+    """One process's hooks: waiting for the first step, then guarding, or standing aside."""
+
+    def __init__(self, options: RunOptions) -> None:
+        self.options = options
+        self.guard: Guard | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.model: nn.Module | None = None
+        self.aside = False
+        self._prestart = PreStart()
+        self._handles: list[RemovableHandle] = []
+        self._restore_destroy: Callable[[], None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def install(self) -> None:
+        self._prestart.install()
+        self._handles = [
+            register_optimizer_step_pre_hook(self._pre_step),
+            register_optimizer_step_post_hook(self._post_step),
+        ]
+        self._wrap_destroy()
+
+    def stand_aside(self, reason: str, then: str = "the script runs unguarded") -> None:
+        """Remove every hook, close the guard if any, and say why (one line)."""
+        if self.aside:
+            return
+        self.aside = True
+        self._remove_hooks()
+        announcer().warning("trainguard run: rank %d: not guarding: %s; %s", _rank(), reason, then)
+        self.close()
+
+    def close(self) -> None:
+        """Close the guard (its watchdog stops watching): at the end of training."""
+        guard, self.guard = self.guard, None
+        if guard is None:
+            return
+        try:
+            guard.close()
+        except Exception as exc:  # NonFiniteError included: the run is over anyway
+            logger.warning("trainguard run: the guard did not close cleanly: %s", exc)
+
+    def _remove_hooks(self) -> None:
+        self._prestart.remove()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._restore_destroy is not None:
+            self._restore_destroy()
+            self._restore_destroy = None
+
+    def _wrap_destroy(self) -> None:
+        if not dist.is_available():
+            return
+        from torch.distributed import distributed_c10d
+
+        original = distributed_c10d.destroy_process_group
+
+        @functools.wraps(original)
+        def destroy_process_group(group: Any = None) -> None:
+            if group is None:
+                self.close()
+            original(group)
+
+        def restore() -> None:
+            for namespace in (dist, distributed_c10d):
+                if getattr(namespace, "destroy_process_group", None) is destroy_process_group:
+                    setattr(namespace, "destroy_process_group", original)  # noqa: B010
+
+        for namespace in (dist, distributed_c10d):
+            setattr(namespace, "destroy_process_group", destroy_process_group)  # noqa: B010
+        self._restore_destroy = restore
+
+    # -- the optimizer's hooks --------------------------------------------------------------
+
+    def _pre_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if self.aside:
+            return None
+        if self.optimizer is not None and optimizer is not self.optimizer:
+            self.stand_aside(
+                f"a second optimizer ({type(optimizer).__name__}) steps besides the guarded "
+                f"{type(self.optimizer).__name__}: trainguard run guards scripts with one "
+                "optimizer (use trainguard.Guard in the script for more)"
+            )
+            return None
+        # ``args`` starts with the optimizer itself (torch passes the step's own arguments)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._before_update(optimizer, None)
+            return None
+        if isinstance(optimizer, torch.optim.LBFGS):
+            self.stand_aside("LBFGS evaluates its closure several times per step")
+            return None
+        wrapped = self._checked_closure(optimizer, closure)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": wrapped}
+        return (args[0], wrapped, *args[2:]), kwargs
+
+    def _checked_closure(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any]
+    ) -> Callable[[], Any]:
+        """The closure computes the gradients (Lightning's forward and backward): check them
+        when it returns, before the optimizer reads them."""
+
+        def checked() -> Any:
+            result = closure()
+            loss = result if isinstance(result, Tensor) and result.numel() > 0 else None
+            self._before_update(optimizer, loss)
+            return result
+
+        return checked
+
+    def _post_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        guard = self.guard
+        if guard is not None and optimizer is self.optimizer:
+            guard.progress.enter("data")  # next: the loop fetches a batch
+
+    def _before_update(self, optimizer: torch.optim.Optimizer, loss: Tensor | None) -> None:
+        if self.guard is None and not self._attach(optimizer):
+            return
+        guard = self.guard
+        assert guard is not None
+        if loss is not None:
+            guard.check(loss)
+        else:
+            guard.check_gradients()
+
+    # -- attaching ---------------------------------------------------------------------------
+
+    def _attach(self, optimizer: torch.optim.Optimizer) -> bool:
+        prestart = self._prestart
+        prestart.remove()
+        found = find_model(prestart.candidates, optimizer)
+        if found.model is None:
+            self.stand_aside(f"cannot find the model: {found.reason}")
+            return False
+        model = found.model
+        other = existing_guard(model)
+        if other is not None:
+            self.stand_aside(
+                f"{describe_module(model)} already has a trainguard guard (a {other} hook: "
+                "Lightning's TrainGuard, the HF TrainGuardCallback or a Guard in the script)",
+                then="the script's own guard keeps the run",
+            )
+            return False
+        options = self.options
+        try:
+            guard = Guard(
+                model,
+                optimizer,
+                run_dir=options.run_dir,
+                on_nonfinite=options.on_nonfinite,
+                capture=options.capture,
+                hang_timeout=options.hang_timeout,
+            )
+        except Exception as exc:
+            self.stand_aside(f"the guard could not start: {type(exc).__name__}: {exc}")
+            return False
+        self.guard, self.optimizer, self.model = guard, optimizer, model
+        _adopt_step_zero(guard, prestart.calls.get(id(model)))
+        prestart.calls.clear()
+        self._handles.append(model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
+        atexit.register(self.close)
+        self._announce(guard, optimizer, model)
+        return True
+
+    def _model_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        guard = self.guard
+        if guard is None:
+            return
+        progress = guard.progress
+        if not torch.is_grad_enabled() or not module.training:
+            progress.enter(progress.phase)  # evaluation is progress, not a hang
+            return
+        progress.enter("step")
+        guard.record_batch(batch_of(args, kwargs))
+
+    def _announce(self, guard: Guard, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+        world = guard.world_size
+        timeout = self.options.hang_timeout
+        if guard._watchdog is None:
+            watchdog = "watchdog off" + (" (single process)" if world == 1 else "")
+        else:
+            watchdog = f"watchdog on (hang timeout {'adaptive' if timeout is None else timeout})"
+        announcer().info(
+            "trainguard run: rank %d: guarding %s, %d rank%s, %s, on non-finite: %s, run dir %s; "
+            "%s",
+            guard.rank,
+            describe(optimizer, model),
+            world,
+            "" if world == 1 else "s",
+            watchdog,
+            self.options.on_nonfinite,
+            guard.run_dir,
+            UNSEEN,
+        )
+
+
+def _adopt_step_zero(guard: Guard, zero: StepZero | None) -> None:
+    """Hand the first step's start (recorded before the guard existed) to the guard, as if
+    its own ``StepStart`` had seen that forward: buffers, RNG, autocast, micro-batches."""
+    if zero is None or guard.state.step != 0:
+        return
+    start = guard._start  # the guard's step-start record (step/start.py)
+    if guard.config.restore_buffers:
+        start.buffers = zero.buffers
+    start.step, start.rng, start.autocast, start.seen = 0, zero.rng, zero.autocast, True
+    for batch in zero.batches:
+        guard._recorded.record(batch, 0)

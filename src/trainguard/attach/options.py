@@ -1,0 +1,97 @@
+"""The options of ``trainguard run`` and how they reach the job's processes.
+
+The command line turns into a :class:`RunOptions`; ``to_env`` writes it as JSON into the
+``TRAINGUARD_RUN`` variable, which torchrun (and any launcher) passes to its workers with
+the rest of the environment; ``from_env`` reads it back in each process. The bootstrap
+folder (``bootstrap/sitecustomize.py``) goes first on ``PYTHONPATH``, before what the user
+had there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from trainguard.config import NonFiniteAction
+from trainguard.errors import ConfigError
+
+ENV_VAR = "TRAINGUARD_RUN"
+"""The options as JSON; set by ``trainguard run``, read by the bootstrap in every process."""
+
+BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
+"""The folder holding the ``sitecustomize.py`` that attaches the guard."""
+
+Launcher = Literal["torchrun", "plain"]
+
+_TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What ``trainguard run`` passes to the guard it attaches (``Guard``'s options)."""
+
+    run_dir: str = "runs/trainguard"
+    on_nonfinite: NonFiniteAction = "skip"
+    hang_timeout: float | None = None
+    capture: bool = True
+    launcher: Launcher = "plain"
+    """``torchrun``: the command launches workers; its own process (the agent) never attaches."""
+
+    def __post_init__(self) -> None:
+        if self.on_nonfinite not in ("skip", "warn", "raise"):
+            raise ConfigError("on_nonfinite", f"got {self.on_nonfinite!r}; use skip, warn or raise")
+        if self.hang_timeout is not None and self.hang_timeout < 0:
+            raise ConfigError("hang_timeout", f"got {self.hang_timeout}; use seconds >= 0")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> RunOptions:
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**known)
+
+
+def launcher_of(command: Sequence[str]) -> Launcher:
+    """``torchrun`` when ``command`` starts torchrun (``torchrun ...``, ``python -m
+    torch.distributed.run ...``, the older ``torch.distributed.launch``), else ``plain``."""
+    if not command:
+        return "plain"
+    if os.path.basename(command[0]) in ("torchrun", "torch.distributed.run"):
+        return "torchrun"
+    for i, word in enumerate(command[1:-1], start=1):  # the interpreter's own options
+        if word == "-m":
+            return "torchrun" if command[i + 1] in _TORCHRUN_MODULES else "plain"
+        if not word.startswith("-"):
+            break  # the script: what follows is its arguments
+    return "plain"
+
+
+def child_env(options: RunOptions, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment the command runs in: ``base`` (default: ours), the options in
+    ``TRAINGUARD_RUN`` and the bootstrap folder first on ``PYTHONPATH``."""
+    env = dict(os.environ if base is None else base)
+    env[ENV_VAR] = options.to_json()
+    path = env.get("PYTHONPATH", "")
+    parts = [str(BOOTSTRAP_DIR), *(p for p in path.split(os.pathsep) if p)]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    return env
+
+
+def from_env(raw: str | None) -> RunOptions | None:
+    """The options in ``TRAINGUARD_RUN`` (None when unset or not valid)."""
+    if not raw:
+        return None
+    try:
+        return RunOptions.from_mapping(json.loads(raw))
+    except (ValueError, TypeError, ConfigError):
+        return None
+
+
+def describe_command(command: Sequence[str]) -> str:
+    return shlex.join(command)

@@ -1,0 +1,102 @@
+"""Before the guard exists: the first step's start, recorded for whichever module is the model.
+
+The guard is made at the first optimizer step, after that step's forward ran. So until then
+two process-wide module hooks (``register_module_forward_pre_hook`` and an ``always_call``
+forward hook) find the *outermost* module calls (depth 0, main thread, gradients on, module
+in training mode) and record, per module, what the guard's ``StepStart`` records at a step's
+first forward: the RNG states (read, not drawn), the autocast state, a copy of the buffers
+(``BufferKeeper``), and every call's arguments (the micro-batches). At the first optimizer
+step the model's record is handed to the guard and these hooks are removed: after that no
+module call but the model's own pays anything.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_hooks
+from torch.utils.hooks import RemovableHandle
+
+from trainguard.capture.rng import rng_state
+from trainguard.step.buffers import BufferKeeper
+from trainguard.step.start import autocast_state
+
+MAX_CANDIDATES = 8
+"""Distinct top-level modules recorded before the first step (the rest are ignored)."""
+
+
+def batch_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A model call's input as one micro-batch: the only positional argument as it is,
+    several as a tuple, keyword arguments as ``{"args": (...), "kwargs": {...}}``."""
+    if kwargs:
+        return {"args": args, "kwargs": kwargs}
+    if len(args) == 1:
+        return args[0]
+    return args
+
+
+@dataclass
+class StepZero:
+    """What the first step's forward of one top-level module started from."""
+
+    module: nn.Module
+    rng: dict[str, Any]
+    autocast: dict[str, Any]
+    buffers: BufferKeeper
+    batches: list[Any] = field(default_factory=list)
+
+
+class PreStart:
+    """The process-wide hooks that record the first step's top-level module calls."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, StepZero] = {}
+        self._depth = 0
+        self._main = threading.main_thread()
+        self._handles: list[RemovableHandle] = []
+
+    def install(self) -> None:
+        self._handles = [
+            module_hooks.register_module_forward_pre_hook(self._pre),
+            module_hooks.register_module_forward_hook(self._post, always_call=True),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @property
+    def candidates(self) -> list[nn.Module]:
+        """The modules called at the top level, first call first."""
+        return [zero.module for zero in self.calls.values()]
+
+    def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if threading.current_thread() is not self._main:
+            return
+        self._depth += 1
+        if self._depth != 1 or not torch.is_grad_enabled() or not module.training:
+            return
+        zero = self.calls.get(id(module))
+        if zero is None:
+            if len(self.calls) >= MAX_CANDIDATES:
+                return
+            zero = self._start(module)
+            self.calls[id(module)] = zero
+        zero.batches.append(batch_of(args, {}))
+
+    def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if threading.current_thread() is self._main and self._depth > 0:
+            self._depth -= 1
+
+    @staticmethod
+    def _start(module: nn.Module) -> StepZero:
+        param = next(module.parameters(), None)
+        device_type = param.device.type if param is not None else "cpu"
+        keeper = BufferKeeper(module)
+        keeper.begin(0)
+        return StepZero(module, rng_state(), autocast_state(device_type), keeper)

@@ -1,0 +1,181 @@
+"""``trainguard run`` on an unmodified script (tests/support/run_scripts/train_ddp.py imports
+nothing of trainguard): one process and 2-rank DDP under torchrun (gloo, c10d rendezvous).
+
+The reference for a skipped step is the bare script told to leave that step out
+(``--drop-step``: no forward, no update): a skip must leave every rank's weights, buffers and
+optimizer state bit-identical to it. A guarded run with no fault must be bit-identical to the
+bare one; both leave out the same step, so the bare run serves both comparisons.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainguard as tg
+
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "run_scripts" / "train_ddp.py"
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_ddp.py"
+DROP = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRAINGUARD_RUN", None)
+    return env
+
+
+def _launch(ranks: int) -> list[str]:
+    if ranks == 1:
+        return [sys.executable, str(SCRIPT)]
+    return [
+        TORCHRUN,
+        f"--nproc-per-node={ranks}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=localhost:{_free_port()}",
+        "--monitor-interval=0.2",
+        str(SCRIPT),
+    ]
+
+
+def _run(cmd: list[str], timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cmd, env=_env(), capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def _guarded(run_dir: Path, *options: str) -> list[str]:
+    return [sys.executable, "-m", "trainguard.cli", "run", "--run-dir", str(run_dir), *options]
+
+
+def _assert_same(out_a: Path, out_b: Path, ranks: int) -> None:
+    for rank in range(ranks):
+        a = torch.load(out_a / f"rank{rank}.pt")
+        b = torch.load(out_b / f"rank{rank}.pt")
+        assert a["model"].keys() == b["model"].keys()
+        for key, value in a["model"].items():
+            assert torch.equal(value, b["model"][key]), (rank, key)
+        for index, state in a["optimizer"]["state"].items():
+            for key, value in state.items():
+                assert torch.equal(value, b["optimizer"]["state"][index][key]), (rank, key)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-process", "2-rank-torchrun"])
+def bare(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bare script's result, leaving out step DROP (no trainguard)."""
+    ranks = int(request.param)
+    out = tmp_path_factory.mktemp(f"bare{ranks}")
+    done = _run([*_launch(ranks), "--out", str(out), "--drop-step", str(DROP)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def _ranks(out: Path) -> int:
+    return len(list(out.glob("rank*.pt")))
+
+
+@pytest.mark.timeout(200)
+def test_no_fault_leaves_the_results_bit_identical(bare: Path, tmp_path: Path) -> None:
+    ranks = _ranks(bare)
+    cmd = [*_guarded(tmp_path / "run"), "--", *_launch(ranks)]
+    done = _run([*cmd, "--out", str(tmp_path / "out"), "--drop-step", str(DROP)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in range(ranks):
+        assert f"trainguard run: rank {rank}: guarding AdamW over" in done.stderr
+    assert "cannot see the loss value" in done.stderr
+    _assert_same(tmp_path / "out", bare, ranks)
+    kinds = {e["kind"] for e in tg.read_events(tmp_path / "run", ranks - 1)}
+    assert "start" in kinds and "skip" not in kinds
+
+
+@pytest.mark.timeout(200)
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank(bare: Path, tmp_path: Path) -> None:
+    ranks = _ranks(bare)
+    nan_rank = ranks - 1
+    run_dir = tmp_path / "run"
+    cmd = [*_guarded(run_dir), "--", *_launch(ranks), "--out", str(tmp_path / "out")]
+    done = _run([*cmd, "--nan-rank", str(nan_rank), "--nan-step", str(DROP)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_same(tmp_path / "out", bare, ranks)  # as if the step never happened
+    for rank in range(ranks):
+        events = tg.read_events(run_dir, rank)
+        skips = [e for e in events if e["kind"] == "skip"]
+        assert [e["step"] for e in skips] == [DROP]
+        assert skips[0]["buffers_restored"] > 0  # BatchNorm's statistics put back
+    bundle = run_dir / "captures" / f"step-{DROP:08d}"
+    assert (bundle / "manifest.json").is_file()
+    if ranks == 1:
+        return
+    replay = _run(
+        [
+            sys.executable,
+            "-m",
+            "trainguard.cli",
+            "replay",
+            str(bundle),
+            "--factory",
+            f"{SCRIPT}:make_replay",
+            "--repeats",
+            "1",
+            "--json",
+        ]
+    )
+    assert replay.returncode == 1, replay.stderr[-2000:]  # 1: the step reproduced
+    report = json.loads(replay.stdout)
+    assert report["reproduced"] and report["rank"] == nan_rank
+    assert report["verdict"] == "bad_input"
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_blocked_in_its_loader_ends_every_rank_with_91(tmp_path: Path) -> None:
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    cmd = [*_guarded(run_dir, "--hang-timeout", "3"), "--", *_launch(2), "--out", str(out)]
+    done = _run([*cmd, "--block-rank", "1", "--block-step", "4"], timeout=100)
+    ended = time.time()
+    assert done.returncode == tg.EXIT_HANG, done.stderr[-3000:]
+    blocked = float((out / "blocked-rank1").read_text())
+    assert ended - blocked < 3 + 10
+    assert "exitcode  : 91" in done.stderr  # torchrun saw both workers exit with 91
+    (report_path,) = run_dir.glob("hangs/*/report.json")
+    report = json.loads(report_path.read_text())
+    assert report["kind"] == "hang" and report["culprits"] == [1]
+    assert {r["rank"]: r["phase"] for r in report["ranks"]}[1] == "data"
+
+
+@pytest.mark.timeout(100)
+def test_a_second_optimizer_makes_it_stand_aside(tmp_path: Path) -> None:
+    cmd = [*_guarded(tmp_path / "run"), "--", *_launch(1), "--out", str(tmp_path / "out")]
+    done = _run([*cmd, "--second-optimizer", "--steps", "4"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trainguard run: rank 0: guarding AdamW over Net" in done.stderr
+    assert "not guarding: a second optimizer (SGD) steps besides the guarded AdamW" in done.stderr
+    assert "the script runs unguarded" in done.stderr
+
+
+@pytest.mark.timeout(150)
+def test_lightning_with_its_own_guard_stands_aside(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    cmd = [*_guarded(tmp_path / "outer"), "--", sys.executable, str(EXAMPLE)]
+    done = _run([*cmd, "--run-dir", str(tmp_path / "inner")], timeout=140)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        line = f"trainguard run: rank {rank}: not guarding: DistributedDataParallel("
+        assert line in done.stderr
+    assert "the script's own guard keeps the run" in done.stderr
+    assert not (tmp_path / "outer").exists()  # the outer guard never started
+    assert list((tmp_path / "inner" / "captures").glob("step-*"))  # the callback's guard did

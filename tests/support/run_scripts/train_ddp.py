@@ -1,0 +1,116 @@
+"""A plain training script that knows nothing of trainguard (no import of it), for the tests of
+``trainguard run``. One process, or DDP (gloo) under torchrun.
+
+    python train_ddp.py --out DIR [--steps N] [--optimizer sgd|adamw|adam]
+        [--nan-rank R --nan-step S]      rank R's batch at step S holds a NaN
+        [--block-rank R --block-step S]  rank R's loader blocks at step S
+        [--drop-step S]                  every rank leaves out step S (no forward, no update)
+        [--second-optimizer]             a second optimizer steps too (from step 2)
+
+Each rank saves its final weights, buffers and optimizer state to ``DIR/rank{r}.pt``.
+``make_replay`` is the replay factory (the model and a loss of its input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU())
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.body(x))
+
+
+class Points(Dataset[tuple[Tensor, Tensor]]):
+    """Four samples a step; rank-specific; a NaN or a blocking read where asked."""
+
+    def __init__(self, rank: int, steps: int, args: argparse.Namespace) -> None:
+        g = torch.Generator().manual_seed(100 + rank)
+        self.x = torch.randn(steps * 4, 8, generator=g)
+        self.y = self.x.sum(dim=1, keepdim=True)
+        if rank == args.nan_rank:
+            self.x[args.nan_step * 4, 0] = float("nan")
+        self.block = args.block_step * 4 if rank == args.block_rank else -1
+        self.marker = args.out / f"blocked-rank{rank}"
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        if i == self.block:
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            self.marker.write_text(str(time.time()))
+            time.sleep(600)  # a stuck read (a dead filesystem, a stalled stream)
+        return self.x[i], self.y[i]
+
+
+def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def make_replay() -> tuple[nn.Module, Any]:
+    """Replay factory: the model, and a loss of the recorded micro-batch (the model's input)."""
+    return Net(), lambda model, x: model(x).square().mean()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument("--nan-rank", type=int, default=-1)
+    parser.add_argument("--nan-step", type=int, default=-1)
+    parser.add_argument("--block-rank", type=int, default=-1)
+    parser.add_argument("--block-step", type=int, default=-1)
+    parser.add_argument("--drop-step", type=int, default=-1)
+    parser.add_argument("--second-optimizer", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    distributed = "LOCAL_RANK" in os.environ
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+    torch.manual_seed(0)
+    net = Net()
+    model: nn.Module = nn.parallel.DistributedDataParallel(net) if distributed else net
+    optimizer = make_optimizer(args.optimizer, model.parameters())
+    head = torch.optim.SGD(net.head.parameters(), lr=0.01) if args.second_optimizer else None
+    loader = DataLoader(Points(rank, args.steps, args), batch_size=4)
+    for step, (x, y) in enumerate(loader):
+        if step == args.drop_step:
+            continue
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if head is not None and step >= 2:
+            head.step()
+    args.out.mkdir(parents=True, exist_ok=True)
+    state = {"model": net.state_dict(), "optimizer": optimizer.state_dict()}
+    torch.save(state, args.out / f"rank{rank}.pt")
+    print(f"rank {rank}: trained {args.steps} steps, last loss {loss.item():.4f}", flush=True)
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

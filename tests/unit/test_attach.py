@@ -1,0 +1,146 @@
+"""``trainguard run``'s parts that need no training job: options and environment, model
+discovery, the bootstrap's chaining and agent rule, and the optimizer fact a skip relies on
+(a step with every gradient None changes neither the weights nor the optimizer's state)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from trainguard.attach.discovery import describe, describe_module, existing_guard, find_model
+from trainguard.attach.options import BOOTSTRAP_DIR, ENV_VAR, RunOptions, child_env, launcher_of
+from trainguard.attach.prestart import batch_of
+from trainguard.cli import main
+from trainguard.errors import ConfigError
+
+OPTIMIZERS = [
+    ("SGD", {"lr": 0.1, "momentum": 0.9}),
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "foreach": True}),
+    ("Adam", {}),
+    ("Adam", {"foreach": True}),
+    ("Adam", {"fused": True}),
+    ("AdamW", {}),
+    ("AdamW", {"foreach": True}),
+    ("AdamW", {"fused": True}),
+    ("AdamW", {"amsgrad": True}),
+]
+
+
+@pytest.mark.parametrize(("name", "kwargs"), OPTIMIZERS)
+def test_a_step_without_gradients_changes_nothing(name: str, kwargs: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    optimizer = getattr(torch.optim, name)(model.parameters(), **kwargs)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()  # the state exists (momentum, moments, step counts)
+    before = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+    for param in model.parameters():
+        param.grad = None  # what a skip leaves
+    optimizer.step()
+    weights, state = model.state_dict(), optimizer.state_dict()
+    assert all(torch.equal(before[0][k], v) for k, v in weights.items())
+    for index, saved in before[1]["state"].items():
+        for key, value in saved.items():
+            now = state["state"][index][key]
+            assert torch.equal(value, now) if torch.is_tensor(value) else value == now
+
+
+def test_launcher_of() -> None:
+    assert launcher_of(["torchrun", "--nproc-per-node=2", "train.py"]) == "torchrun"
+    assert launcher_of(["/venv/bin/torchrun", "train.py"]) == "torchrun"
+    assert launcher_of(["python", "-m", "torch.distributed.run", "train.py"]) == "torchrun"
+    assert launcher_of(["python", "train.py", "-m", "torch.distributed.run"]) == "plain"
+    assert launcher_of(["python", "-m", "mypackage.train"]) == "plain"
+
+
+def test_child_env_puts_the_bootstrap_first_and_keeps_the_path() -> None:
+    options = RunOptions(run_dir="/r", hang_timeout=5.0, launcher="torchrun")
+    env = child_env(options, base={"PYTHONPATH": "/mine:/other", "HOME": "/h"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(BOOTSTRAP_DIR), "/mine", "/other"]
+    assert env["HOME"] == "/h"
+    assert RunOptions.from_mapping(json.loads(env[ENV_VAR])) == options
+    assert (BOOTSTRAP_DIR / "sitecustomize.py").is_file()
+
+
+def test_bad_options_are_config_errors() -> None:
+    with pytest.raises(ConfigError):
+        RunOptions(on_nonfinite="ignore")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        RunOptions(hang_timeout=-1)
+
+
+def test_run_without_a_command_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trainguard: ") and "COMMAND" in err[0]
+
+
+def test_find_model_takes_the_outermost_module_holding_the_optimizers_parameters() -> None:
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    other = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    assert find_model([other, net], optimizer).model is net
+    head_only = torch.optim.SGD(net[1].parameters(), lr=0.1)  # fine-tuning a part
+    assert find_model([net], head_only).model is net
+    both = torch.optim.SGD([*net.parameters(), *other.parameters()], lr=0.1)
+    found = find_model([net, other], both)
+    assert found.model is None and "several models" in found.reason
+    assert find_model([], optimizer).model is None
+    assert describe(optimizer, net) == "SGD over Sequential (9 parameters)"
+    assert describe_module(torch.compile(net)) == "OptimizedModule(Sequential)"
+
+
+def test_existing_guard_is_found_in_the_models_hooks(tmp_path: Path) -> None:
+    import trainguard as tg
+
+    net = nn.Sequential(nn.Linear(2, 2))
+    assert existing_guard(net) is None
+    guard = tg.Guard(net, torch.optim.SGD(net.parameters(), lr=0.1), run_dir=tmp_path)
+    try:
+        assert existing_guard(net) is not None
+    finally:
+        guard.close()
+
+
+def test_batch_of() -> None:
+    x = torch.zeros(1)
+    assert batch_of((x,), {}) is x
+    assert batch_of((x, 1), {}) == (x, 1)
+    assert batch_of((), {"input_ids": x}) == {"args": (), "kwargs": {"input_ids": x}}
+
+
+def _python(code: str, env: dict[str, str]) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_bootstrap_chains_an_existing_sitecustomize(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text("import builtins\nbuiltins.SITE_WAS_HERE = 1\n")
+    env = child_env(RunOptions(), base={"PYTHONPATH": str(tmp_path), "PATH": os.environ["PATH"]})
+    del env[ENV_VAR]  # without the options the bootstrap only chains
+    assert _python("import builtins; print(builtins.SITE_WAS_HERE)", env) == "1"
+
+
+HOOKS = (
+    "import torch, torch.optim.optimizer as o, sys; "
+    "print(len(o._global_optimizer_pre_hooks), 'trainguard.attach.hooks' in sys.modules)"
+)
+
+
+def test_bootstrap_installs_in_workers_not_in_torchruns_agent() -> None:
+    base = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "PYTHONPATH")}
+    env = child_env(RunOptions(launcher="torchrun"), base=base)
+    assert _python(HOOKS, env) == "0 False"  # the agent: no LOCAL_RANK
+    assert _python(HOOKS, {**env, "LOCAL_RANK": "0"}) == "1 True"  # a worker
