@@ -153,3 +153,18 @@ def test_a_large_world_logs_a_loss_summary(tmp_path: Path) -> None:
     assert len(history.bundle_history()["records"][0]["losses"]) == world  # the bundle keeps all
     (point,) = summarize(tmp_path).points
     assert point.bad_ranks == [7] and math.isnan(point.loss or 0.0)
+
+
+def test_metrics_lines_are_the_same_text_on_the_fast_and_the_safe_path() -> None:
+    """MetricsLog encodes a finite record with the C encoder directly (issue 26); a record
+    with NaN/Inf goes through to_jsonable; both give what to_jsonable + dumps gives."""
+    import json as json_module
+
+    from trainguard.events import to_jsonable
+    from trainguard.step.metrics import _line
+
+    finite = {"step": 3, "losses": [0.5, 0.25], "grad_norm": 1.5, "decision": "ok", "lr": None}
+    bad = {**finite, "losses": [float("nan"), 1.0], "grad_norm": float("inf")}
+    for fields in (finite, bad):
+        assert _line(fields) == json_module.dumps(to_jsonable(fields), allow_nan=False)
+    assert json_module.loads(_line(bad))["grad_norm"] == "inf"

@@ -49,6 +49,15 @@ def stride_at(step: int, dense_steps: int) -> int:
     return stride
 
 
+def _line(fields: dict[str, Any]) -> str:
+    """One JSON line: the C encoder straight away for the usual all-finite record, through
+    ``to_jsonable`` (NaN/Inf as strings, paths) only when it refuses (the same text)."""
+    try:
+        return json.dumps(fields, allow_nan=False)
+    except (ValueError, TypeError):
+        return json.dumps(to_jsonable(fields), allow_nan=False)
+
+
 class MetricsLog:
     """Buffered, thinned JSONL writer for the per-step records (rank 0 only)."""
 
@@ -76,7 +85,7 @@ class MetricsLog:
         """Buffer one step's record (``urgent``: a bad step, written out at once)."""
         if not self.wants(int(fields["step"]), urgent):
             return
-        self._lines.append(json.dumps(to_jsonable(fields), allow_nan=False))
+        self._lines.append(_line(fields))
         due = len(self._lines) >= self.flush_every
         if urgent or due or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
