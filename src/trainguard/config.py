@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from trainguard.errors import ConfigError
+from trainguard.run_identity import check_run_option
 
 NonFiniteAction = Literal["skip", "warn", "raise"]
 _ACTIONS = ("skip", "warn", "raise")
@@ -67,6 +68,12 @@ class GuardConfig:
 
     resume: bool = False
     """Start from the newest good checkpoint in ``run_dir`` (a ``resume`` event says which)."""
+
+    run: str | None = None
+    """Which run of ``run_dir`` this guard writes (every event carries its id; see
+    ``trainguard.run_identity``). None: a new run, unless torchrun restarts the job or
+    ``resume`` is set, which continue the latest; ``"new"``, ``"continue"`` (the latest run),
+    or a run id to continue."""
 
     snapshot_every: int = 10
     """Steps between in-memory (CPU) snapshots, the rollback targets; 0 = off."""
@@ -196,6 +203,10 @@ class GuardConfig:
             raise ConfigError("max_recorded_steps", "use an integer >= 1")
         if not isinstance(self.history_steps, int) or self.history_steps < 1:
             raise ConfigError("history_steps", f"got {self.history_steps!r}; use an integer >= 1")
+        try:
+            check_run_option(self.run)
+        except ValueError as exc:
+            raise ConfigError("run", str(exc)) from None
         _check_recovery(self)
         _check_spikes(self)
 

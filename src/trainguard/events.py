@@ -1,7 +1,9 @@
 """Per-rank JSONL event log: ``run_dir/events/rank-{r}.jsonl``, and reading it back.
 
 Each line is one JSON object with at least ``time`` (unix seconds), ``rank``, ``step`` and
-``kind``. Lines are flushed as they are written so a killed run keeps its events.
+``kind``, and ``run``: the id of the run it belongs to (``trainguard.run_identity``; absent
+in logs written before runs had ids, and from an EventLog made without one). Lines are
+flushed as they are written so a killed run keeps its events.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
+
+from trainguard.run_identity import RunIdentity
 
 
 def to_jsonable(value: Any) -> Any:
@@ -38,9 +42,11 @@ Listener = Callable[[dict[str, Any]], None]
 class EventLog:
     """Append-only event log of one rank. Thread-safe (the watchdog writes from a thread)."""
 
-    def __init__(self, run_dir: Path, rank: int) -> None:
+    def __init__(self, run_dir: Path, rank: int, run: RunIdentity | None = None) -> None:
         self.path = Path(run_dir) / "events" / f"rank-{rank}.jsonl"
         self.rank = rank
+        self.run = run
+        """The run every line is written for (None: lines carry no ``run``)."""
         self._lock = threading.Lock()
         self._file: TextIO | None = None
         self._listeners: list[Listener] = []
@@ -48,6 +54,8 @@ class EventLog:
     def write(self, kind: str, step: int | None, **fields: Any) -> dict[str, Any]:
         record: dict[str, Any] = {"time": time.time(), "rank": self.rank, "step": step}
         record["kind"] = kind
+        if self.run is not None:
+            record["run"] = self.run.id
         record.update(fields)
         line = json.dumps(to_jsonable(record), allow_nan=False)
         with self._lock:
@@ -86,11 +94,16 @@ class EventLog:
                 self._file = None
 
 
-def read_events(run_dir: Path | str, rank: int | None = None) -> list[dict[str, Any]]:
-    """Every event of the run (or of one rank), ordered by time. Torn last lines are skipped."""
+def read_events(
+    run_dir: Path | str, rank: int | None = None, run: str | None = None
+) -> list[dict[str, Any]]:
+    """Every event in ``run_dir`` (or of one rank; of one run: its id), ordered by time. Torn
+    last lines are skipped."""
     folder = Path(run_dir) / "events"
     paths = [folder / f"rank-{rank}.jsonl"] if rank is not None else sorted(folder.glob("*.jsonl"))
     records = [rec for path in paths if path.exists() for rec in _read_lines(path)]
+    if run is not None:
+        records = [rec for rec in records if rec.get("run") == run]
     return sorted(records, key=lambda r: (r.get("time", 0.0), r.get("rank", 0)))
 
 

@@ -36,6 +36,7 @@ with a ConfigError: a GradScaler (``precision="16-mixed"``), a ``training_step``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Iterator
@@ -131,6 +132,8 @@ class TrainGuard(Callback):  # type: ignore[misc]
                 f"TrainGuard guards one optimizer, got {len(trainer.optimizers)}",
             )
         config = with_accumulation(self._config, trainer.accumulate_grad_batches)
+        if self._saved_state is not None and config.run is None:  # fit(ckpt_path=...)
+            config = dataclasses.replace(config, run="continue")  # the same run goes on
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # fp16: a GradScaler
         rerun = LightningRerun(trainer, self._micro) if self._rerun else None
         self.guard = Guard(

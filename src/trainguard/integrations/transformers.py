@@ -38,6 +38,7 @@ fp16 (a GradScaler), FSDP, and a Trainer without ``TrainGuardMixin``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -106,6 +107,8 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
             raise ConfigError("model", "the Trainer passed no model/optimizer to on_train_begin")
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
         config = with_accumulation(self._config, args.gradient_accumulation_steps)
+        if getattr(state, "global_step", 0) > 0 and config.run is None:  # resume_from_checkpoint
+            config = dataclasses.replace(config, run="continue")  # the same run goes on
         rerun = None
         if self._rerun:
             _check_rerun(args, self._trainer)

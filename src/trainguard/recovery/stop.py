@@ -35,6 +35,7 @@ from trainguard.config import GuardConfig
 from trainguard.errors import LossScaleCollapseError, NonFiniteError
 from trainguard.events import to_jsonable
 from trainguard.recovery import checkpoint as ckpt
+from trainguard.run_identity import latest_run
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ NOT_FINGERPRINTED = frozenset(
     {
         "run_dir",
         "resume",
+        "run",
         "capture",
         "hang_timeout",
         "max_recorded_steps",
@@ -79,6 +81,8 @@ class StopRecord:
     """``TORCHELASTIC_RESTART_COUNT`` of the attempt that stopped."""
     time: float = field(default_factory=time.time)
     format: int = FORMAT
+    run: str | None = None
+    """The run that stopped (``trainguard.run_identity``; None in older records)."""
 
 
 def stop_path(run_dir: Path | str) -> Path:
@@ -208,6 +212,7 @@ def build_record(
         fingerprint=fingerprint(inputs),
         inputs=inputs,
         attempt=attempt,
+        run=latest_run(run_dir),  # rank 0's newest event is this run's stop
     )
 
 

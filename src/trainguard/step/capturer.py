@@ -9,6 +9,10 @@ Every rank reaches the same decision on a bad step, so the capture may use colle
    ``manifest.json`` last and renames the folder to ``step-{step:08d}``;
 4. rank 0's outcome is shared, so every rank returns the same path (or None).
 
+"First" is per run (``trainguard.run_identity``): the manifest records the run's id, and a
+torchrun restart or a resume of a run whose first bad step (or spike) is already captured
+labels its own first one ``first_bad_step_after_restart`` (``first_spike_after_restart``).
+
 A failure to write (disk full, permission, a rank that cannot see the shared run_dir) is
 caught on every rank: the temporary folder is removed, a ``capture_failed`` event and a log
 line say why, and the run goes on as the policy says. ``run_dir`` must be a folder all ranks
@@ -17,6 +21,7 @@ see (a shared filesystem on multi-node runs), as for torch.distributed.checkpoin
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -213,7 +218,8 @@ class Capturer:
     def _capture(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, evidence: StepEvidence
     ) -> tuple[Path | None, str | None]:
-        token = self._gather(secrets.token_hex(4))[0]
+        # rank 0's token and label (the run's earlier bundles are looked up there only)
+        token, evidence.reason = self._gather((secrets.token_hex(4), self._label(evidence)))[0]
         tmp = self.folder / f"{TMP_PREFIX}step-{evidence.step:08d}-{token}"
         sharded = is_sharded_model(model)
         records: dict[str, FileRecord] = {}
@@ -276,6 +282,8 @@ class Capturer:
             if evidence.history is not None:  # the same on every rank: rank 0 writes it
                 files[HISTORY] = write_json(tmp / HISTORY, evidence.history)
             manifest = build_manifest(evidence, sharded, self._consensus.world_size, files)
+            if self._events.run is not None:
+                manifest["run"] = self._events.run.id
             write_json(tmp / MANIFEST, manifest)
             final = self._final_path(evidence.step)
             os.rename(tmp, final)
@@ -285,6 +293,25 @@ class Capturer:
             return None, f"rank 0: {type(exc).__name__}: {exc}"
         return str(final), None
 
+    def _label(self, evidence: StepEvidence) -> str:
+        """The bundle's reason: a first bad step (spike) is the run's first only once, even
+        across torchrun restarts and resumes of the run (rank 0 looks at its bundles)."""
+        run = self._events.run
+        reason = evidence.reason
+        if self.rank != 0 or run is None or run.origin == "new" or reason not in _FIRSTS:
+            return reason
+        for manifest in sorted(self.folder.glob(f"step-*/{MANIFEST}")):
+            try:
+                found = json.loads(manifest.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if isinstance(found, dict) and (found.get("run"), found.get("reason")) == (
+                run.id,
+                reason,
+            ):
+                return f"{reason}{AFTER_RESTART}"
+        return reason
+
     def _final_path(self, step: int) -> Path:
         final = self.folder / f"step-{step:08d}"
         n = 1
@@ -292,6 +319,11 @@ class Capturer:
             final = self.folder / f"step-{step:08d}.{n}"
             n += 1
         return final
+
+
+_FIRSTS = ("first_bad_step", "first_spike")
+AFTER_RESTART = "_after_restart"
+"""Suffix of a first bad step's (spike's) reason when the run already captured its first."""
 
 
 def _kind(spike: bool) -> str:

@@ -30,6 +30,7 @@ from trainguard.config import (
 )
 from trainguard.errors import ConfigError, NonFiniteError
 from trainguard.events import EventLog
+from trainguard.run_identity import identify_run
 from trainguard.exitcodes import EXIT_SUSPECT_HOST
 from trainguard.hang.watchdog import Watchdog, start_watchdog
 from trainguard.health.replicas import ReplicaWatch
@@ -140,7 +141,8 @@ class Guard:
         self.rank = self._consensus.rank
         self.world_size = self._consensus.world_size
         self.run_dir = Path(self.config.run_dir)
-        self.events = EventLog(self.run_dir, self.rank)
+        run = identify_run(self.run_dir, self.config.resume, self.config.run, self._consensus)
+        self.events = EventLog(self.run_dir, self.rank, run)  # every event names its run
         self.state = GuardState(nonfinite_steps=deque(maxlen=self.config.max_recorded_steps))
         self.progress = Progress()
         self._stream: BatchStream | None = None
@@ -191,7 +193,7 @@ class Guard:
             self._consensus.device,
             self.rank,
         )
-        fields = self.config.start_fields() | {"torch": torch.__version__}
+        fields = self.config.start_fields() | {"torch": torch.__version__} | run.start_fields()
         self.events.write("start", self.state.step, world_size=self.world_size, **fields)
         self._watchdog: Watchdog | None = start_watchdog(
             self.progress, self.events, self.config.hang_timeout, self.run_dir, process_group
