@@ -100,8 +100,8 @@ def _add_capture_commands(commands: Any) -> None:
     demo = commands.add_parser(
         "demo", help="a real 2-rank run that hits 0/0, captured and replayed"
     )
-    demo.add_argument("--ranks", type=int, default=2)
-    demo.add_argument("--steps", type=int, default=30)
+    demo.add_argument("--ranks", type=int, default=2, help="worker processes, 1 to 32")
+    demo.add_argument("--steps", type=int, default=30, help="training steps, 5 to 100000")
     demo.add_argument("--run-dir", type=Path, default=Path("runs/demo"))
     demo.set_defaults(handler=_demo)
 
@@ -146,9 +146,14 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from trainguard.demo import DemoError, run_demo
+    from trainguard.demo import DemoError, check_options, run_demo
     from trainguard.replay.render import demo_event_line, demo_text
 
+    try:
+        check_options(args.ranks, args.steps)  # before the banner: bad input is one line
+    except TrainGuardError as exc:
+        print(f"trainguard: demo: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     print(
         f"trainguard demo: {args.ranks} ranks on CPU (gloo, DDP), launched with "
         f"torch.distributed.run; {args.steps} steps; run dir {args.run_dir}",
@@ -184,13 +189,29 @@ def _add_report_command(commands: Any) -> None:
     report.add_argument("--json", action="store_true", help="print one JSON object")
     report.add_argument("--png", type=Path, default=None, help="also write the timeline here")
     report.add_argument("--no-html", action="store_true", help="do not write report.html")
+    report.add_argument(
+        "--run",
+        metavar="ID",
+        default=None,
+        help="the run to report (default: the latest in RUN_DIR; 'all': every run)",
+    )
+    report.add_argument(
+        "--runs", action="store_true", help="list the runs in RUN_DIR (id, start, steps)"
+    )
     report.set_defaults(handler=_report)
 
 
 def _report(args: argparse.Namespace) -> int:
     from trainguard.report.command import run_report
 
-    return run_report(args.run_dir, as_json=args.json, png=args.png, html=not args.no_html)
+    return run_report(
+        args.run_dir,
+        as_json=args.json,
+        png=args.png,
+        html=not args.no_html,
+        run=args.run,
+        list_runs=args.runs,
+    )
 
 
 # -- doctor ----------------------------------------------------------------------------------

@@ -26,9 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trainguard.errors import TrainGuardError
+from trainguard.errors import ConfigError, TrainGuardError
 from trainguard.hang.flight_recorder import enable_by_default
 
+RANKS = (1, 32)
+"""``--ranks``: the allowed range (each rank is a CPU process)."""
+STEPS = (5, 100_000)
+"""``--steps``: the allowed range (the bad step is at 2/5 of the run)."""
 CLASSES = 4
 FEATURES = 8
 BATCH = 16
@@ -67,6 +71,13 @@ def make_replay() -> tuple[nn.Module, Callable[[nn.Module, Any], Tensor]]:
 
 
 # -- data ------------------------------------------------------------------------------------
+
+
+def check_options(ranks: object, steps: object) -> None:
+    """``ConfigError`` naming the option when ``ranks`` or ``steps`` is out of range."""
+    for option, value, (low, high) in (("--ranks", ranks, RANKS), ("--steps", steps, STEPS)):
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise ConfigError(option, f"use an integer from {low} to {high} (got {value!r})")
 
 
 def bad_step(steps: int) -> int:
@@ -187,8 +198,7 @@ def run_demo(
     from trainguard.replay.runner import replay
     from trainguard.report.replays import save_replay_result
 
-    if ranks < 1 or steps < 5:
-        raise DemoError(f"use --ranks >= 1 and --steps >= 5 (got {ranks} and {steps})")
+    check_options(ranks, steps)
     folder = Path(run_dir)
     _clear(folder)
     folder.mkdir(parents=True, exist_ok=True)

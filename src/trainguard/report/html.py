@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import html
+from collections.abc import Sequence
 from pathlib import Path
 
 from trainguard.report.plot import plot_available, png_bytes
@@ -24,32 +25,40 @@ pre { background: #f6f6f6; padding: 12px; font-size: 12px; white-space: pre-wrap
 """
 
 
-def report_html(summary: RunSummary) -> str:
-    """The page: headline numbers, the timeline (when matplotlib is there) and the summary."""
-    title = f"trainguard report: {summary.run_dir}"
+def report_html(summary: RunSummary | Sequence[RunSummary]) -> str:
+    """The page: headline numbers, the timeline (when matplotlib is there) and the summary;
+    for several runs (``--run all``) one such section per run, oldest first."""
+    summaries = [summary] if isinstance(summary, RunSummary) else list(summary)
+    title = f"trainguard report: {summaries[0].run_dir}"
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
-        f'<div class="sub">{_subtitle(summary)}</div>',
-        _cards(summary),
-        _picture(summary),
-        "<h2>Summary</h2>",
-        f"<pre>{html.escape(report_text(summary))}</pre>",
-        "</body></html>",
     ]
+    for one in summaries:
+        if len(summaries) > 1:
+            parts.append(f"<h2>Run {html.escape(str(one.run))}</h2>")
+        parts += [
+            f'<div class="sub">{_subtitle(one)}</div>',
+            _cards(one),
+            _picture(one),
+            "<h2>Summary</h2>",
+            f"<pre>{html.escape(report_text(one))}</pre>",
+        ]
+    parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 
 
-def write_html(summary: RunSummary, path: Path) -> Path:
+def write_html(summary: RunSummary | Sequence[RunSummary], path: Path) -> Path:
     path.write_text(report_html(summary), encoding="utf-8")
     return path
 
 
 def _subtitle(summary: RunSummary) -> str:
     ranks = f"{summary.world_size} ranks, " if summary.world_size else ""
-    return html.escape(f"{ranks}{summary.steps} steps, {summary.events} events read")
+    run = f"run {summary.run}: " if summary.run is not None else ""
+    return html.escape(f"{run}{ranks}{summary.steps} steps, {summary.events} events read")
 
 
 def _cards(summary: RunSummary) -> str:

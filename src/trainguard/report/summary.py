@@ -1,5 +1,7 @@
 """What happened in a run, read from its directory: events, metrics, captures and hangs.
 
+A directory may hold several runs (a script run again with the same ``run_dir``): each
+summary is of one run (``runs.py`` says what belongs to which), the latest by default.
 Every rank writes its own events, so per-rank copies of the same event (a non-finite step,
 a skip, a spike, a rollback) are merged by kind and step, keeping the lowest rank's. What
 cannot be read (a torn last line of a killed run, garbage, an unreadable file) is skipped
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.report.readers import Skipped, number, read_json, read_jsonl
+from trainguard.report.runs import ALL, RunInfo, Timeline, latest, list_runs, run_of
 from trainguard.report.timing import StepTimes, phase_summary, rank_table, step_times
 
 REPLAY_RESULT = "replay.json"
@@ -44,6 +47,11 @@ class RunSummary:
     """The run at a glance; ``to_dict()`` is what ``trainguard report --json`` prints."""
 
     run_dir: str
+    run: str | None = None
+    """The run summarized (None: the directory names no run: no events)."""
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    """Every run in the directory, oldest first: ``id``, ``start``, ``start_utc``, ``steps``,
+    ``starts`` (guards started for it: 1 + torchrun restarts and resumes)."""
     world_size: int | None = None
     steps: int = 0
     decisions: dict[str, int] = field(default_factory=dict)
@@ -54,6 +62,8 @@ class RunSummary:
     rollbacks: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     escalations: list[dict[str, Any]] = field(default_factory=list)
+    """Every escalation: those that stopped the run (``escalate`` events, ``outcome``
+    ``stopped``) and those a rollback answered (``outcome`` ``rolled back to step N``)."""
     bad_input: list[dict[str, Any]] = field(default_factory=list)
     hangs: list[dict[str, Any]] = field(default_factory=list)
     uneven_data: list[dict[str, Any]] = field(default_factory=list)
@@ -91,21 +101,115 @@ class RunSummary:
         return out
 
 
-def summarize(run_dir: Path | str) -> RunSummary:
-    """Read a run directory (never raises on damaged content; see ``RunSummary.skipped``)."""
-    root = Path(run_dir)
-    summary = RunSummary(run_dir=str(root))
-    events = _read_events(root, summary.skipped)
+class UnknownRun(ValueError):
+    """``--run ID`` names no run of the directory (the message lists them)."""
+
+
+@dataclass
+class _RunDir:
+    """Everything readable in a run directory, read once."""
+
+    root: Path
+    skipped: Skipped
+    events: list[dict[str, Any]]
+    records: list[dict[str, Any]]
+    """The metrics log's lines (with an int ``step``)."""
+    captures: list[dict[str, Any]]
+    hangs: list[dict[str, Any]]
+    runs: list[RunInfo]
+    timeline: Timeline
+
+
+def summarize(run_dir: Path | str, run: str | None = None) -> RunSummary:
+    """Read one run of a run directory: ``run`` is its id, None the latest. Never raises on
+    damaged content (see ``RunSummary.skipped``); ``UnknownRun`` for an id it does not hold."""
+    found = _load(Path(run_dir))
+    if not found.runs:  # no events: nothing names a run, everything is one
+        return _summary(found, None)
+    if run is None:
+        chosen = latest(found.runs)
+        run = chosen.id if chosen is not None else None
+    if run not in {r.id for r in found.runs}:
+        raise UnknownRun(_unknown(found, str(run)))
+    return _summary(found, run)
+
+
+def summarize_all(run_dir: Path | str) -> list[RunSummary]:
+    """Every run of a run directory, oldest first (one summary when none is named)."""
+    found = _load(Path(run_dir))
+    return [_summary(found, r.id) for r in found.runs] or [_summary(found, None)]
+
+
+def _unknown(found: _RunDir, run: str) -> str:
+    ids = ", ".join(r.id for r in found.runs)
+    return (
+        f"{found.root} has no run {run!r}; its runs: {ids} (details: trainguard report "
+        f"{found.root} --runs; every run: --run {ALL})"
+    )
+
+
+def _load(root: Path) -> _RunDir:
+    skipped = Skipped()
+    events = _read_events(root, skipped)
+    runs = list_runs(events)
+    return _RunDir(
+        root=root,
+        skipped=skipped,
+        events=events,
+        records=_read_records(root, skipped),
+        captures=_read_captures(root, skipped),
+        hangs=_read_hangs(root, skipped),
+        runs=runs,
+        timeline=Timeline(events, runs),
+    )
+
+
+def _summary(found: _RunDir, run: str | None) -> RunSummary:
+    """The summary of ``run`` (None: of everything in the directory)."""
+    summary = RunSummary(run_dir=str(found.root), run=run, skipped=found.skipped)
+    own = _owned(found, run)
+    events = [e for e in found.events if run is None or run_of(e) == run]
     summary.events = len(events)
-    summary.points = _read_points(root, summary.skipped)
+    summary.points = _points(own(found.records, None))
     times = [p.times for p in summary.points if p.times is not None]
     summary.timing, summary.timing_summary = rank_table(times), phase_summary(times)
     _fill_from_events(summary, events)
-    summary.captures = _read_captures(root, summary.skipped)
-    summary.hangs = _read_hangs(root, summary.skipped) or _hang_events(events)
+    summary.captures = own(found.captures, "run")
+    summary.hangs = own(found.hangs, None) or _hang_events(events)
     summary.steps = _count_steps(events, summary.points)
     summary.decisions = _decisions(summary)
+    if run is not None:
+        summary.runs = [_listed(found, info, summary) for info in found.runs]
     return summary
+
+
+def _owned(found: _RunDir, run: str | None) -> Any:
+    """A filter of items (metrics lines, captures, hangs) to those of ``run``: by the run they
+    name (``key``), else by their ``time``."""
+
+    def own(items: list[dict[str, Any]], key: str | None) -> list[dict[str, Any]]:
+        if run is None or len(found.runs) == 1:
+            return items
+        return [
+            item
+            for item in items
+            if (item.get(key) if key and item.get(key) else found.timeline.run_at(item.get("time")))
+            == run
+        ]
+
+    return own
+
+
+def _listed(found: _RunDir, info: RunInfo, summary: RunSummary) -> dict[str, Any]:
+    """A run as ``RunSummary.runs`` lists it (its steps counted as its own summary would)."""
+    if info.id == summary.run:
+        info.steps = summary.steps
+    else:
+        own = _owned(found, info.id)
+        events = [e for e in found.events if run_of(e) == info.id]
+        points = _points(own(found.records, None))
+        info.steps = _count_steps(events, points)
+    return info.to_dict()
 
 
 def _read_events(root: Path, skipped: Skipped) -> list[dict[str, Any]]:
@@ -118,16 +222,24 @@ def _read_events(root: Path, skipped: Skipped) -> list[dict[str, Any]]:
     return sorted(records, key=lambda r: (_float(r.get("time")), _int(r.get("rank"))))
 
 
-def _read_points(root: Path, skipped: Skipped) -> list[StepPoint]:
+def _read_records(root: Path, skipped: Skipped) -> list[dict[str, Any]]:
+    """The metrics log's lines that name a step (the others are counted as unreadable)."""
     path = root / "metrics" / "rank-0.jsonl"
     if not path.is_file():
         return []
-    points: dict[int, StepPoint] = {}
+    records = []
     for rec in read_jsonl(path, root, skipped):
-        step = rec.get("step")
-        if not isinstance(step, int):
+        if not isinstance(rec.get("step"), int):
             skipped.add_lines(str(path.relative_to(root)), 1)
             continue
+        records.append(rec)
+    return records
+
+
+def _points(records: list[dict[str, Any]]) -> list[StepPoint]:
+    points: dict[int, StepPoint] = {}
+    for rec in records:
+        step = rec["step"]
         loss, bad_ranks = _losses(rec)
         points[step] = StepPoint(  # a resumed run repeats steps: the latest record wins
             step=step,
@@ -177,7 +289,7 @@ def _fill_from_events(summary: RunSummary, events: list[dict[str, Any]]) -> None
     summary.spikes = _merged(events, "spike")
     summary.rollbacks = _merged(events, "rollback", "rollback_refused")
     summary.checkpoints = _merged(events, *_CHECKPOINT_KINDS)
-    summary.escalations = _merged(events, "escalate")
+    summary.escalations = _escalations(events)
     summary.bad_input = _merged(events, "bad_input")
     summary.uneven_data = _merged(events, "uneven_data")
     summary.stragglers = _merged(events, "straggler", keys=("phase",))
@@ -185,6 +297,30 @@ def _fill_from_events(summary: RunSummary, events: list[dict[str, Any]]) -> None
     summary.hosts = _host_counts(summary.reruns, _merged(events, "suspect_host"))
     overflow = _merged(events, "overflow")
     summary.decisions = {"overflow": len(overflow)} if overflow else {}
+
+
+def _escalations(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Escalations that stopped the run (``escalate`` events) and those answered by a
+    rollback (a ``rollback`` event; its cause from the step's non-finite or spike event)."""
+    stops = [{**e, "outcome": "stopped"} for e in _merged(events, "escalate")]
+    causes: dict[Any, dict[str, Any]] = {}
+    for e in _merged(events, "spike", "nonfinite"):
+        if e.get("action") == "escalate":
+            reason = "spike" if e["kind"] == "spike" else "non-finite"
+            causes.setdefault(
+                e.get("step"), {"reason": reason, "consecutive": e.get("consecutive")}
+            )
+    rolled = [
+        {
+            **e,
+            "kind": "escalate",
+            "reason": "escalation",
+            **causes.get(e.get("step"), {}),
+            "outcome": f"rolled back to step {e.get('restored_step')}",
+        }
+        for e in _merged(events, "rollback")
+    ]
+    return sorted([*stops, *rolled], key=lambda e: (_int(e.get("step")), _float(e.get("time"))))
 
 
 def _read_captures(root: Path, skipped: Skipped) -> list[dict[str, Any]]:
@@ -198,6 +334,8 @@ def _read_captures(root: Path, skipped: Skipped) -> list[dict[str, Any]]:
         captures.append(
             {
                 "step": manifest.get("step"),
+                "run": manifest.get("run"),
+                "time": manifest.get("time"),
                 "path": str(folder.relative_to(root)),
                 "reason": manifest.get("reason"),
                 "trigger": manifest.get("trigger"),

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.report.readers import number
+from trainguard.report.runs import LEGACY
 from trainguard.report.summary import RunSummary
 
 _MAX_LISTED = 8
@@ -18,6 +19,7 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
     ranks = f" ({world} rank{'s' if world != 1 else ''})" if world else ""
     lines = [f"trainguard report: {summary.run_dir}"]
     rows: list[tuple[str, list[str]]] = [
+        *([("run", [_run(summary)])] if summary.run is not None else []),
         ("steps", [f"{summary.steps}{ranks}; {len(summary.points)} in the metrics log"]),
         ("decisions", [_decisions(summary.decisions)]),
         ("first bad", [_first_bad(summary.first_bad)]),
@@ -42,6 +44,32 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
         first, *rest = body or ["none"]
         lines.append(f"  {title:<12}{first}")
         lines.extend(f"  {'':<12}{line}" for line in rest)
+    return "\n".join(lines)
+
+
+def _run(summary: RunSummary) -> str:
+    """The run's id and start; with others in the directory, how to see them (one line)."""
+    info = next((r for r in summary.runs if r.get("id") == summary.run), {})
+    started = f", started {info['start_utc']} UTC" if info.get("start_utc") else ""
+    more = f", {info['starts']} starts" if info.get("starts", 1) > 1 else ""
+    line = f"{summary.run}{started}{more}"
+    if summary.run == LEGACY:
+        line += " (events written before runs had ids)"
+    if len(summary.runs) > 1:
+        line += f"; {len(summary.runs)} runs here (--runs lists them; --run ID or --run all)"
+    return line
+
+
+def runs_text(run_dir: str, runs: list[dict[str, Any]], shown: str | None) -> str:
+    """``trainguard report RUN_DIR --runs``: one line per run, oldest first."""
+    lines = [f"trainguard report: {run_dir}: {len(runs)} run{'s' if len(runs) != 1 else ''}"]
+    lines.append(f"  {'run':<24}{'started (UTC)':<22}{'steps':>7}{'starts':>8}")
+    for run in runs:
+        mark = "  (latest: shown by default)" if run.get("id") == shown else ""
+        lines.append(
+            f"  {run.get('id')!s:<24}{run.get('start_utc')!s:<22}{run.get('steps')!s:>7}"
+            f"{run.get('starts')!s:>8}{mark}"
+        )
     return "\n".join(lines)
 
 
@@ -107,7 +135,10 @@ def _bad_input(e: dict[str, Any]) -> str:
 
 
 def _escalation(e: dict[str, Any]) -> str:
-    return f"step {e.get('step')}: {e.get('reason')}"
+    streak = e.get("consecutive")
+    in_a_row = f" ({streak} in a row)" if isinstance(streak, int) and streak > 1 else ""
+    outcome = f" -> {e['outcome']}" if e.get("outcome") else ""
+    return f"step {e.get('step')}: {e.get('reason')}{in_a_row}{outcome}"
 
 
 def _hang(h: dict[str, Any]) -> str:

@@ -1,0 +1,120 @@
+"""``trainguard report`` splits a run dir by run: events by their ``run``, the metrics log and
+hang reports by time, captures by the run their manifest names; a legacy log is one run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tg_recovery import train
+
+import trainguard as tg
+from trainguard.report.runs import LEGACY
+from trainguard.report.summary import UnknownRun, summarize, summarize_all
+from trainguard.report.text import report_text
+
+
+def _write(path: Path, lines: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def _event(time: float, step: int, kind: str, run: str | None, **fields: Any) -> dict[str, Any]:
+    event = {"time": time, "rank": 0, "step": step, "kind": kind, **fields}
+    return event if run is None else {**event, "run": run}
+
+
+def _metric(time: float, step: int, decision: str = "ok") -> dict[str, Any]:
+    loss = "nan" if decision != "ok" else 1.0
+    return {"step": step, "losses": [loss], "grad_norm": 1.0, "decision": decision, "time": time}
+
+
+@pytest.fixture
+def three_runs(tmp_path: Path) -> Path:
+    """A legacy run (no ids; 4 steps, bad at 1), run ``b`` (6 steps, bad at 2), and run ``c``
+    (3 steps, clean), one after another in one directory."""
+    events = [
+        _event(100.0, 0, "start", None, world_size=1),
+        _event(101.0, 1, "nonfinite", None, where="loss", ranks=[0], action="skip"),
+        _event(104.0, 4, "close", None),
+        _event(200.0, 0, "start", "b", world_size=1),
+        _event(202.0, 2, "nonfinite", "b", where="loss", ranks=[0], action="skip"),
+        _event(206.0, 6, "close", "b"),
+        _event(300.0, 0, "start", "c", world_size=1),
+        _event(303.0, 3, "close", "c"),
+    ]
+    _write(tmp_path / "events" / "rank-0.jsonl", events)
+    metrics = [_metric(100.5 + s, s, "skip" if s == 1 else "ok") for s in range(4)]
+    metrics += [_metric(200.5 + s, s, "skip" if s == 2 else "ok") for s in range(6)]
+    metrics += [_metric(300.5 + s, s) for s in range(3)]
+    _write(tmp_path / "metrics" / "rank-0.jsonl", metrics)
+    for name, step, run, time in (("step-00000001", 1, None, 101.0), ("step-00000002", 2, "b", 1)):
+        manifest = {"step": step, "reason": "first_bad_step", "time": time}
+        _write(tmp_path / "captures" / name / "manifest.json", [{**manifest, "run": run}])
+    return tmp_path
+
+
+def test_the_latest_run_by_default(three_runs: Path) -> None:
+    summary = summarize(three_runs)
+    assert summary.run == "c"
+    assert (summary.steps, summary.decisions, summary.first_bad) == (3, {"ok": 3}, None)
+    assert [p.step for p in summary.points] == [0, 1, 2]
+    assert summary.captures == []
+    assert [(r["id"], r["steps"], r["starts"]) for r in summary.runs] == [
+        (LEGACY, 4, 1),
+        ("b", 6, 1),
+        ("c", 3, 1),
+    ]
+    text = report_text(summary)
+    assert "run         c, started 1970-01-01 00:05:00 UTC; 3 runs here (--runs lists" in text
+
+
+def test_one_run_by_id_and_the_legacy_run(three_runs: Path) -> None:
+    b = summarize(three_runs, "b")
+    assert (b.steps, b.decisions) == (6, {"ok": 5, "skip": 1})
+    assert [p.step for p in b.points] == list(range(6))
+    assert [c["path"] for c in b.captures] == ["captures/step-00000002"]  # named by the manifest
+    legacy = summarize(three_runs, LEGACY)
+    assert (legacy.steps, legacy.decisions) == (4, {"ok": 3, "skip": 1})
+    assert [c["path"] for c in legacy.captures] == ["captures/step-00000001"]  # by time
+    assert legacy.first_bad is not None and legacy.first_bad["step"] == 1
+    assert "(events written before runs had ids)" in report_text(legacy)
+    assert [s.run for s in summarize_all(three_runs)] == [LEGACY, "b", "c"]
+    with pytest.raises(UnknownRun, match="no run 'nope'; its runs: legacy, b, c"):
+        summarize(three_runs, "nope")
+
+
+def test_a_dir_of_one_legacy_run_reads_as_before(three_runs: Path) -> None:
+    lines = (three_runs / "events" / "rank-0.jsonl").read_text().splitlines()[:3]
+    (three_runs / "events" / "rank-0.jsonl").write_text("\n".join(lines) + "\n")
+    summary = summarize(three_runs)
+    assert summary.run == LEGACY and len(summary.runs) == 1
+    # one run: every metrics line and capture is its own, whatever the time says
+    assert len(summary.points) == 6 and len(summary.captures) == 2
+    assert "runs here" not in report_text(summary)
+
+
+def test_an_escalation_answered_by_a_rollback_is_listed(tmp_path: Path) -> None:
+    """A real run: step 5 ruins the weights, 3 bad steps in a row escalate, the guard rolls
+    back; the report's "escalate 1" and its escalations list agree."""
+    config = tg.GuardConfig(
+        run_dir=tmp_path,
+        on_escalation="rollback",
+        max_consecutive=3,
+        snapshot_every=2,
+        good_after=2,
+        hang_timeout=0,
+    )
+    torch.manual_seed(0)
+    run = train(0, "plain", tmp_path, 20, {5: 1e37}, config=config)
+    assert run["error"] is None
+    summary = summarize(tmp_path)
+    assert summary.decisions.get("escalate") == 1
+    assert [(e["step"], e["reason"], e["outcome"]) for e in summary.escalations] == [
+        (8, "non-finite", "rolled back to step 4")
+    ]
+    text = report_text(summary)
+    assert "escalations step 8: non-finite (3 in a row) -> rolled back to step 4" in text
