@@ -179,3 +179,19 @@ def test_lightning_with_its_own_guard_stands_aside(tmp_path: Path) -> None:
     assert "the script's own guard keeps the run" in done.stderr
     assert not (tmp_path / "outer").exists()  # the outer guard never started
     assert list((tmp_path / "inner" / "captures").glob("step-*"))  # the callback's guard did
+
+
+@pytest.mark.timeout(150)
+def test_lightning_without_a_guard_is_guarded_through_its_closure(tmp_path: Path) -> None:
+    """Lightning runs forward and backward inside ``optimizer.step(closure)``: the guard
+    checks when the closure returns, and sees the loss it returns."""
+    pytest.importorskip("lightning")
+    script = SCRIPT.parent / "train_lightning.py"
+    done = _run([*_guarded(tmp_path / "run"), "--", sys.executable, str(script)], timeout=140)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trainguard run: rank 0: guarding SGD over Sequential" in done.stderr
+    assert "weights finite: True" in done.stderr
+    events = tg.read_events(tmp_path / "run", 0)
+    (bad,) = [e for e in events if e["kind"] == "nonfinite"]
+    assert bad["step"] == 2 and bad["where"] == "loss"
+    assert [e["step"] for e in events if e["kind"] == "skip"] == [2]

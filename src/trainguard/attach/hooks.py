@@ -224,8 +224,10 @@ class Attacher:
 
     def _attach(self, optimizer: torch.optim.Optimizer) -> bool:
         prestart = self._prestart
-        prestart.remove()
         found = find_model(prestart.candidates, optimizer)
+        if not prestart.calls and not _has_gradients(optimizer):
+            return False  # a step before any training forward (nothing to update): wait
+        prestart.remove()
         if found.model is None:
             self.stand_aside(f"cannot find the model: {found.reason}")
             return False
@@ -289,6 +291,10 @@ class Attacher:
             guard.run_dir,
             UNSEEN,
         )
+
+
+def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
 def _adopt_step_zero(guard: Guard, zero: StepZero | None) -> None:
