@@ -149,7 +149,11 @@ def test_a_rank_blocked_in_its_loader_ends_every_rank_with_91(tmp_path: Path) ->
     ended = time.time()
     assert done.returncode == tg.EXIT_HANG, done.stderr[-3000:]
     blocked = float((out / "blocked-rank1").read_text())
-    assert ended - blocked < 3 + 10
+    for rank in (0, 1):  # every rank's verdict within the timeout + 10 s
+        (hang,) = [e for e in tg.read_events(run_dir, rank) if e["kind"] == "hang"]
+        assert hang["time"] - blocked < 3 + 10
+    # and the whole job is gone soon after (torchrun's agent tears down: slow on a busy box)
+    assert ended - blocked < 3 + 10 + 15
     assert "exitcode  : 91" in done.stderr  # torchrun saw both workers exit with 91
     (report_path,) = run_dir.glob("hangs/*/report.json")
     report = json.loads(report_path.read_text())
