@@ -75,13 +75,16 @@ def parse_args() -> argparse.Namespace:
 
 
 def prepare_data(data_dir: Path, vocab_size: int) -> None:
-    """Random tokens as nanoGPT's train.bin / val.bin (uint16); every rank writes the same
-    bytes to a file of its own and renames it into place, so no rank reads a partial file."""
+    """Random tokens as nanoGPT's train.bin / val.bin (uint16), each the previous one plus 1,
+    2 or 3 (mod the vocabulary): learnable, the loss falls from ln(256) = 5.5 towards ln(3) =
+    1.1. Every rank writes the same bytes to a file of its own and renames it into place, so
+    no rank reads a partial file."""
     data_dir.mkdir(parents=True, exist_ok=True)
     for i, split in enumerate(("train", "val")):
         path = data_dir / f"{split}.bin"
         if not path.exists():
-            ids = np.random.default_rng(i).integers(0, vocab_size, size=tokens, dtype=np.uint16)
+            steps = np.random.default_rng(i).integers(1, 4, size=tokens)
+            ids = (np.cumsum(steps) % vocab_size).astype(np.uint16)
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             ids.tofile(tmp)
             os.replace(tmp, path)
@@ -138,11 +141,14 @@ def main() -> None:
     guard = tg.Guard(  # trainguard
         model,
         optimizer,
-        run_dir=run_dir,
-        accumulation_steps=gradient_accumulation_steps,  # micro-batches per optimizer step
-        grad_clip=grad_clip,  # replaces scaler.unscale_ + clip_grad_norm_
         scaler=scaler,  # unscaled before the check; disabled (a no-op) on CPU
-        on_escalation="rollback",  # 5 bad steps in a row: back to a good in-memory snapshot
+        config=tg.GuardConfig(
+            run_dir=run_dir,
+            accumulation_steps=gradient_accumulation_steps,  # micro-batches per optimizer step
+            grad_clip=grad_clip,  # replaces scaler.unscale_ + clip_grad_norm_
+            on_escalation="rollback",  # 5 bad steps in a row: back to a good snapshot in memory
+            run="continue" if args.resume else "new",  # a resumed launch goes on with the run
+        ),
     )
     if checkpoint is not None:
         guard.load_state_dict(checkpoint["guard"])  # trainguard: step and counters go on
@@ -212,14 +218,18 @@ def main() -> None:
         if iter_num >= args.steps:
             break
         lr = get_lr(iter_num)  # the guard applies its own LR backoff factor on top
+        lr_factor = guard.lr_factor  # trainguard: only to log the LR in force
         for param_group in optimizer.param_groups:
             param_group["lr"] = lr
 
         if iter_num % eval_interval == 0 and master_process:
             with guard.phase("eval"):  # trainguard: the other ranks wait, this is no hang
                 losses = estimate_loss()
-                print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss "
-                      f"{losses['val']:.4f}", flush=True)  # fmt: skip
+                print(
+                    f"step {iter_num}: train loss {losses['train']:.4f}, val loss "
+                    f"{losses['val']:.4f}",
+                    flush=True,
+                )
                 if iter_num > 0:
                     save_checkpoint(iter_num)
 
@@ -243,8 +253,11 @@ def main() -> None:
         dt, t0 = t1 - t0, t1
         if iter_num % log_interval == 0 and master_process:
             lossf = loss.item() * gradient_accumulation_steps
-            print(f"iter {iter_num}: loss {lossf:.4f}, lr {lr:.2e} (x{guard.lr_factor:g}), "
-                  f"time {dt * 1000:.0f}ms", flush=True)  # fmt: skip
+            print(
+                f"iter {iter_num}: loss {lossf:.4f}, lr {lr:.2e} (x{lr_factor:g}), "
+                f"time {dt * 1000:.0f}ms",
+                flush=True,
+            )
 
     if master_process:
         save_checkpoint(iter_num)  # at the end too: --resume goes on from here

@@ -130,6 +130,8 @@ def test_fast_loop_skips_together_replays_and_resumes(tmp_path: Path) -> None:
     assert state["nonfinite_steps"] == [3, 10] and state["total_nonfinite"] == 2
     assert state["last_good_step"] == 11
     _same_weights(tmp_path / "out2")
-    # The resumed run's first checked step is 8, the checkpoint's, not 0.
+    # The resumed launch goes on with the same run (GuardConfig.run="continue") ...
+    assert len({e["run"] for e in tg.read_events(run_dir)}) == 1
+    # ... and its first checked step is 8, the checkpoint's, not 0.
     metrics = [json.loads(line) for line in (run_dir / "metrics" / "rank-0.jsonl").open()]
     assert [m["step"] for m in metrics] == list(range(12)), [m["step"] for m in metrics]
