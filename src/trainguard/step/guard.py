@@ -30,7 +30,6 @@ from trainguard.config import (
 )
 from trainguard.errors import ConfigError, NonFiniteError
 from trainguard.events import EventLog
-from trainguard.run_identity import identify_run
 from trainguard.exitcodes import EXIT_SUSPECT_HOST
 from trainguard.hang.watchdog import Watchdog, start_watchdog
 from trainguard.health.replicas import ReplicaWatch
@@ -43,6 +42,7 @@ from trainguard.recovery import (
     record_final_stop,
     recovery_enabled,
 )
+from trainguard.run_identity import identify_run
 from trainguard.step import amp
 from trainguard.step.capturer import Capturer, step_evidence, unwrap
 from trainguard.step.consensus import Agreement, Consensus, LocalReport
