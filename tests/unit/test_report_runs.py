@@ -97,11 +97,9 @@ def test_a_dir_of_one_legacy_run_reads_as_before(three_runs: Path) -> None:
     assert "runs here" not in report_text(summary)
 
 
-def test_an_escalation_answered_by_a_rollback_is_listed(tmp_path: Path) -> None:
-    """A real run: step 5 ruins the weights, 3 bad steps in a row escalate, the guard rolls
-    back; the report's "escalate 1" and its escalations list agree."""
+def _rollback_run(run_dir: Path, batches: int, poison: dict[int, float]) -> dict[str, Any]:
     config = tg.GuardConfig(
-        run_dir=tmp_path,
+        run_dir=run_dir,
         on_escalation="rollback",
         max_consecutive=3,
         snapshot_every=2,
@@ -109,12 +107,35 @@ def test_an_escalation_answered_by_a_rollback_is_listed(tmp_path: Path) -> None:
         hang_timeout=0,
     )
     torch.manual_seed(0)
-    run = train(0, "plain", tmp_path, 20, {5: 1e37}, config=config)
-    assert run["error"] is None
+    return train(0, "plain", run_dir, batches, poison, config=config)
+
+
+def test_an_escalation_answered_by_a_rollback_is_listed(tmp_path: Path) -> None:
+    """A real run: step 5 ruins the weights, 3 bad steps in a row escalate, the guard rolls
+    back to step 4; the report's "escalate 1" and its escalations list agree, and the steps
+    run again after the rollback count as run."""
+    assert _rollback_run(tmp_path, 20, {5: 1e37})["error"] is None
     summary = summarize(tmp_path)
-    assert summary.decisions.get("escalate") == 1
+    assert (summary.steps, summary.steps_run) == (15, 20)  # 0..8, then 4..14
+    assert summary.decisions == {"ok": 17, "escalate": 1, "skip": 2}
     assert [(e["step"], e["reason"], e["outcome"]) for e in summary.escalations] == [
         (8, "non-finite", "rolled back to step 4")
     ]
     text = report_text(summary)
     assert "escalations step 8: non-finite (3 in a row) -> rolled back to step 4" in text
+    assert "steps       15 (1 rank); 15 in the metrics log; 20 run (5 again" in text
+
+
+def test_rollbacks_then_a_stop_are_each_an_escalation(tmp_path: Path) -> None:
+    """Every batch from 6 on is NaN: three rollbacks (the ladder), then the stop."""
+    nan = float("nan")
+    run = _rollback_run(tmp_path, 40, {i: nan for i in range(6, 40)})
+    assert run["error"] == "NonFiniteError"
+    summary = summarize(tmp_path)
+    outcomes = [e["outcome"] for e in summary.escalations]
+    assert sorted(outcomes) == ["rolled back to step 4"] * 3 + ["stopped"]
+    assert summary.decisions["escalate"] == len(summary.escalations) == 4
+    closed = [e for e in tg.read_events(tmp_path, 0) if e["kind"] == "close"][-1]
+    bad = sum(n for kind, n in summary.decisions.items() if kind != "ok")
+    assert bad == closed["total_nonfinite"]  # every bad step counted, repeats included
+    assert summary.steps_run == summary.decisions["ok"] + bad == 18

@@ -54,6 +54,8 @@ class RunSummary:
     ``starts`` (guards started for it: 1 + torchrun restarts and resumes)."""
     world_size: int | None = None
     steps: int = 0
+    steps_run: int = 0
+    """Steps run, counting those run again after a rollback (``steps`` when none was)."""
     decisions: dict[str, int] = field(default_factory=dict)
     first_bad: dict[str, Any] | None = None
     nonfinite: list[dict[str, Any]] = field(default_factory=list)
@@ -177,6 +179,7 @@ def _summary(found: _RunDir, run: str | None) -> RunSummary:
     summary.captures = own(found.captures, "run")
     summary.hangs = own(found.hangs, None) or _hang_events(events)
     summary.steps = _count_steps(events, summary.points)
+    summary.steps_run = _steps_run(events, summary.steps)
     summary.decisions = _decisions(summary)
     if run is not None:
         summary.runs = [_listed(found, info, summary) for info in found.runs]
@@ -267,13 +270,20 @@ def _losses(rec: dict[str, Any]) -> tuple[float | None, list[int]]:
 def _merged(
     events: list[dict[str, Any]], *kinds: str, keys: tuple[str, ...] = _KEY_FIELDS
 ) -> list[dict[str, Any]]:
-    """One copy of each event written by several ranks (the lowest rank's), by step."""
+    """One copy of each event written by several ranks (the lowest rank's), by step. A step
+    number seen again after a rollback is a new event: the n-th of a kind at a step on one
+    rank is merged with the n-th on the others."""
     seen: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for event in sorted(events, key=lambda e: _int(e.get("rank"))):
+    occurrences: Counter[tuple[Any, ...]] = Counter()
+    for event in events:  # in time order
         if event["kind"] not in kinds:
             continue
+        rank = _int(event.get("rank"))
         key = (event["kind"], event.get("step"), *(str(event.get(f)) for f in keys))
-        seen.setdefault(key, event)
+        occurrences[(rank, key)] += 1
+        key = (*key, occurrences[(rank, key)])
+        if key not in seen or rank < _int(seen[key].get("rank")):
+            seen[key] = event
     return sorted(seen.values(), key=lambda e: (_int(e.get("step")), _float(e.get("time"))))
 
 
@@ -303,24 +313,33 @@ def _escalations(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Escalations that stopped the run (``escalate`` events) and those answered by a
     rollback (a ``rollback`` event; its cause from the step's non-finite or spike event)."""
     stops = [{**e, "outcome": "stopped"} for e in _merged(events, "escalate")]
-    causes: dict[Any, dict[str, Any]] = {}
-    for e in _merged(events, "spike", "nonfinite"):
-        if e.get("action") == "escalate":
-            reason = "spike" if e["kind"] == "spike" else "non-finite"
-            causes.setdefault(
-                e.get("step"), {"reason": reason, "consecutive": e.get("consecutive")}
-            )
     rolled = [
         {
             **e,
             "kind": "escalate",
-            "reason": "escalation",
-            **causes.get(e.get("step"), {}),
+            **_cause(events, e),
             "outcome": f"rolled back to step {e.get('restored_step')}",
         }
         for e in _merged(events, "rollback")
     ]
     return sorted([*stops, *rolled], key=lambda e: (_int(e.get("step")), _float(e.get("time"))))
+
+
+def _cause(events: list[dict[str, Any]], rollback: dict[str, Any]) -> dict[str, Any]:
+    """Why a rollback happened: the same rank's last non-finite or spike event of its step."""
+    found = [
+        e
+        for e in events
+        if e["kind"] in ("nonfinite", "spike")
+        and e.get("rank") == rollback.get("rank")
+        and e.get("step") == rollback.get("step")
+        and _float(e.get("time")) <= _float(rollback.get("time"))
+    ]
+    if not found:
+        return {"reason": "escalation"}
+    last = found[-1]
+    reason = "spike" if last["kind"] == "spike" else "non-finite"
+    return {"reason": reason, "consecutive": last.get("consecutive")}
 
 
 def _read_captures(root: Path, skipped: Skipped) -> list[dict[str, Any]]:
@@ -413,10 +432,26 @@ def _count_steps(events: list[dict[str, Any]], points: list[StepPoint]) -> int:
     return max(counts, default=0)
 
 
+def _steps_run(events: list[dict[str, Any]], steps: int) -> int:
+    """``steps`` plus the steps a rollback ran again (from the restored step to the step that
+    rolled back); the count runs to the step the run closed at after its last rollback."""
+    rollbacks = [
+        e
+        for e in _merged(events, "rollback")
+        if isinstance(e.get("step"), int) and isinstance(e.get("restored_step"), int)
+    ]
+    if not rollbacks:
+        return steps
+    last = max(_float(e.get("time")) for e in rollbacks)
+    closes = [e for e in _merged(events, "close") if _float(e.get("time")) > last]
+    end = _int(max(closes, key=lambda e: _float(e.get("time"))).get("step")) if closes else steps
+    return end + sum(_int(e["step"]) + 1 - _int(e["restored_step"]) for e in rollbacks)
+
+
 def _decisions(summary: RunSummary) -> dict[str, int]:
     bad: Counter[str] = Counter(str(e.get("action") or "?") for e in summary.nonfinite)
     bad.update(summary.decisions)  # overflow, counted from its own events
-    ok = max(summary.steps - sum(bad.values()), 0)
+    ok = max(summary.steps_run - sum(bad.values()), 0)
     return {"ok": ok, **dict(sorted(bad.items()))} if summary.steps else dict(bad)
 
 

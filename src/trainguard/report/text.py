@@ -20,7 +20,7 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
     lines = [f"trainguard report: {summary.run_dir}"]
     rows: list[tuple[str, list[str]]] = [
         *([("run", [_run(summary)])] if summary.run is not None else []),
-        ("steps", [f"{summary.steps}{ranks}; {len(summary.points)} in the metrics log"]),
+        ("steps", [_steps(summary, ranks)]),
         ("decisions", [_decisions(summary.decisions)]),
         ("first bad", [_first_bad(summary.first_bad)]),
         ("non-finite", _listed(summary.nonfinite, _nonfinite)),
@@ -45,6 +45,12 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
         lines.append(f"  {title:<12}{first}")
         lines.extend(f"  {'':<12}{line}" for line in rest)
     return "\n".join(lines)
+
+
+def _steps(summary: RunSummary, ranks: str) -> str:
+    line = f"{summary.steps}{ranks}; {len(summary.points)} in the metrics log"
+    again = summary.steps_run - summary.steps
+    return line + (f"; {summary.steps_run} run ({again} again after rollbacks)" if again else "")
 
 
 def _run(summary: RunSummary) -> str:
