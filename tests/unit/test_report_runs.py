@@ -139,3 +139,4 @@ def test_rollbacks_then_a_stop_are_each_an_escalation(tmp_path: Path) -> None:
     bad = sum(n for kind, n in summary.decisions.items() if kind != "ok")
     assert bad == closed["total_nonfinite"]  # every bad step counted, repeats included
     assert summary.steps_run == summary.decisions["ok"] + bad == 18
+    assert summary.first_bad is not None and summary.first_bad["step"] == 6  # first in time

@@ -291,11 +291,12 @@ def _fill_from_events(summary: RunSummary, events: list[dict[str, Any]]) -> None
     start = next((e for e in events if e["kind"] == "start"), None)
     if start is not None and isinstance(start.get("world_size"), int):
         summary.world_size = start["world_size"]
-    summary.nonfinite = [
-        {k: e.get(k) for k in ("step", "where", "ranks", "action", "params")}
-        for e in _merged(events, "nonfinite")
-    ]
-    summary.first_bad = summary.nonfinite[0] if summary.nonfinite else None
+    nonfinite = _merged(events, "nonfinite")
+    fields = ("step", "where", "ranks", "action", "params")
+    summary.nonfinite = [{k: e.get(k) for k in fields} for e in nonfinite]
+    if nonfinite:  # the first in time (after a rollback a lower step number comes later)
+        first = min(nonfinite, key=lambda e: _float(e.get("time")))
+        summary.first_bad = {k: first.get(k) for k in fields}
     summary.spikes = _merged(events, "spike")
     summary.rollbacks = _merged(events, "rollback", "rollback_refused")
     summary.checkpoints = _merged(events, *_CHECKPOINT_KINDS)
