@@ -124,3 +124,11 @@ def test_first_bad_step_is_per_run(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     ]
     captures = [e for e in read_events(tmp_path) if e["kind"] == "capture"]
     assert [e["reason"] for e in captures][-1] == "first_bad_step_after_restart"
+
+
+def test_the_stop_record_names_its_run(tmp_path: Path) -> None:
+    _train(tmp_path)  # an earlier run in the same dir
+    with pytest.raises(tg.NonFiniteError):
+        _train(tmp_path, bad=2, max_consecutive=1)  # the first bad step escalates: a stop
+    record = json.loads((tmp_path / "stop.json").read_text())
+    assert record["run"] == _runs(tmp_path)[-1] != _runs(tmp_path)[0]
