@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -62,3 +63,56 @@ def test_without_the_layout_getstate_is_used(monkeypatch: pytest.MonkeyPatch) ->
     expected = random.getstate()
     random.random()
     assert snapshot.state()["python"] == expected
+
+
+def test_numpy_state_is_read_raw_and_exact() -> None:
+    """NumPy's legacy global state read raw equals get_state(), gaussian cache included."""
+    raw = rng_module._NumpyRaw(np.random)
+    assert raw.offset is not None  # CPython with the GIL, MT19937: the fast path is taken
+    for draw in (np.random.randn, np.random.random_sample, lambda: np.random.randn(3)):
+        np.random.seed(5)
+        draw()
+        taken = raw.take()
+        assert isinstance(taken[0], bytes)
+        expected: Any = np.random.get_state()
+        found = rng_module._numpy_value(taken)
+        assert found[0] == expected[0] and np.array_equal(found[1], expected[1])
+        assert found[1].dtype == expected[1].dtype and found[1].flags.writeable
+        assert found[2:] == expected[2:]
+        assert [type(v) for v in found[2:]] == [type(v) for v in expected[2:]]
+        assert str(found) == str(expected)
+
+
+def test_numpy_snapshot_restores_the_gaussian_cache() -> None:
+    np.random.seed(9)
+    np.random.randn()  # has_gauss: the next randn() returns the cached value
+    snapshot = RngSnapshot.take()
+    first = np.random.randn(5)
+    np.random.set_state(snapshot.state()["numpy"])
+    assert np.array_equal(np.random.randn(5), first)
+
+
+def test_numpy_falls_back_to_get_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    raw = rng_module._NumpyRaw(np.random)
+    other = np.random.RandomState(4)
+    monkeypatch.setattr(np.random, "get_state", other.get_state)  # the module's replaced
+    assert str(raw.take()) == str(other.get_state())
+    monkeypatch.undo()
+    raw.offset = None  # no layout: get_state() itself
+    np.random.seed(2)
+    assert str(raw.take()) == str(np.random.get_state())
+
+
+def test_numpy_another_bit_generator_falls_back() -> None:
+    raw = rng_module._NumpyRaw(np.random)
+    np_random: Any = np.random  # the bit generator functions are not in numpy's stubs
+    original = np_random.get_bit_generator()
+    try:
+        np_random.set_bit_generator(np.random.PCG64(1))
+        with pytest.warns(RuntimeWarning):  # get_state()'s own warning: not MT19937
+            taken = raw.take()
+        assert isinstance(taken, dict)  # get_state()'s own value
+        assert taken["bit_generator"] == "PCG64"
+    finally:
+        np_random.set_bit_generator(original)
+    assert isinstance(raw.take()[0], bytes)

@@ -10,10 +10,14 @@ as exactness allows, turned into ``rng_state()``'s dict only when read (``state(
   (about 1 us, where ``random.getstate()`` builds 625 ints: about 11 us) plus
   ``gauss_next``; CPython only, and only after the layout was checked against
   ``getstate()`` (``_PythonRaw``), else ``getstate()``;
-- NumPy's legacy global generator: ``np.random.get_state()`` (about 45 us), only when
-  ``numpy.random`` was imported (before that no global NumPy generator exists: nothing
-  draws from it). A program whose step's forward is the first to import ``numpy.random``
-  and draw from it is not replayed exactly (its state was seeded at that import);
+- NumPy's legacy global generator, only when ``numpy.random`` was imported (before that
+  no global NumPy generator exists: nothing draws from it; a program whose step's forward
+  is the first to import ``numpy.random`` and draw from it is not replayed exactly, its
+  state was seeded at that import): the MT19937 key and position read raw from the bit
+  generator's ``ctypes.state_address`` and the legacy gaussian cache (``has_gauss``,
+  ``gauss``) raw from the ``RandomState`` object (about 1 us, where ``get_state()`` takes
+  about 45-75 us); CPython only, and only after the layout was checked against
+  ``get_state()`` (``_NumpyRaw``), else ``get_state()``;
 - CUDA: ``torch.cuda.get_rng_state_all()`` once CUDA is initialized.
 """
 
@@ -143,6 +147,140 @@ def _python_raw() -> _PythonRaw:
     return _PYTHON
 
 
+_NP_KEY_WORDS = 624
+_NP_STATE_FORMAT = f"={_NP_KEY_WORDS}Ii"  # numpy's mt19937_state: uint32_t key[624]; int pos
+_NP_STATE_BYTES = struct.calcsize(_NP_STATE_FORMAT)
+_NP_GAUSS_FORMAT = "=i4xd"  # aug_bitgen_t after its bitgen_t*: int has_gauss; double gauss
+_NP_GAUSS_BYTES = struct.calcsize(_NP_GAUSS_FORMAT)
+_POINTER = struct.Struct("=Q") if ctypes.sizeof(ctypes.c_void_p) == 8 else struct.Struct("=I")
+
+
+class _NumpyRaw:
+    """Reads the state of NumPy's legacy global generator (``np.random.get_state()``) raw.
+
+    The MT19937 state (``uint32 key[624]; int pos``) lives at the bit generator's public
+    ``ctypes.state_address``. The legacy gaussian cache lives in the ``RandomState`` object:
+    its ``aug_bitgen_t`` (``bitgen_t *bit_generator; int has_gauss; double gauss``) points
+    at the object's own ``bitgen_t``, whose first field is that same state address; both
+    offsets are found once by searching the object's memory, and kept only if the raw reads
+    reproduce ``get_state()`` exactly for the global generator and for a private one (with
+    a cached gaussian and without). Otherwise (another interpreter or layout, a bit
+    generator other than MT19937) ``offset`` is None and ``get_state()`` is used."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.generator: Any = getattr(module.get_state, "__self__", None)
+        self.bit_generator: Any = getattr(self.generator, "_bit_generator", None)
+        self.offset: int | None = None
+        self.address = 0
+        try:
+            self.offset = self._find()
+        except Exception as exc:  # any surprise: the plain get_state() path
+            logger.debug("trainguard: NumPy's state is read with get_state(): %s", exc)
+            self.offset = None
+
+    def _find(self) -> int | None:
+        if sys.implementation.name != "cpython" or sysconfig.get_config_var("Py_GIL_DISABLED"):
+            return None
+        generator = self.generator
+        if generator is None or type(generator).__name__ != "RandomState":
+            return None
+        if type(self.bit_generator).__name__ != "MT19937":
+            return None
+        offset = _aug_offset(generator)
+        if offset is None:
+            return None
+        other = type(generator)(20260)
+        other.standard_normal()  # leaves has_gauss set
+        plain = type(generator)(20261)
+        plain.random_sample()  # has_gauss 0
+        for candidate in (generator, other, plain):
+            if not _same_numpy_state(_numpy_state(_numpy_read(candidate, offset)), candidate):
+                return None
+        self.address = int(self.bit_generator.ctypes.state_address)
+        return offset
+
+    def take(self) -> Any:
+        """The raw state (``_numpy_value`` materializes it); ``get_state()``'s on fallback."""
+        generator: Any = self.generator
+        module = self.module
+        if (
+            self.offset is None
+            or getattr(module.get_state, "__self__", None) is not generator
+            or getattr(generator, "_bit_generator", None) is not self.bit_generator
+        ):
+            return module.get_state()
+        return (
+            ctypes.string_at(self.address, _NP_STATE_BYTES),
+            ctypes.string_at(id(generator) + self.offset, _NP_GAUSS_BYTES),
+        )
+
+
+def _numpy_value(taken: Any) -> Any:
+    """A ``_NumpyRaw.take()`` as ``get_state()`` gives it."""
+    if isinstance(taken, tuple) and len(taken) == 2 and isinstance(taken[0], bytes):
+        return _numpy_state(taken)
+    return taken
+
+
+def _aug_offset(generator: Any) -> int | None:
+    """Where ``has_gauss`` starts in a ``RandomState`` object (None when not found)."""
+    size = type(generator).__basicsize__
+    memory = ctypes.string_at(id(generator), size)
+    address = int(generator._bit_generator.ctypes.state_address)
+    bitgen = memory.find(_POINTER.pack(address))  # bitgen_t's first field: void *state
+    if bitgen < 16:
+        return None
+    aug = memory.find(_POINTER.pack(id(generator) + bitgen))  # aug_bitgen_t.bit_generator
+    if aug < 16 or aug + _POINTER.size + _NP_GAUSS_BYTES > size:
+        return None
+    return aug + _POINTER.size
+
+
+def _numpy_read(generator: Any, offset: int) -> tuple[bytes, bytes]:
+    address = int(generator._bit_generator.ctypes.state_address)
+    return (
+        ctypes.string_at(address, _NP_STATE_BYTES),
+        ctypes.string_at(id(generator) + offset, _NP_GAUSS_BYTES),
+    )
+
+
+def _numpy_state(taken: tuple[bytes, bytes]) -> tuple[Any, ...]:
+    """``get_state()``'s legacy tuple: ('MT19937', key uint32[624], pos, has_gauss, gauss)."""
+    import numpy as np
+
+    raw, gauss_raw = taken
+    key = np.frombuffer(raw, dtype=np.uint32, count=_NP_KEY_WORDS).copy()
+    (pos,) = struct.unpack_from("=i", raw, 4 * _NP_KEY_WORDS)
+    has_gauss, gauss = struct.unpack(_NP_GAUSS_FORMAT, gauss_raw)
+    return ("MT19937", key, pos, has_gauss, gauss)
+
+
+def _same_numpy_state(found: tuple[Any, ...], generator: Any) -> bool:
+    import numpy as np
+
+    expected = generator.get_state()
+    return (
+        isinstance(expected, tuple)
+        and len(expected) == 5
+        and found[0] == expected[0]
+        and found[1].dtype == expected[1].dtype
+        and bool(np.array_equal(found[1], expected[1]))
+        and found[2:] == tuple(expected[2:])
+        and all(type(a) is type(b) for a, b in zip(found[2:], expected[2:], strict=True))
+    )
+
+
+_NUMPY: _NumpyRaw | None = None
+
+
+def _numpy_raw(module: Any) -> _NumpyRaw:
+    global _NUMPY
+    if _NUMPY is None or _NUMPY.module is not module:
+        _NUMPY = _NumpyRaw(module)
+    return _NUMPY
+
+
 class RngSnapshot:
     """The states of every generator at one moment, copied cheaply; ``state()`` gives them as
     ``rng_state()`` does (built on the first call, then kept)."""
@@ -153,7 +291,7 @@ class RngSnapshot:
         self._torch = torch.default_generator.get_state()
         self._python = _python_raw().take()
         numpy_random = sys.modules.get("numpy.random")
-        self._numpy = numpy_random.get_state() if numpy_random is not None else None
+        self._numpy = _numpy_raw(numpy_random).take() if numpy_random is not None else None
         cuda = torch.cuda.is_initialized() and torch.cuda.is_available()  # type: ignore[no-untyped-call]
         self._cuda = torch.cuda.get_rng_state_all() if cuda else None
         self._state: dict[str, Any] | None = None
@@ -170,7 +308,7 @@ class RngSnapshot:
                 "torch": self._torch,
             }
             if self._numpy is not None:
-                state["numpy"] = self._numpy
+                state["numpy"] = _numpy_value(self._numpy)
             if self._cuda is not None:
                 state["cuda"] = self._cuda
             self._state = state
