@@ -281,6 +281,11 @@ def _numpy_raw(module: Any) -> _NumpyRaw:
     return _NUMPY
 
 
+def states_of(found: RngSnapshot | dict[str, Any] | None) -> dict[str, Any] | None:
+    """``rng_state()``'s dict from a snapshot (built when first read), a dict or None."""
+    return found.state() if isinstance(found, RngSnapshot) else found
+
+
 class RngSnapshot:
     """The states of every generator at one moment, copied cheaply; ``state()`` gives them as
     ``rng_state()`` does (built on the first call, then kept)."""

@@ -52,8 +52,12 @@ class StepBatches:
 
     def step_rng(self) -> dict[str, Any] | None:
         """RNG states taken when the step's first micro-batch was handed out, if any."""
-        rng = self._items[0][1] if self._items else None
+        rng = self.step_rng_snapshot()
         return rng.state() if rng is not None else None
+
+    def step_rng_snapshot(self) -> RngSnapshot | None:
+        """``step_rng`` as taken (not yet turned into a dict)."""
+        return self._items[0][1] if self._items else None
 
     def taken(self, step: int) -> None:
         """Step ``step`` was decided: its micro-batches leave; a mismatch is said once."""

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trainguard.capture.rng import RngSnapshot
 from trainguard.step.consensus import Reduced
 from trainguard.step.detect import GradStats
 
@@ -39,7 +40,8 @@ class PendingStep:
     reduced: Reduced
     """The started agreement (its buffer is what ``host_values`` copies)."""
     batches: list[Any] = field(default_factory=list)
-    rng: dict[str, Any] | None = None
+    rng: RngSnapshot | dict[str, Any] | None = None
+    """The RNG states of the step's start (``capture.rng.states_of`` gives the dict)."""
     losses: list[Tensor] = field(default_factory=list)
     ok: bool | None = None
     """Set when read: the step was applied (finite on every rank)."""

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from trainguard.capture.rng import RngSnapshot, states_of
 from trainguard.config import (
     DivergenceAction,
     EscalationAction,
@@ -489,18 +490,32 @@ class Guard:
     def _step_batches(self, step: int) -> tuple[list[Any], dict[str, Any] | None]:
         """The micro-batches of ``step`` (being decided) and its RNG states: taken at its
         first forward, else when its first batch was handed out."""
+        batches, rng = self._step_batches_lazy(step)
+        return batches, states_of(rng)
+
+    def _step_batches_lazy(
+        self, step: int
+    ) -> tuple[list[Any], RngSnapshot | dict[str, Any] | None]:
+        """``_step_batches`` with the RNG states as taken (turned into a dict when read)."""
+        rng: RngSnapshot | dict[str, Any] | None = None
+        if self._start.started(step):
+            rng = self._start.rng_snapshot
+        elif not self._recorded.used and self._stream is not None:
+            rng = self._stream.unchecked.step_rng_snapshot()
+        return self._batches_of(step), rng
+
+    def _batches_of(self, step: int) -> list[Any]:
+        """``_step_batches``' batches alone (its RNG states are built only when read)."""
         stream = self._stream
         if self._recorded.used or stream is None:
-            batches, rng = self._recorded.of(step), None
-        else:
-            batches, rng = stream.unchecked.step(), stream.unchecked.step_rng()
-        if self._start.started(step):
-            rng = self._start.rng
-        return batches, rng
+            return self._recorded.of(step)
+        return stream.unchecked.step()
 
-    def _step_batches_taken(self, step: int) -> tuple[list[Any], dict[str, Any] | None]:
-        """``_step_batches``, and the step's batches leave the stream (sync-free step)."""
-        found = self._step_batches(step)
+    def _step_batches_taken(
+        self, step: int
+    ) -> tuple[list[Any], RngSnapshot | dict[str, Any] | None]:
+        """``_step_batches_lazy``, and the step's batches leave the stream (sync-free step)."""
+        found = self._step_batches_lazy(step)
         self._step_taken(step)
         return found
 
@@ -515,7 +530,7 @@ class Guard:
         device = self._consensus.device
         last, check = loss_columns(loss, self._losses.checked(loss), device)
         stream = self._stream
-        batches = self._step_batches(self.state.step)[0] if stream is not None else []
+        batches = self._batches_of(self.state.step) if stream is not None else []
         inputs = self._inputs.value(self.state.step, batches, device)
         fingerprint = self.replicas.fingerprint(self.state.step, device)
         values = torch.stack([last, check, stats.norm, inputs, fingerprint])  # one kernel
@@ -610,7 +625,7 @@ class Guard:
         if not self.config.capture or not self._capturer.due(decision, spike):
             return None
         if pending is not None:
-            batches, rng, losses = pending.batches, pending.rng, pending.losses
+            batches, rng, losses = pending.batches, states_of(pending.rng), pending.losses
             autocast = pending.autocast
         else:
             batches, rng = self._step_batches(step)

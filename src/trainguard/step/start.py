@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainguard.capture.rng import RngSnapshot
+from trainguard.capture.rng import RngSnapshot, states_of
 from trainguard.step.buffers import BufferKeeper
 from trainguard.step.capturer import unwrap
 
@@ -80,12 +80,16 @@ class StepStart:
     def rng(self) -> dict[str, Any] | None:
         """The RNG states at the recorded step's start, as ``rng_state()`` gives them (built
         from the cheap per-step snapshot when first read: a bad step's capture, a rerun)."""
-        found = self._rng
-        return found.state() if isinstance(found, RngSnapshot) else found
+        return states_of(self._rng)
 
     @rng.setter
     def rng(self, value: dict[str, Any] | None) -> None:
         self._rng = value
+
+    @property
+    def rng_snapshot(self) -> RngSnapshot | dict[str, Any] | None:
+        """``rng`` as taken (a snapshot not yet turned into a dict): kept lazy by holders."""
+        return self._rng
 
     def _hooked(self) -> list[nn.Module]:
         modules = [self._model, self._inner, *self._inner.children()]

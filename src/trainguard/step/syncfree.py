@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trainguard.capture.rng import RngSnapshot
 from trainguard.config import GuardConfig
 from trainguard.errors import NonFiniteError
 from trainguard.events import EventLog
@@ -57,7 +58,7 @@ class SyncFreeParts:
     measure: Measure
     take_losses: Callable[[], list[Tensor]]
     """Hand over the step's recorded micro-losses (the guard starts a new list)."""
-    step_batches: Callable[[int], tuple[list[Any], dict[str, Any] | None]]
+    step_batches: Callable[[int], tuple[list[Any], RngSnapshot | dict[str, Any] | None]]
     """The step's micro-batches and the RNG states taken when its first was handed out."""
     agreed: Callable[[Agreement, int], None]
     """Tell the batch stream a step's agreement (``steps_ago``)."""
