@@ -26,6 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "step": {BASE, "step", "capture", "hang", "recovery", "health"},
     "health": {BASE, "health"},
     "integrations": {BASE, "integrations", "step", "capture", "recovery", "hang", "health"},
+    "attach": {BASE, "attach", "step", "capture", "recovery", "hang", "health"},
     "doctor": {BASE, "doctor"},
     "report": {BASE, "report", "capture"},
 }
