@@ -142,13 +142,11 @@ def main() -> None:
         model,
         optimizer,
         scaler=scaler,  # unscaled before the check; disabled (a no-op) on CPU
-        config=tg.GuardConfig(
-            run_dir=run_dir,
-            accumulation_steps=gradient_accumulation_steps,  # micro-batches per optimizer step
-            grad_clip=grad_clip,  # replaces scaler.unscale_ + clip_grad_norm_
-            on_escalation="rollback",  # 5 bad steps in a row: back to a good snapshot in memory
-            run="continue" if args.resume else "new",  # a resumed launch goes on with the run
-        ),
+        run_dir=run_dir,
+        accumulation_steps=gradient_accumulation_steps,  # micro-batches per optimizer step
+        grad_clip=grad_clip,  # replaces scaler.unscale_ + clip_grad_norm_
+        on_escalation="rollback",  # 5 bad steps in a row: back to a good snapshot in memory
+        run="continue" if args.resume else "new",  # a resumed launch goes on with the run
     )
     if checkpoint is not None:
         guard.load_state_dict(checkpoint["guard"])  # trainguard: step and counters go on

@@ -105,6 +105,10 @@ def test_the_run_option(tmp_path: Path) -> None:
     _train(tmp_path, config=tg.GuardConfig(run_dir=tmp_path, run="mine", hang_timeout=0))
     _train(tmp_path, config=tg.GuardConfig(run_dir=tmp_path, run=CONTINUE, hang_timeout=0))
     assert _runs(tmp_path) == ["mine", "mine"]
+    _train(tmp_path, run=CONTINUE)  # the Guard argument, as a loop resuming its own checkpoint
+    _train(tmp_path, run="new")
+    runs = _runs(tmp_path)
+    assert runs[:3] == ["mine"] * 3 and runs[3] != "mine"
 
 
 def test_first_bad_step_is_per_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

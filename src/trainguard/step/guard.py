@@ -107,6 +107,7 @@ class Guard:
         replica_check_every: int = 100,
         on_divergence: DivergenceAction = "warn",
         rerun: LossFn | None = None,
+        run: str | None = None,
         process_group: dist.ProcessGroup | None = None,
         config: GuardConfig | None = None,
     ) -> None:
@@ -132,6 +133,7 @@ class Guard:
             on_spike=on_spike,
             replica_check_every=replica_check_every,
             on_divergence=on_divergence,
+            run=run,
         )
         self.model = model
         self.optimizer = optimizer
