@@ -95,3 +95,28 @@ def test_cpu_max_abs_over_mixed_dtypes_propagates_nan_and_inf() -> None:
         assert not torch.isfinite(max_abs([a, worse, c], cpu)).item(), bad
         assert not torch.isfinite(max_abs([worse], cpu)).item(), bad
     assert max_abs([], cpu).item() == 0.0
+
+
+def test_batchtree_tensors_walks_as_leaves_does() -> None:
+    """The path-free walk the check takes per step finds the tensors of leaves(), in order."""
+    import dataclasses
+    from collections import OrderedDict, namedtuple
+
+    from trainguard.capture import batchtree
+
+    @dataclasses.dataclass
+    class Item:
+        x: torch.Tensor
+        meta: dict[str, object]
+
+    Pair = namedtuple("Pair", ["a", "b"])
+    t = [torch.full((2,), float(i)) for i in range(7)]
+    batch = {
+        "item": Item(t[0], {"n": 3, "w": t[1], "s": "text"}),
+        "pair": Pair(t[2], [t[3], None, (t[4], 1.5)]),
+        "od": OrderedDict(z=t[5], y=object()),
+        "last": t[6],
+    }
+    expected = [leaf for _, leaf in batchtree.leaves(batch) if isinstance(leaf, torch.Tensor)]
+    found = batchtree.tensors(batch)
+    assert len(found) == 7 and all(a is b for a, b in zip(found, expected, strict=True))

@@ -193,7 +193,27 @@ def _rebuild(obj: Any, fn: Callable[[Any], Any]) -> Any:
 
 
 def tensors(obj: Any) -> list[Tensor]:
-    return [leaf for _, leaf in leaves(obj) if isinstance(leaf, Tensor)]
+    """The tensor leaves, in ``leaves()`` order (the same walk, without building paths: the
+    input check calls it every step)."""
+    found: list[Tensor] = []
+    _collect(obj, found)
+    return found
+
+
+def _collect(obj: Any, found: list[Tensor]) -> None:
+    if isinstance(obj, Tensor):
+        found.append(obj)
+    elif isinstance(obj, _PRIMITIVES):
+        return
+    elif _is_dataclass_instance(obj):
+        for f in dataclasses.fields(obj):
+            _collect(getattr(obj, f.name), found)
+    elif isinstance(obj, (list, tuple)):  # namedtuples too
+        for child in obj:
+            _collect(child, found)
+    elif isinstance(obj, Mapping):
+        for child in obj.values():
+            _collect(child, found)
 
 
 # -- samples ---------------------------------------------------------------------------------

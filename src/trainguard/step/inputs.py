@@ -35,10 +35,14 @@ def float_tensors(batches: Sequence[Any]) -> list[Tensor]:
     found: list[Tensor] = []
     for batch in batches:
         for tensor in batchtree.tensors(batch):
-            if tensor.is_floating_point() and tensor.numel() > 0:
-                values = stored_values(tensor.detach())
-                if values.numel() > 0:
-                    found.append(values)
+            if not tensor.is_floating_point() or tensor.numel() == 0:
+                continue
+            if tensor.layout == torch.strided:  # the usual case: itself, no detach op
+                found.append(tensor.detach() if tensor.requires_grad else tensor)
+                continue
+            values = stored_values(tensor.detach())
+            if values.numel() > 0:
+                found.append(values)
     return found
 
 
@@ -47,6 +51,10 @@ def max_abs(tensors: list[Tensor], device: torch.device) -> Tensor:
     any value is. No host sync."""
     if not tensors:
         return torch.zeros((), dtype=torch.float64, device=device)
+    where = tensors[0].device
+    if all(t.device == where for t in tensors):  # the usual case: one device
+        top = _cpu_max_abs(tensors) if where.type == "cpu" else _fused_max_abs(tensors)
+        return top if where == device else top.to(device, non_blocking=True)
     by_device: dict[torch.device, list[Tensor]] = {}
     for tensor in tensors:
         by_device.setdefault(tensor.device, []).append(tensor)
@@ -68,6 +76,13 @@ def _cpu_max_abs(group: list[Tensor]) -> Tensor:
     ``_foreach_norm(inf)`` with float64 results, see benchmarks/input_check_cost.py), then
     per dtype one ``stack`` of the ends and one float64 ``inf``-norm of them (``max |end|``,
     NaN-propagating): two ops more than the tensors, not three per tensor (issue 26)."""
+    dtype = group[0].dtype
+    if all(t.dtype == dtype for t in group):  # the usual case: one dtype
+        found = [end for tensor in group for end in torch.aminmax(tensor)]
+        top: Tensor = torch.linalg.vector_norm(
+            torch.stack(found), float("inf"), dtype=torch.float64
+        )
+        return top
     ends: dict[torch.dtype, list[Tensor]] = {}
     for tensor in group:
         ends.setdefault(tensor.dtype, []).extend(torch.aminmax(tensor))
