@@ -170,6 +170,8 @@ class Consensus:
 
     def agree(self, report: LocalReport, sum_grad_norms: bool) -> Agreement:
         """One all-reduce, one host read."""
+        if not self.distributed or self.world_size == 1:  # nothing to reduce: read the row
+            return _alone(report.values.tolist(), report, sum_grad_norms)
         reduced = self.reduce(report, sum_grad_norms)
         return self.read(reduced.buf.tolist(), reduced)
 
@@ -199,7 +201,7 @@ class Consensus:
     def read(self, values: list[float], reduced: Reduced) -> Agreement:
         """Turn the reduced buffer, read back as host values, into the agreement."""
         if len(values) == DEVICE_COLUMNS:  # a world of one: the host columns are local
-            values = [*values, *_host_columns(reduced.report)]
+            return _alone(values, reduced.report, reduced.sharded)
         rows = [values[r * _NCOL : (r + 1) * _NCOL] for r in range(self.world_size)]
         norms = [row[_NORM] for row in rows]
         return Agreement(
@@ -214,6 +216,24 @@ class Consensus:
             compute_times=[row[_COMPUTE_TIME] for row in rows],
             fingerprints=[row[_FINGERPRINT] for row in rows],
         )
+
+
+def _alone(values: list[float], report: LocalReport, sharded: bool) -> Agreement:
+    """``Consensus.read`` of a world of one, from its device columns and its own host fields
+    (the same agreement, without building the rows)."""
+    loss, check, norm, inputs, fingerprint = values
+    return Agreement(
+        loss_ranks=[] if math.isfinite(check) else [0],
+        grad_ranks=[] if math.isfinite(norm) else [0],
+        exhausted_ranks=[0] if report.exhausted else [],
+        batches=[int(float(report.batches))],
+        losses=[loss],
+        global_grad_norm=math.hypot(norm) if sharded else norm,
+        input_ranks=[] if math.isfinite(inputs) else [0],
+        data_times=[report.data_time],
+        compute_times=[report.compute_time],
+        fingerprints=[fingerprint],
+    )
 
 
 def _host_columns(report: LocalReport) -> list[float]:
