@@ -49,13 +49,18 @@ def stride_at(step: int, dense_steps: int) -> int:
     return stride
 
 
+_ENCODER = json.JSONEncoder(allow_nan=False)
+"""What ``json.dumps(..., allow_nan=False)`` builds at every call (a non-default option makes
+it construct a new encoder each time), built once: the same text."""
+
+
 def _line(fields: dict[str, Any]) -> str:
     """One JSON line: the C encoder straight away for the usual all-finite record, through
     ``to_jsonable`` (NaN/Inf as strings, paths) only when it refuses (the same text)."""
     try:
-        return json.dumps(fields, allow_nan=False)
+        return _ENCODER.encode(fields)
     except (ValueError, TypeError):
-        return json.dumps(to_jsonable(fields), allow_nan=False)
+        return _ENCODER.encode(to_jsonable(fields))
 
 
 class MetricsLog:
