@@ -168,3 +168,37 @@ def test_metrics_lines_are_the_same_text_on_the_fast_and_the_safe_path() -> None
     for fields in (finite, bad):
         assert _line(fields) == json_module.dumps(to_jsonable(fields), allow_nan=False)
     assert json_module.loads(_line(bad))["grad_norm"] == "inf"
+
+
+def test_log_fields_are_bundle_fields_then_timing_in_order() -> None:
+    """The metrics line is built in one dict (issue 26): the keys and values it had when it
+    was bundle_fields() + step_seconds/time + loss_summary + timing_fields()."""
+    from trainguard.step.history import (
+        LOGGED_RANKS,
+        StepRecord,
+        loss_summary,
+        timing_fields,
+    )
+
+    def expected(rec: StepRecord) -> dict[str, Any]:
+        fields = {**rec.bundle_fields(), "step_seconds": rec.step_seconds, "time": rec.time}
+        if len(rec.losses) > LOGGED_RANKS:
+            fields["losses"] = None
+            fields["loss_summary"] = loss_summary(rec.losses)
+        fields.update(timing_fields(rec.data_times, rec.compute_times))
+        return fields
+
+    many = [float(r) for r in range(LOGGED_RANKS + 1)]
+    for losses, data, compute in (
+        ([0.5], [], []),
+        ([0.5, math.nan], [0.0, 0.0], [0.0, 0.0]),
+        ([0.5, 0.25], [1e-5, 2.5e-6], [3e-5, 0.0]),
+        (many, [1e-6] * len(many), [2e-6] * len(many)),
+        (many, [], []),
+    ):
+        rec = StepRecord(3, losses, 1.5, "ok", 0.1, None, 17.0, data, compute)
+        found = rec.log_fields()
+        assert list(found) == list(expected(rec))
+        assert json.dumps(found) == json.dumps(expected(rec))
+        if found["losses"] is not None:
+            assert found["losses"] is not rec.losses  # a copy, as bundle_fields gives

@@ -66,11 +66,20 @@ class StepRecord:
 
     def log_fields(self) -> dict[str, Any]:
         """The metrics log line: past ``LOGGED_RANKS`` ranks the losses are summarized."""
-        fields = {**self.bundle_fields(), "step_seconds": self.step_seconds, "time": self.time}
-        if len(self.losses) > LOGGED_RANKS:
-            fields["losses"] = None
+        many = len(self.losses) > LOGGED_RANKS
+        fields: dict[str, Any] = {  # bundle_fields' keys first, in its order
+            "step": self.step,
+            "losses": None if many else list(self.losses),
+            "grad_norm": self.grad_norm,
+            "decision": self.decision,
+            "lr": self.lr,
+            "step_seconds": self.step_seconds,
+            "time": self.time,
+        }
+        if many:
             fields["loss_summary"] = loss_summary(self.losses)
-        fields.update(timing_fields(self.data_times, self.compute_times))
+        if any(self.data_times) or any(self.compute_times):  # timed: timing_fields
+            fields.update(timing_fields(self.data_times, self.compute_times))
         return fields
 
 
@@ -115,9 +124,12 @@ def loss_summary(losses: list[float]) -> dict[str, Any]:
 
 def learning_rate(optimizer: torch.optim.Optimizer) -> float | None:
     """The first param group's learning rate as a host float, without a device sync."""
-    if not optimizer.param_groups:
+    groups = optimizer.param_groups
+    if not groups:
         return None
-    lr = optimizer.param_groups[0].get("lr")
+    lr = groups[0].get("lr")
+    if type(lr) is float:  # the usual case
+        return lr
     if isinstance(lr, (int, float)) and not isinstance(lr, bool):
         return float(lr)
     if isinstance(lr, Tensor) and lr.device.type == "cpu" and lr.numel() == 1:
@@ -145,20 +157,22 @@ class StepHistory:
         elapsed = None if self._last_clock is None else now - self._last_clock
         self._last_clock = now
         rec = StepRecord(
-            step=step,
-            losses=list(agreement.losses),
-            grad_norm=agreement.grad_norm(),
-            decision=decision.value,
-            lr=learning_rate(optimizer),
-            step_seconds=elapsed,
-            time=time.time(),
-            data_times=agreement.data_times,
-            compute_times=agreement.compute_times,
+            step,
+            list(agreement.losses),
+            agreement.grad_norm(),
+            decision.value,
+            learning_rate(optimizer),
+            elapsed,
+            time.time(),
+            agreement.data_times,
+            agreement.compute_times,
         )
         self._ring.append(rec)
-        urgent = decision is not Decision.OK
-        if self._metrics is not None and self._metrics.wants(step, urgent):
-            self._metrics.add(rec.log_fields(), urgent=urgent)
+        metrics = self._metrics
+        if metrics is not None:
+            urgent = decision is not Decision.OK
+            if metrics.wants(step, urgent):
+                metrics.add(rec.log_fields(), urgent=urgent)
         return rec
 
     def records(self) -> list[StepRecord]:

@@ -181,7 +181,7 @@ class SpikeDetector:
 def host_lr(optimizer: torch.optim.Optimizer) -> float | None:
     """The largest learning rate of the optimizer's groups, when it is a host number."""
     rates = [g.get("lr") for g in optimizer.param_groups]
-    numbers = [float(r) for r in rates if isinstance(r, int | float)]
+    numbers = [float(r) for r in rates if isinstance(r, (int, float))]
     return max(numbers) if numbers else None
 
 
