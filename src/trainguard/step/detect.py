@@ -183,6 +183,8 @@ def loss_columns(
     last = loss_value(loss)
     if last.device != device:
         last = last.to(device, non_blocking=True)
+    if last.dtype != torch.float64:  # the row is float64: a stack that must promote costs
+        last = last.double()  # several times this conversion (the same value)
     if len(micro_losses) <= 1:
         return last, last
     micro = [loss_value(m).to(device, non_blocking=True) for m in micro_losses]
