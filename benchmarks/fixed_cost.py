@@ -235,11 +235,11 @@ PARTS: tuple[tuple[str, str, str], ...] = (
     ("  _health (stragglers, replicas)", "guard", "_health"),
     ("  _step_taken", "guard", "_step_taken"),
     ("step start hook (StepStart.begin)", "guard._start", "begin"),
-    ("  rng_state (start)", "trainguard.step.start", "rng_state"),
+    ("  RNG snapshot (RngSnapshot.take)", "trainguard.capture.rng:RngSnapshot", "take"),
     ("  autocast_state", "trainguard.step.start", "autocast_state"),
     ("  buffers.begin", "guard._start.buffers", "begin"),
-    ("rng_state (stream, at yield)", "trainguard.step.data", "rng_state"),
 )
+"""Owners: ``guard.<attr path>``, a module, or ``module:Class`` (a class attribute)."""
 
 
 class Timers:
@@ -266,7 +266,9 @@ class Timers:
 
 def _owner(guard: tg.Guard, path: str) -> Any:
     if not path.startswith("guard"):
-        return importlib.import_module(path)
+        module, _, name = path.partition(":")
+        found = importlib.import_module(module)
+        return getattr(found, name, None) if name else found
     obj: Any = guard
     for attr in path.split(".")[1:]:
         obj = getattr(obj, attr, None)
@@ -283,9 +285,12 @@ def _instrument(guard: tg.Guard, timers: Timers) -> tuple[list[str], Callable[[]
         if owner is None or not hasattr(owner, attr):
             continue
         original = getattr(owner, attr)
+        raw = vars(owner).get(attr) if isinstance(owner, type) else None
         setattr(owner, attr, timers.wrap(label, original))
         found.append(label)
-        if isinstance(owner, type(sys)):
+        if isinstance(owner, type):  # a class: put its own attribute (a descriptor) back
+            undo.append(functools.partial(setattr, owner, attr, raw))
+        elif isinstance(owner, type(sys)):
             undo.append(functools.partial(setattr, owner, attr, original))
         else:  # an instance attribute shadowing the class's method
             undo.append(functools.partial(_delattr, owner, attr))
