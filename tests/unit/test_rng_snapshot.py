@@ -116,3 +116,21 @@ def test_numpy_another_bit_generator_falls_back() -> None:
     finally:
         np_random.set_bit_generator(original)
     assert isinstance(raw.take()[0], bytes)
+
+
+def test_numpy_raw_read_waits_for_a_draw_in_another_thread() -> None:
+    """As get_state(): the raw read holds the generator's lock (a draw holds it, GIL released)."""
+    import threading
+    import time
+
+    raw = rng_module._NumpyRaw(np.random)
+    assert raw.offset is not None
+    done: list[object] = []
+    lock = np.random.mtrand._rand._bit_generator.lock
+    with lock:
+        thread = threading.Thread(target=lambda: done.append(raw.take()))
+        thread.start()
+        time.sleep(0.2)
+        assert not done  # blocked while the lock is held
+    thread.join(timeout=10)
+    assert done and isinstance(done[0], tuple)

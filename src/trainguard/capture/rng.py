@@ -23,6 +23,7 @@ as exactness allows, turned into ``rng_state()``'s dict only when read (``state(
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import random
@@ -173,6 +174,7 @@ class _NumpyRaw:
         self.bit_generator: Any = getattr(self.generator, "_bit_generator", None)
         self.offset: int | None = None
         self.address = 0
+        self.lock: Any = contextlib.nullcontext()
         try:
             self.offset = self._find()
         except Exception as exc:  # any surprise: the plain get_state() path
@@ -198,6 +200,8 @@ class _NumpyRaw:
             if not _same_numpy_state(_numpy_state(_numpy_read(candidate, offset)), candidate):
                 return None
         self.address = int(self.bit_generator.ctypes.state_address)
+        # The RandomState's lock is its bit generator's: its draws and get_state() hold it.
+        self.lock = self.bit_generator.lock
         return offset
 
     def take(self) -> Any:
@@ -210,10 +214,11 @@ class _NumpyRaw:
             or getattr(generator, "_bit_generator", None) is not self.bit_generator
         ):
             return module.get_state()
-        return (
-            ctypes.string_at(self.address, _NP_STATE_BYTES),
-            ctypes.string_at(id(generator) + self.offset, _NP_GAUSS_BYTES),
-        )
+        with self.lock:  # as get_state(): a draw in another thread holds it (without the GIL)
+            return (
+                ctypes.string_at(self.address, _NP_STATE_BYTES),
+                ctypes.string_at(id(generator) + self.offset, _NP_GAUSS_BYTES),
+            )
 
 
 def _numpy_value(taken: Any) -> Any:
