@@ -144,8 +144,8 @@ class Guard:
         self.rank = self._consensus.rank
         self.world_size = self._consensus.world_size
         self.run_dir = Path(self.config.run_dir)
-        run = identify_run(self.run_dir, self.config.resume, self.config.run, self._consensus)
-        self.events = EventLog(self.run_dir, self.rank, run)  # every event names its run
+        identity = identify_run(self.run_dir, self.config.resume, self.config.run, self._consensus)
+        self.events = EventLog(self.run_dir, self.rank, identity)  # every event names its run
         self.state = GuardState(nonfinite_steps=deque(maxlen=self.config.max_recorded_steps))
         self.progress = Progress()
         self._stream: BatchStream | None = None
@@ -196,7 +196,7 @@ class Guard:
             self._consensus.device,
             self.rank,
         )
-        fields = self.config.start_fields() | {"torch": torch.__version__} | run.start_fields()
+        fields = self.config.start_fields() | {"torch": torch.__version__} | identity.start_fields()
         self.events.write("start", self.state.step, world_size=self.world_size, **fields)
         self._watchdog: Watchdog | None = start_watchdog(
             self.progress, self.events, self.config.hang_timeout, self.run_dir, process_group
