@@ -152,8 +152,8 @@ def test_a_rank_blocked_in_its_loader_ends_every_rank_with_91(tmp_path: Path) ->
     for rank in (0, 1):  # every rank's verdict within the timeout + 10 s
         (hang,) = [e for e in tg.read_events(run_dir, rank) if e["kind"] == "hang"]
         assert hang["time"] - blocked < 3 + 10
-    # and the whole job is gone soon after (torchrun's agent tears down: slow on a busy box)
-    assert ended - blocked < 3 + 10 + 15
+    # and every rank has exited, the job is gone (4.0-5.2 s in 10 runs on a quiet 2-core box)
+    assert ended - blocked < 3 + 10
     assert "exitcode  : 91" in done.stderr  # torchrun saw both workers exit with 91
     (report_path,) = run_dir.glob("hangs/*/report.json")
     report = json.loads(report_path.read_text())
