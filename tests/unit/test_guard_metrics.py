@@ -3,6 +3,7 @@ skip, a spike, a rollback, under a GradScaler and under the sync-free step."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -199,3 +200,20 @@ def test_the_sync_free_step_reports_what_it_has_read(tmp_path: Path) -> None:
     assert [m["trainguard/skipped_steps"] for m in seen] == [0, 0, 1, 1]  # one step late
     assert math.isnan(seen[2]["trainguard/loss"])  # step 1's, read during step 2
     assert final["trainguard/skipped_steps"] == 1 and math.isfinite(final["trainguard/loss"])
+
+
+def test_a_gradient_only_check_records_no_loss(tmp_path: Path) -> None:
+    """``check_gradients()`` (``trainguard run``: no loss at hand) decides on the gradients and
+    records no loss: not a made-up 0.0 in the history, the metrics log or ``metrics()``."""
+    guard, model, _opt = _guard(tmp_path)
+    (model(torch.randn(6, 8)) - 1.0).pow(2).mean().backward()
+    assert guard.check_gradients()
+    got = guard.metrics()
+    (model(torch.randn(6, 8)) * math.nan).sum().backward()
+    assert not guard.check_gradients()  # a NaN gradient is still caught
+    guard.close()
+    assert "trainguard/loss" not in got and "trainguard/grad_norm" in got
+    assert [r.losses for r in guard.history.records()] == [[], []]
+    logged = [json.loads(line) for line in (tmp_path / "metrics" / "rank-0.jsonl").open()]
+    assert [line["losses"] for line in logged] == [[], []]
+    assert [line["decision"] for line in logged] == ["ok", "skip"]

@@ -10,7 +10,8 @@ Every key starts with ``trainguard/``; the values are host ``int`` / ``float`` n
 - ``consecutive_bad``: non-finite steps in a row ending at the last decided step (the
   counter ``max_consecutive`` escalates on);
 - ``loss``: the last decided step's loss, the mean over the ranks (NaN/Inf when it was not
-  finite); absent before the first decided step;
+  finite); absent before the first decided step, and when the guard has no loss
+  (``trainguard run`` checks the gradients only);
 - ``grad_norm``: the last decided step's global gradient norm before clipping (Inf when a
   gradient was not finite); absent before the first decided step;
 - ``spikes``: loss / grad-norm spikes seen (whatever ``on_spike`` did with them);
@@ -33,7 +34,6 @@ copy (``loss_scale`` is absent until the first copy has landed). With the sync-f
 
 from __future__ import annotations
 
-import math
 from typing import Any, Protocol
 
 import torch
@@ -100,7 +100,8 @@ class Dashboard:
         last = guard.history.last()
         if last is not None:
             losses = last.losses
-            out["trainguard/loss"] = sum(losses) / len(losses) if losses else math.nan
+            if losses:  # none recorded: the loss is unknown (``Guard.check_gradients``)
+                out["trainguard/loss"] = sum(losses) / len(losses)
             out["trainguard/grad_norm"] = last.grad_norm
         recovery = guard.recovery
         out["trainguard/spikes"] = spikes.total

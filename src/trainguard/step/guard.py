@@ -154,6 +154,7 @@ class Guard:
             model, lambda: self.state.step, restore_buffers=self.config.restore_buffers
         )
         self._losses = StepLosses()  # record_loss() and check()'s loss: step/losses.py
+        self._loss_known = True  # False inside check_gradients(): no loss is recorded
         self._no_grads = NoGradientsCheck(self._params, self.events, self.rank)
         self._capturer = Capturer(self.run_dir, self._consensus, self.events)
         self.spikes = SpikeWatch(self.config, self.events, self.rank)
@@ -261,8 +262,14 @@ class Guard:
 
     def check_gradients(self) -> bool:
         """``check()`` where the loss is not at hand (``trainguard run`` sees the optimizer,
-        not the loss): the gradients alone decide; the loss columns hold 0.0 (unknown)."""
-        return self.check(torch.zeros(()))
+        not the loss): the gradients alone decide. The agreement's loss columns carry 0.0,
+        but the step's record (history, metrics log, ``metrics()``) holds no loss: unknown,
+        not zero."""
+        self._loss_known = False
+        try:
+            return self.check(torch.zeros(()))
+        finally:
+            self._loss_known = True
 
     def check(self, loss: LossLike) -> bool:
         """After backward, before the optimizer step. True only when the loss and every
@@ -280,7 +287,7 @@ class Guard:
             agreement, stats = self._rerun_step(step, agreement, stats)
         self._agreed(agreement, 0)
         decision = self._decide(agreement)
-        self.history.record(step, agreement, decision, self.optimizer)
+        self.history.record(step, agreement, decision, self.optimizer, self._loss_known)
         self.state.step = step + 1
         try:
             applied = self._apply(decision, agreement, stats, step)

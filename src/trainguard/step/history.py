@@ -151,14 +151,16 @@ class StepHistory:
         agreement: Agreement,
         decision: Decision,
         optimizer: torch.optim.Optimizer,
+        loss_known: bool = True,
     ) -> StepRecord:
-        """Record a step whose decision was just read (host values only)."""
+        """Record a step whose decision was just read (host values only). ``loss_known``
+        False (``Guard.check_gradients``): the record holds no loss, rather than a made-up one."""
         now = time.perf_counter()
         elapsed = None if self._last_clock is None else now - self._last_clock
         self._last_clock = now
         rec = StepRecord(
             step,
-            list(agreement.losses),
+            list(agreement.losses) if loss_known else [],
             agreement.grad_norm(),
             decision.value,
             learning_rate(optimizer),
