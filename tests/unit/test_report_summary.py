@@ -13,8 +13,9 @@ from tg_models import TinyNet, loss_fn, make_batches
 import trainguard as tg
 from trainguard.report.html import report_html
 from trainguard.report.plot import png_bytes
+from trainguard.report.readers import REPLAY_RESULT
 from trainguard.report.replays import save_replay_result
-from trainguard.report.summary import REPLAY_RESULT, summarize
+from trainguard.report.summary import summarize
 from trainguard.report.text import report_text
 from trainguard.testing import Fault, FaultPlan
 

@@ -11,6 +11,7 @@ A top-level tool: it reads what a run left on disk. Offers: ``summarize``, ``Run
 ``REPLAY_RESULT``. Imports only the shared base modules (and matplotlib, lazily).
 """
 
-from trainguard.report.summary import REPLAY_RESULT, RunSummary, summarize
+from trainguard.report.readers import REPLAY_RESULT
+from trainguard.report.summary import RunSummary, summarize
 
 __all__ = ["REPLAY_RESULT", "RunSummary", "summarize"]

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+REPLAY_RESULT = "replay.json"
+"""A bundle's replay result, written by ``trainguard replay`` next to the manifest."""
+
 
 @dataclass
 class Skipped:
@@ -82,3 +85,52 @@ def _relative(path: Path, run_dir: Path) -> str:
         return str(path.relative_to(run_dir))
     except ValueError:
         return str(path)
+
+
+def read_captures(root: Path, skipped: Skipped) -> list[dict[str, Any]]:
+    """Each capture bundle's manifest facts, and its replay result when one was saved."""
+    captures = []
+    for folder in sorted((root / "captures").glob("step-*")):
+        manifest = read_json(folder / "manifest.json", root, skipped)
+        if manifest is None:
+            continue
+        replayed = (folder / REPLAY_RESULT).is_file()
+        result = read_json(folder / REPLAY_RESULT, root, skipped) if replayed else None
+        captures.append(
+            {
+                "step": manifest.get("step"),
+                "run": manifest.get("run"),
+                "time": manifest.get("time"),
+                "path": str(folder.relative_to(root)),
+                "reason": manifest.get("reason"),
+                "trigger": manifest.get("trigger"),
+                "ranks": manifest.get("ranks"),
+                "history": (folder / "history.json").is_file(),
+                "diagnosis": result.get("summary") if result else None,
+                "reproduced": result.get("reproduced") if result else None,
+            }
+        )
+    return captures
+
+
+def read_hangs(root: Path, skipped: Skipped) -> list[dict[str, Any]]:
+    """Each hang report's facts (the lowest step a rank was at)."""
+    hangs = []
+    for path in sorted((root / "hangs").glob("*/report.json")):
+        report = read_json(path, root, skipped)
+        if report is None:
+            continue
+        steps = [r.get("step") for r in report.get("ranks") or [] if isinstance(r, dict)]
+        known = [s for s in steps if isinstance(s, int)]
+        hangs.append(
+            {
+                "id": report.get("id", path.parent.name),
+                "kind": report.get("kind"),
+                "culprits": report.get("culprits", []),
+                "reason": report.get("reason"),
+                "step": min(known) if known else None,
+                "time": report.get("time"),
+                "path": str(path.parent.relative_to(root)),
+            }
+        )
+    return hangs

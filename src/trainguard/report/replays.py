@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.events import to_jsonable
-from trainguard.report.summary import REPLAY_RESULT
+from trainguard.report.readers import REPLAY_RESULT
 
 logger = logging.getLogger(__name__)
 

@@ -16,12 +16,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.report.readers import Skipped, number, read_json, read_jsonl
+from trainguard.report.readers import (
+    Skipped,
+    number,
+    read_captures,
+    read_hangs,
+    read_jsonl,
+)
 from trainguard.report.runs import ALL, RunInfo, Timeline, latest, list_runs, run_of
 from trainguard.report.timing import StepTimes, phase_summary, rank_table, step_times
-
-REPLAY_RESULT = "replay.json"
-"""A bundle's replay result, written by ``trainguard replay`` next to the manifest."""
 
 _KEY_FIELDS = ("metric", "hang_id", "path", "reason")
 _CHECKPOINT_KINDS = ("checkpoint", "checkpoint_good", "checkpoint_damaged", "resume")
@@ -159,8 +162,8 @@ def _load(root: Path) -> _RunDir:
         skipped=skipped,
         events=events,
         records=_read_records(root, skipped),
-        captures=_read_captures(root, skipped),
-        hangs=_read_hangs(root, skipped),
+        captures=read_captures(root, skipped),
+        hangs=read_hangs(root, skipped),
         runs=runs,
         timeline=Timeline(events, runs),
     )
@@ -341,53 +344,6 @@ def _cause(events: list[dict[str, Any]], rollback: dict[str, Any]) -> dict[str, 
     last = found[-1]
     reason = "spike" if last["kind"] == "spike" else "non-finite"
     return {"reason": reason, "consecutive": last.get("consecutive")}
-
-
-def _read_captures(root: Path, skipped: Skipped) -> list[dict[str, Any]]:
-    captures = []
-    for folder in sorted((root / "captures").glob("step-*")):
-        manifest = read_json(folder / "manifest.json", root, skipped)
-        if manifest is None:
-            continue
-        replayed = (folder / REPLAY_RESULT).is_file()
-        result = read_json(folder / REPLAY_RESULT, root, skipped) if replayed else None
-        captures.append(
-            {
-                "step": manifest.get("step"),
-                "run": manifest.get("run"),
-                "time": manifest.get("time"),
-                "path": str(folder.relative_to(root)),
-                "reason": manifest.get("reason"),
-                "trigger": manifest.get("trigger"),
-                "ranks": manifest.get("ranks"),
-                "history": (folder / "history.json").is_file(),
-                "diagnosis": result.get("summary") if result else None,
-                "reproduced": result.get("reproduced") if result else None,
-            }
-        )
-    return captures
-
-
-def _read_hangs(root: Path, skipped: Skipped) -> list[dict[str, Any]]:
-    hangs = []
-    for path in sorted((root / "hangs").glob("*/report.json")):
-        report = read_json(path, root, skipped)
-        if report is None:
-            continue
-        steps = [r.get("step") for r in report.get("ranks") or [] if isinstance(r, dict)]
-        known = [s for s in steps if isinstance(s, int)]
-        hangs.append(
-            {
-                "id": report.get("id", path.parent.name),
-                "kind": report.get("kind"),
-                "culprits": report.get("culprits", []),
-                "reason": report.get("reason"),
-                "step": min(known) if known else None,
-                "time": report.get("time"),
-                "path": str(path.parent.relative_to(root)),
-            }
-        )
-    return hangs
 
 
 def _hang_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
