@@ -39,6 +39,14 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from trainguard.replay import masks
 from trainguard.replay.masks import MaskedRow
 from trainguard.replay.sites import ModuleStack, OpSite, user_frame
+from trainguard.replay.values import (
+    all_finite,
+    first_nonfinite,
+    float_tensors,
+    has_nan,
+    operand_at,
+    value_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,49 +71,6 @@ class Origin:
     """A reduction over a row that a mask covered entirely: that row."""
 
 
-def _float_tensors(tree: Any) -> list[Tensor]:
-    flat, _ = tree_flatten(tree)
-    return [
-        t
-        for t in flat
-        if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel()
-    ]
-
-
-def _finite(t: Tensor) -> bool:
-    return bool(torch.isfinite(t).all())
-
-
-def _has_nan(t: Tensor) -> bool:
-    return bool(torch.isnan(t).any())
-
-
-def first_nonfinite(t: Tensor, nan_first: bool = False) -> tuple[list[int], float, int]:
-    """Index and value of the first non-finite element (complex: its modulus), and the count
-    of non-finite elements. ``nan_first``: the first NaN when there is one."""
-    data = t.detach()
-    data = data.abs() if data.is_complex() else data
-    mask = ~torch.isfinite(data)
-    nans = torch.isnan(data) if nan_first else mask
-    where = nans.nonzero() if bool(nans.any()) else mask.nonzero()
-    index = [int(i) for i in where[0].tolist()] if where.numel() else []
-    return index, float(data[tuple(index)].item()), int(mask.sum())
-
-
-def _value_name(value: float) -> str:
-    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-
-
-def _plural(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"
-
-
-def _format_number(value: Any) -> str:
-    if isinstance(value, float):
-        return repr(value) if math.isfinite(value) else _value_name(value)
-    return repr(value)
-
-
 def _mutated_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
     schema = getattr(func, "_schema", None)
     if schema is None:
@@ -115,7 +80,7 @@ def _mutated_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> l
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
         value = args[i] if i < len(args) else kwargs.get(arg.name)
-        out.extend(_float_tensors(value))
+        out.extend(float_tensors(value))
     return out
 
 
@@ -246,8 +211,8 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._flush()
         before: dict[int, tuple[bool, bool]] = {}
         for t in _mutated_args(func, args, kwargs):
-            finite = _finite(t)
-            before[id(t)] = (not finite, not finite and _has_nan(t))
+            finite = all_finite(t)
+            before[id(t)] = (not finite, not finite and has_nan(t))
         out = func(*args, **kwargs)
         try:
             self._after(func, args, kwargs, out, before)
@@ -294,13 +259,13 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out: Any,
         before: dict[int, tuple[bool, bool]],
     ) -> None:
-        outs = _float_tensors(out)
+        outs = float_tensors(out)
         site: OpSite | None = None
         if self._phase == "forward" and outs:
             site = self._site(func)
             self._pending.extend((weakref.ref(t), site) for t in outs)
             self._recent.extend(weakref.ref(t) for t in outs)
-        bad = [t for t in outs if not _finite(t)]
+        bad = [t for t in outs if not all_finite(t)]
         if not bad:
             for t in outs:  # an in-place op may have made a tainted tensor finite again
                 self._taint.pop(t, None)  # type: ignore[no-untyped-call]
@@ -323,7 +288,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 return
         if not len(self._masks):
             return
-        source = next((self._masks[t] for t in _float_tensors(operands) if t in self._masks), None)
+        source = next((self._masks[t] for t in float_tensors(operands) if t in self._masks), None)
         for t in outs:
             if source is not None and masks.holds_huge(t):
                 self._masks[t] = source
@@ -337,7 +302,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return True
         if not len(self._masks):
             return False
-        marked = [t for t in _float_tensors(operands) if t in self._masks]
+        marked = [t for t in float_tensors(operands) if t in self._masks]
         return masks.explained_by_masks(bad, marked)
 
     def _hop(
@@ -349,7 +314,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         site: OpSite | None,
     ) -> Hop:
         """The hop of this op's non-finite outputs: a new root, a NaN-maker or a carrier."""
-        out_nan = any(_has_nan(t) for t in bad)
+        out_nan = any(has_nan(t) for t in bad)
         nan_in, nonfinite_in, parents, carrier = self._inputs(operands, before, out_nan)
         flat, _ = tree_flatten(operands)
         constant = any(isinstance(a, float) and not math.isfinite(a) for a in flat)
@@ -371,7 +336,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 nan_maker = Origin("op", "nan", site, detail=detail, inputs_finite=False)
                 self.nan_makers.append(nan_maker)
             hop = _hop_for(carrier.origin, bad[0], site)
-            hop.value, hop.parent, hop.roots = _value_name(value), carrier, _union(parents)
+            hop.value, hop.parent, hop.roots = value_name(value), carrier, _union(parents)
             hop.nan_maker = nan_maker
             self.latest[id(carrier.origin)] = hop
             return hop
@@ -381,7 +346,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         index, value, count = first_nonfinite(bad[0], nan_first=out_nan)
         origin = Origin(
             kind,
-            _value_name(value),
+            value_name(value),
             site=site,
             detail=self._detail(func, flat, bad[0], index, value, count),
             inputs_finite=not nonfinite_in,
@@ -403,7 +368,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Hop:
         """A reduction over a fully masked row: the root (with the row), not the mask."""
         site = site or self._site(func)
-        out_nan = any(_has_nan(t) for t in bad)
+        out_nan = any(has_nan(t) for t in bad)
         index, value, count = first_nonfinite(bad[0], nan_first=out_nan)
         made = self._detail(func, flat, bad[0], index, value, count)
         mask_site = carrier.origin.site if carrier is not None else None
@@ -412,7 +377,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
             written += f" ({mask_site.source})"
         detail = f"{made}: {row.text()}{written}"
         origin = Origin(
-            "op", _value_name(value), site, detail=detail, inputs_finite=False, masked_row=row
+            "op", value_name(value), site, detail=detail, inputs_finite=False, masked_row=row
         )
         if len(self.origins) < self._max:
             self.origins.append(origin)
@@ -430,12 +395,12 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         parents: list[Hop] = []
         carrier: Hop | None = None
         best = (False, False)
-        for t in _float_tensors(operands):
+        for t in float_tensors(operands):
             if id(t) in before:
                 t_nonfinite, t_nan = before[id(t)]
             else:
-                t_nonfinite = not _finite(t)
-                t_nan = t_nonfinite and _has_nan(t)
+                t_nonfinite = not all_finite(t)
+                t_nan = t_nonfinite and has_nan(t)
             nan_in |= t_nan
             nonfinite_in |= t_nonfinite
             known = self.hop_of(t) if t_nonfinite else None
@@ -458,19 +423,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         where = f"at {index}, {count} of {out.numel()} elements" if index else "(a scalar)"
         op = f"aten.{getattr(getattr(func, 'overloadpacket', func), '__name__', func)}"
         if torch.Tag.pointwise not in getattr(func, "tags", ()):
-            return f"{op} gave {_value_name(value)} {where}"
-        operands = [_operand_at(a, out.shape, index) for a in flat_args]
+            return f"{op} gave {value_name(value)} {where}"
+        operands = [operand_at(a, out.shape, index) for a in flat_args]
         shown = [o for o in operands if o is not None]
-        return f"{op}({', '.join(shown)}) = {_value_name(value)} {where}"
-
-
-def _operand_at(arg: Any, shape: torch.Size, index: list[int]) -> str | None:
-    if isinstance(arg, Tensor):
-        try:
-            item = torch.broadcast_to(arg.detach(), shape)[tuple(index)].item()
-        except (RuntimeError, IndexError):
-            return None
-        return _format_number(float(item) if isinstance(item, (int, float)) else item)
-    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
-        return _format_number(arg)
-    return None
+        return f"{op}({', '.join(shown)}) = {value_name(value)} {where}"

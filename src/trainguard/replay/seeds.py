@@ -8,14 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from trainguard.replay.localize import (
-    NonFiniteTracer,
-    Origin,
-    _finite,
-    _plural,
-    _value_name,
-    first_nonfinite,
-)
+from trainguard.replay.localize import NonFiniteTracer, Origin
+from trainguard.replay.values import all_finite, first_nonfinite, plural, value_name
 
 
 def seed_inputs(
@@ -30,18 +24,16 @@ def seed_inputs(
     for path, leaf in leaves(batch):
         if not isinstance(leaf, Tensor) or not (leaf.is_floating_point() or leaf.is_complex()):
             continue
-        if not leaf.numel() or _finite(leaf):
+        if not leaf.numel() or all_finite(leaf):
             continue
         index, value, count = first_nonfinite(leaf)
         label = f"{name}{path}"
         sample = f", sample {index[0]}" if size and leaf.dim() and leaf.shape[0] == size else ""
         detail = (
-            f"{label} holds {_plural(count, 'non-finite value')} (first: {_value_name(value)} "
+            f"{label} holds {plural(count, 'non-finite value')} (first: {value_name(value)} "
             f"at {index}{sample})"
         )
-        origin = Origin(
-            "input", _value_name(value), label=label, detail=detail, inputs_finite=False
-        )
+        origin = Origin("input", value_name(value), label=label, detail=detail, inputs_finite=False)
         tracer.seed(leaf, origin)
         found.append(origin)
     return found
@@ -55,15 +47,15 @@ def seed_parameters(tracer: NonFiniteTracer, model: nn.Module) -> list[Origin]:
     buffers = list(model.named_buffers())
     named = list(model.named_parameters()) + buffers
     for name, tensor in named:
-        if not (tensor.is_floating_point() or tensor.is_complex()) or _finite(tensor):
+        if not (tensor.is_floating_point() or tensor.is_complex()) or all_finite(tensor):
             continue
         _, value, count = first_nonfinite(tensor)
         if any(tensor is b for _, b in buffers) and _is_mask(tensor):
-            detail = f"buffer {name} holds {_plural(count, '-inf value')} (a mask)"
+            detail = f"buffer {name} holds {plural(count, '-inf value')} (a mask)"
             tracer.seed(tensor, Origin("constant", "-inf", label=name, detail=detail))
             continue
-        detail = f"{name} holds {_plural(count, 'non-finite value')} before the step"
-        origin = Origin("parameter", _value_name(value), label=name, detail=detail)
+        detail = f"{name} holds {plural(count, 'non-finite value')} before the step"
+        origin = Origin("parameter", value_name(value), label=name, detail=detail)
         tracer.seed(tensor, origin)
         found.append(origin)
     return found

@@ -1,0 +1,66 @@
+"""A tensor's non-finite values as the diagnosis states them: which elements, how they are
+written (``nan``, ``inf``, ``-inf``), and the operands of a pointwise op at one index."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten
+
+
+def float_tensors(tree: Any) -> list[Tensor]:
+    flat, _ = tree_flatten(tree)
+    return [
+        t
+        for t in flat
+        if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel()
+    ]
+
+
+def all_finite(t: Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
+
+
+def has_nan(t: Tensor) -> bool:
+    return bool(torch.isnan(t).any())
+
+
+def first_nonfinite(t: Tensor, nan_first: bool = False) -> tuple[list[int], float, int]:
+    """Index and value of the first non-finite element (complex: its modulus), and the count
+    of non-finite elements. ``nan_first``: the first NaN when there is one."""
+    data = t.detach()
+    data = data.abs() if data.is_complex() else data
+    mask = ~torch.isfinite(data)
+    nans = torch.isnan(data) if nan_first else mask
+    where = nans.nonzero() if bool(nans.any()) else mask.nonzero()
+    index = [int(i) for i in where[0].tolist()] if where.numel() else []
+    return index, float(data[tuple(index)].item()), int(mask.sum())
+
+
+def value_name(value: float) -> str:
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def format_number(value: Any) -> str:
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else value_name(value)
+    return repr(value)
+
+
+def operand_at(arg: Any, shape: torch.Size, index: list[int]) -> str | None:
+    if isinstance(arg, Tensor):
+        try:
+            item = torch.broadcast_to(arg.detach(), shape)[tuple(index)].item()
+        except (RuntimeError, IndexError):
+            return None
+        return format_number(float(item) if isinstance(item, (int, float)) else item)
+    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+        return format_number(arg)
+    return None
