@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -119,16 +120,26 @@ def test_bundle_history_ends_with_the_bad_step(tmp_path: Path) -> None:
     assert set(last) == {"step", "losses", "grad_norm", "decision", "lr"}
 
 
+@dataclass
+class _Line:
+    """A record as the metrics log buffers it: fields built at the flush."""
+
+    step: int
+
+    def log_fields(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+
 def test_metrics_batching_and_thinning(tmp_path: Path) -> None:
     log = MetricsLog(tmp_path / "m.jsonl", flush_every=3, flush_seconds=1e9, dense_steps=10)
     assert [stride_at(s, 10) for s in (0, 9, 10, 99, 100)] == [1, 1, 10, 10, 100]
     for step in range(2):
-        log.add({"step": step})
+        log.add(_Line(step))
     assert not log.path.exists()  # buffered
-    log.add({"step": 2})
+    log.add(_Line(2))
     assert len(log.path.read_text().splitlines()) == 3
     for step in range(3, 40):
-        log.add({"step": step}, urgent=step == 33)  # a bad step is written at once
+        log.add(_Line(step), urgent=step == 33)  # a bad step is written at once
     assert json.loads(log.path.read_text().splitlines()[-1])["step"] == 33
     log.close()
     steps = [json.loads(line)["step"] for line in log.path.read_text().splitlines()]

@@ -319,13 +319,27 @@ def test_detect_stragglers_off_takes_the_timer_out(tmp_path: Path, on: bool) -> 
     config = tg.GuardConfig(run_dir=tmp_path, hang_timeout=0, detect_stragglers=on)
     with tg.Guard(model, opt, config=config) as guard:
         assert (guard._timer is not None) is on
-        assert bool(model._forward_hooks) is on  # the timer's hooks, nothing when off
+        assert not model._forward_hooks  # one process: the timer sets no module hook
         for batch in guard.watch([torch.randn(3, 4) for _ in range(3)]):
             loss = model(batch).pow(2).mean()
             loss.backward()
             guard.step(loss)
     lines = [json.loads(line) for line in (tmp_path / "metrics" / "rank-0.jsonl").open()]
     assert all(("compute_times" in line) is on for line in lines)
+    if on:  # the step's time outside the fetch, from the second step on
+        assert [line["compute_times"][0] > 0 for line in lines] == [False, True, True]
+
+
+def test_the_timer_hooks_the_forward_only_with_other_ranks() -> None:
+    from trainguard.health.timing import StepTimer
+
+    model = torch.nn.Linear(4, 2)
+    timer = StepTimer(model, forward_hooks=True)
+    assert model._forward_hooks and model._forward_pre_hooks
+    model(torch.randn(2, 4))
+    assert timer.take()[1] > 0  # the forward, timed by its hooks
+    timer.close()
+    assert not model._forward_hooks and not model._forward_pre_hooks
 
 
 @pytest.mark.parametrize("world", [1, 2, 5])

@@ -195,6 +195,12 @@ def _rebuild(obj: Any, fn: Callable[[Any], Any]) -> Any:
 def tensors(obj: Any) -> list[Tensor]:
     """The tensor leaves, in ``leaves()`` order (the same walk, without building paths: the
     input check calls it every step)."""
+    if isinstance(obj, Tensor):
+        return [obj]
+    if type(obj) is tuple or type(obj) is list:  # the usual batch: (inputs, targets)
+        flat = [child for child in obj if isinstance(child, Tensor)]
+        if len(flat) == len(obj):
+            return flat
     found: list[Tensor] = []
     _collect(obj, found)
     return found

@@ -299,9 +299,14 @@ class RngSnapshot:
 
     def __init__(self) -> None:
         self._torch = torch.default_generator.get_state()
-        self._python = _python_raw().take()
+        self._python = (_PYTHON or _python_raw()).take()
         numpy_random = sys.modules.get("numpy.random")
-        self._numpy = _numpy_raw(numpy_random).take() if numpy_random is not None else None
+        if numpy_random is None:
+            self._numpy = None
+        elif _NUMPY is not None and _NUMPY.module is numpy_random:  # the usual case
+            self._numpy = _NUMPY.take()
+        else:
+            self._numpy = _numpy_raw(numpy_random).take()
         cuda = torch.cuda.is_initialized() and torch.cuda.is_available()  # type: ignore[no-untyped-call]
         self._cuda = torch.cuda.get_rng_state_all() if cuda else None
         self._state: dict[str, Any] | None = None

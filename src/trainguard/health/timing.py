@@ -12,6 +12,12 @@ rank. A rank whose device is slower is slower in its forward too. Time spent wai
 other ranks is therefore counted nowhere. Host clock (``time.perf_counter``); on CUDA the
 forward's host time is its launch time unless the step syncs, which the decision does once
 per step (the timing then lands in the step that waits).
+
+In a single process (``forward_hooks=False``: no other rank to wait for, no straggler to
+find) no module hook is set, since a hook sends every call of the module down PyTorch's slow
+call path; *compute* is then the step's host time outside the data fetch: from the last
+``take()`` to this one, less the data time (forward, backward, the update and the loop's
+own work).
 """
 
 from __future__ import annotations
@@ -25,16 +31,22 @@ from torch import nn
 class StepTimer:
     """Accumulates one step's data and compute seconds; ``take()`` hands them over."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, forward_hooks: bool = True) -> None:
         self._data = 0.0
         self._compute = 0.0
         self._data_since: float | None = None
         self._forward_since: float | None = None
         self._depth = 0
-        self._handles = [
-            inner.register_forward_pre_hook(self._before_forward),
-            inner.register_forward_hook(self._after_forward),
-        ]
+        self._hooked = forward_hooks
+        self._last_take: float | None = None
+        self._handles = (
+            [
+                inner.register_forward_pre_hook(self._before_forward),
+                inner.register_forward_hook(self._after_forward),
+            ]
+            if forward_hooks
+            else []
+        )
 
     def data_started(self) -> None:
         self._data_since = time.perf_counter()
@@ -59,6 +71,10 @@ class StepTimer:
         """``(data seconds, compute seconds)`` since the last call; starts a new step."""
         data, compute = self._data, self._compute
         self._data = self._compute = 0.0
+        if not self._hooked:  # one process: the step's time outside the fetch
+            now = time.perf_counter()
+            last, self._last_take = self._last_take, now
+            compute = max(0.0, now - last - data) if last is not None else 0.0
         return data, compute
 
     def close(self) -> None:

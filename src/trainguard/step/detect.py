@@ -99,14 +99,11 @@ def grad_stats(
 def _local_grads(
     named_params: list[tuple[str, nn.Parameter]], sharded: bool
 ) -> tuple[list[str], list[Tensor]]:
-    names: list[str] = []
-    grads: list[Tensor] = []
-    for name, param in named_params:
-        grad = local_grad(param) if sharded else param.grad
-        if grad is not None:
-            names.append(name)
-            grads.append(grad)
-    return names, grads
+    if sharded:
+        found = [(name, grad) for name, p in named_params if (grad := local_grad(p)) is not None]
+    else:  # comprehensions, not a loop of appends: a large model has hundreds of gradients
+        found = [(name, grad) for name, p in named_params if (grad := p.grad) is not None]
+    return [name for name, _ in found], [grad for _, grad in found]
 
 
 def _stats(

@@ -176,7 +176,11 @@ class Guard:
         self.suspect_hosts = SuspectHosts(
             self.config.suspect_host_after, self.config.suspect_host_window
         )
-        self._timer = StepTimer(unwrap(model)) if self.config.detect_stragglers else None
+        self._timer = (
+            StepTimer(unwrap(model), forward_hooks=self.world_size > 1)
+            if self.config.detect_stragglers
+            else None
+        )
         self.stragglers = StragglerWatch(self.config, self.events, self.rank)
         self.replicas = ReplicaWatch(
             model,
@@ -279,6 +283,8 @@ class Guard:
         self._resolve_pending()
         step = self.state.step
         self.progress.enter("check", step)
+        if self._start.step != step:
+            self._start.missed(step)
         if self.scaler is not None:
             amp.unscale(self.scaler, self.optimizer)
         stats, report, sharded = self._measure(loss)

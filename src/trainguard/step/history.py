@@ -34,9 +34,10 @@ HISTORY_FORMAT = 1
 decision, lr}, ...]}``, oldest first."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepRecord:
-    """One checked step as the guard saw it."""
+    """One checked step as the guard saw it (not changed once made: the metrics log builds
+    its line from it later; not frozen only because a frozen init costs a step more)."""
 
     step: int
     losses: list[float]
@@ -156,15 +157,14 @@ class StepHistory:
         """Record a step whose decision was just read (host values only). ``loss_known``
         False (``Guard.check_gradients``): the record holds no loss, rather than a made-up one."""
         now = time.perf_counter()
-        elapsed = None if self._last_clock is None else now - self._last_clock
-        self._last_clock = now
+        last, self._last_clock = self._last_clock, now
         rec = StepRecord(
             step,
             list(agreement.losses) if loss_known else [],
             agreement.grad_norm(),
             decision.value,
             learning_rate(optimizer),
-            elapsed,
+            None if last is None else now - last,
             time.time(),
             agreement.data_times,
             agreement.compute_times,
@@ -172,9 +172,7 @@ class StepHistory:
         self._ring.append(rec)
         metrics = self._metrics
         if metrics is not None:
-            urgent = decision is not Decision.OK
-            if metrics.wants(step, urgent):
-                metrics.add(rec.log_fields(), urgent=urgent)
+            metrics.add(rec, urgent=decision is not Decision.OK)  # fields built at the flush
         return rec
 
     def records(self) -> list[StepRecord]:

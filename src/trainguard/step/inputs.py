@@ -52,7 +52,7 @@ def max_abs(tensors: list[Tensor], device: torch.device) -> Tensor:
     if not tensors:
         return torch.zeros((), dtype=torch.float64, device=device)
     where = tensors[0].device
-    if all(t.device == where for t in tensors):  # the usual case: one device
+    if _on_one(tensors, where):  # the usual case: one device
         top = _cpu_max_abs(tensors) if where.type == "cpu" else _fused_max_abs(tensors)
         return top if where == device else top.to(device, non_blocking=True)
     by_device: dict[torch.device, list[Tensor]] = {}
@@ -63,6 +63,10 @@ def max_abs(tensors: list[Tensor], device: torch.device) -> Tensor:
         top = _cpu_max_abs(group) if where.type == "cpu" else _fused_max_abs(group)
         maxima.append(top.to(device, non_blocking=True))
     return maxima[0] if len(maxima) == 1 else torch.stack(maxima).amax()
+
+
+def _on_one(tensors: list[Tensor], where: torch.device) -> bool:
+    return len(tensors) == 1 or all(tensor.device == where for tensor in tensors)
 
 
 def _fused_max_abs(group: list[Tensor]) -> Tensor:
@@ -77,8 +81,12 @@ def _cpu_max_abs(group: list[Tensor]) -> Tensor:
     per dtype one ``stack`` of the ends and one float64 ``inf``-norm of them (``max |end|``,
     NaN-propagating): two ops more than the tensors, not three per tensor (issue 26)."""
     dtype = group[0].dtype
-    if all(t.dtype == dtype for t in group):  # the usual case: one dtype
-        found = [end for tensor in group for end in torch.aminmax(tensor)]
+    found: list[Tensor] = []
+    for tensor in group:
+        if tensor.dtype != dtype:
+            break
+        found.extend(torch.aminmax(tensor))
+    else:  # the usual case: one dtype
         top: Tensor = torch.linalg.vector_norm(
             torch.stack(found), float("inf"), dtype=torch.float64
         )
@@ -87,8 +95,8 @@ def _cpu_max_abs(group: list[Tensor]) -> Tensor:
     for tensor in group:
         ends.setdefault(tensor.dtype, []).extend(torch.aminmax(tensor))
     maxima = [
-        torch.linalg.vector_norm(torch.stack(found), float("inf"), dtype=torch.float64)
-        for found in ends.values()
+        torch.linalg.vector_norm(torch.stack(of_dtype), float("inf"), dtype=torch.float64)
+        for of_dtype in ends.values()
     ]
     return maxima[0] if len(maxima) == 1 else torch.stack(maxima).amax()
 

@@ -10,9 +10,9 @@ so a line stays small at any scale.
 The values are agreed across ranks, so rank 0 alone writes the file (the other ranks keep
 only the in-memory ring).
 
-Writes are batched: records are buffered (as their fields: each JSON line is encoded at the
-flush, in one tight loop, which costs a step less than an encode between two steps of
-training) and appended every ``flush_every`` lines or
+Writes are batched: records are buffered as they are (their fields are built and each JSON
+line encoded at the flush, in one tight loop, which costs a step less than building them
+between two steps of training) and appended every ``flush_every`` lines or
 ``flush_seconds`` seconds (checked when a step is recorded), at once after a step that is not
 ``ok``, and on close. A process killed, or ended by the hang watchdog (``os._exit``), loses
 the lines still buffered: at most ``flush_every`` steps, or the last ``flush_seconds``.
@@ -29,7 +29,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from trainguard.events import to_jsonable
 
@@ -65,6 +65,15 @@ def _line(fields: dict[str, Any]) -> str:
         return _ENCODER.encode(to_jsonable(fields))
 
 
+class LogRecord(Protocol):
+    """What the log buffers: a step's record, turned into its line's fields at the flush."""
+
+    @property
+    def step(self) -> int: ...
+
+    def log_fields(self) -> dict[str, Any]: ...
+
+
 class MetricsLog:
     """Buffered, thinned JSONL writer for the per-step records (rank 0 only)."""
 
@@ -80,21 +89,23 @@ class MetricsLog:
         self.flush_every = flush_every
         self.flush_seconds = flush_seconds
         self.dense_steps = dense_steps
-        self._lines: list[dict[str, Any]] = []
-        """The buffered records' fields (fresh dicts the caller no longer touches)."""
+        self._lines: list[LogRecord] = []
+        """The buffered records (their fields are built at the flush)."""
         self._last_flush = time.monotonic()
         self._failed = False
 
     def wants(self, step: int, urgent: bool = False) -> bool:
         """Whether ``add`` would keep ``step`` (lets the caller skip building a thinned line)."""
-        return urgent or step % stride_at(step, self.dense_steps) == 0
+        return urgent or step < self.dense_steps or step % stride_at(step, self.dense_steps) == 0
 
-    def add(self, fields: dict[str, Any], urgent: bool = False) -> None:
-        """Buffer one step's record (``urgent``: a bad step, written out at once)."""
-        if not self.wants(int(fields["step"]), urgent):
+    def add(self, record: LogRecord, urgent: bool = False) -> None:
+        """Buffer one step's record (``urgent``: a bad step, written out at once). The
+        record's fields are read at the flush: it must not change after ``add``."""
+        if not self.wants(record.step, urgent):
             return
-        self._lines.append(fields)
-        due = len(self._lines) >= self.flush_every
+        lines = self._lines
+        lines.append(record)
+        due = len(lines) >= self.flush_every
         if urgent or due or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
 
@@ -104,7 +115,7 @@ class MetricsLog:
         if not self._lines:
             return
         records, self._lines = self._lines, []
-        text = "".join([_line(fields) + "\n" for fields in records])
+        text = "".join([_line(record.log_fields()) + "\n" for record in records])
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a", encoding="utf-8") as fh:

@@ -85,28 +85,12 @@ class Spike:
 
 @dataclass
 class LogEma:
-    """Bias-corrected, winsorised EMA mean and variance of log-values (host floats)."""
+    """Bias-corrected, winsorised EMA mean and variance of log-values (host floats); updated
+    by ``SpikeDetector.observe_one``."""
 
     count: int = 0
     mean: float = 0.0
     var: float = 0.0
-
-    @property
-    def sigma(self) -> float:
-        return max(math.sqrt(self.var), SIGMA_FLOOR)
-
-    def update(self, x: float, rule: SpikeRule) -> None:
-        if self.count == 0:
-            self.count, self.mean, self.var = 1, x, 0.0
-            return
-        alpha = max(1.0 - rule.beta, 1.0 / (self.count + 1))
-        r = x - self.mean
-        if self.count >= rule.warmup:
-            bound = CLAMP_SIGMAS * self.sigma
-            r = min(max(r, -bound), bound)
-        self.mean += alpha * r
-        self.var = (1.0 - alpha) * (self.var + alpha * r * r)
-        self.count += 1
 
 
 class LrGrace:
@@ -143,26 +127,38 @@ class SpikeDetector:
         ``lr``: the learning rate the host sees (None: unknown). Non-finite or non-positive
         values are neither judged nor learned (the non-finite guard owns those steps)."""
         judging = self.grace.judging(lr)
-        spikes: list[Spike] = []
+        found: list[Spike] = []
         for metric in METRICS:
-            value = values.get(metric)
-            if value is None or not math.isfinite(value) or value <= 0.0:
-                continue
-            ema = self.stats[metric]
-            x = math.log(value)
-            if judging and ema.count >= self.rule.warmup:
-                spike = self._judge(metric, value, x, ema)
-                if spike is not None:
-                    spikes.append(spike)
-            ema.update(x, self.rule)
-        return spikes
+            spike = self.observe_one(metric, values.get(metric), judging)
+            if spike is not None:
+                found.append(spike)
+        return found
 
-    def _judge(self, metric: str, value: float, x: float, ema: LogEma) -> Spike | None:
-        score = (x - ema.mean) / ema.sigma
-        if score <= self.rule.z_threshold or x - ema.mean <= math.log(self.rule.ratio):
+    def observe_one(self, metric: str, value: float | None, judging: bool) -> Spike | None:
+        """Judge then learn one metric's value (``observe`` per metric; the per-step path:
+        one call per metric, sigma computed once)."""
+        if value is None or not 0.0 < value < math.inf:  # NaN fails both comparisons
             return None
-        baseline = math.exp(ema.mean)
-        return Spike(metric, value, baseline, score, self.rule.z_threshold, value / baseline)
+        ema = self.stats[metric]
+        x = math.log(value)
+        rule = self.rule
+        spike = None
+        if ema.count == 0:
+            ema.count, ema.mean, ema.var = 1, x, 0.0
+            return None
+        sigma = max(math.sqrt(ema.var), SIGMA_FLOOR)
+        r = x - ema.mean
+        if ema.count >= rule.warmup:
+            if judging and r / sigma > rule.z_threshold and r > math.log(rule.ratio):
+                base = math.exp(ema.mean)
+                spike = Spike(metric, value, base, r / sigma, rule.z_threshold, value / base)
+            bound = CLAMP_SIGMAS * sigma
+            r = min(max(r, -bound), bound)
+        alpha = max(1.0 - rule.beta, 1.0 / (ema.count + 1))  # LogEma.update, inlined
+        ema.mean += alpha * r
+        ema.var = (1.0 - alpha) * (ema.var + alpha * r * r)
+        ema.count += 1
+        return spike
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -180,8 +176,11 @@ class SpikeDetector:
 
 def host_lr(optimizer: torch.optim.Optimizer) -> float | None:
     """The largest learning rate of the optimizer's groups, when it is a host number."""
-    rates = [g.get("lr") for g in optimizer.param_groups]
-    numbers = [float(r) for r in rates if isinstance(r, (int, float))]
+    groups = optimizer.param_groups
+    if len(groups) == 1:  # the usual case
+        lr = groups[0].get("lr")
+        return float(lr) if isinstance(lr, (int, float)) else None
+    numbers = [float(r) for g in groups if isinstance(r := g.get("lr"), (int, float))]
     return max(numbers) if numbers else None
 
 

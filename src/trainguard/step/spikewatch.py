@@ -88,9 +88,14 @@ class SpikeWatch:
         """A finite, agreed step: None (go on), ``SPIKE`` (skip it) or ``ESCALATE``."""
         if not self.enabled:
             return None
-        values = {"loss": agreement.mean_loss, "grad_norm": agreement.grad_norm()}
-        spikes = self.detector.observe(values, host_lr(optimizer))
-        return self._decide(spikes, step)
+        detector = self.detector
+        judging = detector.grace.judging(host_lr(optimizer))
+        loss = detector.observe_one("loss", agreement.mean_loss, judging)
+        norm = detector.observe_one("grad_norm", agreement.grad_norm(), judging)
+        if loss is None and norm is None:  # the usual case
+            self.consecutive = 0
+            return None
+        return self._decide([s for s in (loss, norm) if s is not None], step)
 
     # -- the sync-free step: device tensors ------------------------------------------------
 

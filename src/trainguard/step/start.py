@@ -9,8 +9,12 @@ the RNG states (dropout draws from them), and the autocast state the forward run
 wrappers (DDP, ``torch.compile``) and on that module's direct children (a LightningModule's
 ``training_step`` often calls its children, not ``forward``). The first hook call of a step
 (grad enabled, the module in training mode: an evaluation pass under ``no_grad`` does not
-count) records the step's start; the other calls of the step cost one comparison. Loops
-that hand batches to ``guard.record_batch`` start the step there too (before the forward).
+count) records the step's start; the other calls of the step cost one comparison. Once a
+step was started by the guarded module itself (the loop calls ``model(x)``), the children's
+hooks are removed: a hook sends every call of its module down PyTorch's slow call path, a
+cost a small model pays at every step. A later step that starts in a child only (the loop
+changed how it calls the model) puts them back for the steps after it. Loops that hand
+batches to ``guard.record_batch`` start the step there too (before the forward).
 """
 
 from __future__ import annotations
@@ -74,7 +78,10 @@ class StepStart:
         """Whether a hook has fired at all (then the stream need not take RNG states)."""
         self._rng: RngSnapshot | dict[str, Any] | None = None
         self.autocast: dict[str, Any] | None = None
-        self._handles = [m.register_forward_pre_hook(self._pre_hook) for m in self._hooked()]
+        self._roots = [model] if self._inner is model else [model, self._inner]
+        self._handles = [m.register_forward_pre_hook(self._pre_hook) for m in self._roots]
+        self._child_handles: list[Any] = []
+        self._hook_children()
 
     @property
     def rng(self) -> dict[str, Any] | None:
@@ -91,9 +98,10 @@ class StepStart:
         """``rng`` as taken (a snapshot not yet turned into a dict): kept lazy by holders."""
         return self._rng
 
-    def _hooked(self) -> list[nn.Module]:
-        modules = [self._model, self._inner, *self._inner.children()]
-        return list({id(m): m for m in modules}.values())
+    def _hook_children(self) -> None:
+        roots = {id(m) for m in self._roots}
+        children = [m for m in self._inner.children() if id(m) not in roots]
+        self._child_handles = [m.register_forward_pre_hook(self._pre_hook) for m in children]
 
     def _pre_hook(self, module: nn.Module, args: Any) -> None:
         if self.step == self._step_of():
@@ -102,6 +110,20 @@ class StepStart:
             return
         self.seen = True
         self.begin()
+        if self._child_handles and (module is self._model or module is self._inner):
+            self._unhook_children()  # the loop calls the model itself: the roots suffice
+
+    def _unhook_children(self) -> None:
+        for handle in self._child_handles:
+            handle.remove()
+        self._child_handles = []
+
+    def missed(self, step: int) -> None:
+        """``step`` is being checked and no hook started it: with the children unhooked, the
+        loop called a child directly; hook them again for the next steps."""
+        if self.seen and not self._child_handles and self._handles and self.step != step:
+            logger.debug("trainguard: step %d started in no hooked module: children hooked", step)
+            self._hook_children()
 
     def begin(self, step: int | None = None) -> None:
         """Record the step's start now (if not recorded yet): before its first forward."""
@@ -120,6 +142,7 @@ class StepStart:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._unhook_children()
 
 
 def _device_type(model: nn.Module) -> str:

@@ -1,0 +1,54 @@
+"""Where a step starts (step/start.py): the hooks it needs, and no more."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import trainguard as tg
+
+
+def _hooked(model: nn.Module) -> list[str]:
+    return [name or "<root>" for name, m in model.named_modules() if m._forward_pre_hooks]
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+
+
+def test_a_loop_calling_the_model_keeps_the_root_hook_only(tmp_path: Path) -> None:
+    """The children's hooks (for loops that call children) go once the root started a step:
+    a hook sends every call of its module down the slow path."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0) as guard:
+        assert _hooked(model) == ["<root>", "0", "1", "2"]
+        for batch in guard.watch([torch.randn(3, 4) for _ in range(3)]):
+            rng = torch.get_rng_state()
+            model(batch).pow(2).mean().backward()
+            assert torch.equal(guard._start.rng["torch"], rng)  # the forward's RNG state
+            guard.step(torch.zeros(()))
+            assert _hooked(model) == ["<root>"]
+    assert _hooked(model) == []
+
+
+def test_a_loop_calling_children_keeps_their_hooks_or_gets_them_back(tmp_path: Path) -> None:
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0) as guard:
+        batches = [torch.randn(3, 4) for _ in range(4)]
+        for step, batch in enumerate(guard.watch(batches)):
+            if step == 0:  # the root: children unhooked after this step's start
+                out = model(batch)
+            else:  # children only (step 1 is missed, then hooked again)
+                rng = torch.get_rng_state()
+                out = model[2](model[1](model[0](batch)))
+            out.pow(2).mean().backward()
+            if step >= 2:
+                assert guard._start.started(step)
+                assert torch.equal(guard._start.rng["torch"], rng)
+            guard.step(out.detach().pow(2).mean())
+            assert _hooked(model) == (["<root>"] if step == 0 else ["<root>", "0", "1", "2"])
