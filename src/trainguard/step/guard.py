@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -21,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from trainguard.capture.rng import RngSnapshot, states_of
 from trainguard.config import (
     DivergenceAction,
     EscalationAction,
@@ -31,7 +29,6 @@ from trainguard.config import (
 )
 from trainguard.errors import ConfigError, NonFiniteError
 from trainguard.events import EventLog
-from trainguard.exitcodes import EXIT_SUSPECT_HOST
 from trainguard.hang.watchdog import Watchdog, start_watchdog
 from trainguard.health.replicas import ReplicaWatch
 from trainguard.health.stragglers import StragglerWatch
@@ -45,11 +42,11 @@ from trainguard.recovery import (
 )
 from trainguard.run_identity import identify_run
 from trainguard.step import amp
-from trainguard.step.capturer import Capturer, step_evidence, unwrap
+from trainguard.step.capturer import Capturer, unwrap
 from trainguard.step.consensus import Agreement, Consensus, LocalReport
 from trainguard.step.dashboard import Dashboard
 from trainguard.step.data import BatchStream
-from trainguard.step.deferred import PendingStep, StepOutcome, uses_fused
+from trainguard.step.deferred import StepOutcome, uses_fused
 from trainguard.step.detect import (
     GradStats,
     clip_,
@@ -58,6 +55,8 @@ from trainguard.step.detect import (
     loss_columns,
     named_parameters,
 )
+from trainguard.step.drop import UpdateDrop
+from trainguard.step.evidence import EvidenceParts, StepEvidence
 from trainguard.step.history import StepHistory
 from trainguard.step.inputs import InputCheck
 from trainguard.step.losses import LossLike, StepLosses
@@ -65,13 +64,14 @@ from trainguard.step.manual import RecordedBatches
 from trainguard.step.metrics import MetricsLog, metrics_path
 from trainguard.step.nonfinite import log_nonfinite, stop_error
 from trainguard.step.policy import Decision, decide
-from trainguard.step.rerun import LossFn, StepRerun, SuspectHosts
+from trainguard.step.rerun import LossFn, StepRerun
 from trainguard.step.sampler import SamplerEpochs
 from trainguard.step.saved import guard_state_dict, load_guard_state
 from trainguard.step.spikewatch import SpikeWatch
 from trainguard.step.start import StepStart
 from trainguard.step.state import GuardState
 from trainguard.step.syncfree import SyncFreeParts, SyncFreeStep
+from trainguard.step.transient import RerunParts, TransientFaults
 from trainguard.step.usage import NoGradientsCheck
 
 logger = logging.getLogger(__name__)
@@ -156,6 +156,9 @@ class Guard:
         self._losses = StepLosses()  # record_loss() and check()'s loss: step/losses.py
         self._loss_known = True  # False inside check_gradients(): no loss is recorded
         self._no_grads = NoGradientsCheck(self._params, self.events, self.rank)
+        self._drop_update = UpdateDrop(
+            optimizer, self._params, self._start, self.events, self.rank
+        )  # a step not applied: gradients cleared, buffers put back (step/drop.py)
         self._capturer = Capturer(self.run_dir, self._consensus, self.events)
         self.spikes = SpikeWatch(self.config, self.events, self.rank)
         self.state.spikes = self.spikes  # saved and restored with the counters
@@ -164,18 +167,8 @@ class Guard:
         metrics = MetricsLog(metrics_path(self.run_dir)) if self.rank == 0 else None
         self.history = StepHistory(self.config.history_steps, metrics)
         self._dashboard = Dashboard(self)  # metrics(): reads the parts when called
-        # Recovery restores at step boundaries: it needs the decision before the update.
-        sync_free = uses_fused(optimizer) and scaler is None
-        sync_free = sync_free and not recovery_enabled(self.config) and rerun is None
-        self._sync_free = SyncFreeStep(self._sync_free_parts()) if sync_free else None
         self._is_sharded: bool | None = None
         self._mixed_grads = False  # sparse/float64 gradients seen: grad_stats' mixed pass
-        self._rerun = self._rerun_part(rerun, scaler)
-        self._rerun_verdict: str | None = None
-        self._hosts: list[str] | None = None
-        self.suspect_hosts = SuspectHosts(
-            self.config.suspect_host_after, self.config.suspect_host_window
-        )
         self._timer = (
             StepTimer(unwrap(model), forward_hooks=self.world_size > 1)
             if self.config.detect_stragglers
@@ -191,6 +184,12 @@ class Guard:
             self.world_size,
             process_group,
         )
+        self._transient: TransientFaults | None = None  # rerun=: step/transient.py
+        self._evidence = StepEvidence(self._evidence_parts(rerun is not None))
+        # Recovery restores at step boundaries: it needs the decision before the update.
+        sync_free = uses_fused(optimizer) and scaler is None
+        sync_free = sync_free and not recovery_enabled(self.config) and rerun is None
+        self._sync_free = SyncFreeStep(self._sync_free_parts()) if sync_free else None
         self._closed = False
         self.recovery = build_recovery(
             self.config,
@@ -201,6 +200,7 @@ class Guard:
             self._consensus.device,
             self.rank,
         )
+        self._transient = self._transient_part(rerun, scaler)
         fields = self.config.start_fields() | {"torch": torch.__version__} | identity.start_fields()
         self.events.write("start", self.state.step, world_size=self.world_size, **fields)
         self._watchdog: Watchdog | None = start_watchdog(
@@ -289,8 +289,8 @@ class Guard:
             amp.unscale(self.scaler, self.optimizer)
         stats, report, sharded = self._measure(loss)
         agreement = self._consensus.agree(report, sharded)
-        if agreement.bad and self._rerun is not None:
-            agreement, stats = self._rerun_step(step, agreement, stats)
+        if agreement.bad and self._transient is not None:
+            agreement, stats = self._transient.rerun(step, agreement, stats)
         self._agreed(agreement, 0)
         decision = self._decide(agreement)
         self.history.record(step, agreement, decision, self.optimizer, self._loss_known)
@@ -301,7 +301,7 @@ class Guard:
             return applied
         finally:
             self._losses.clear()
-            self._step_taken(step)
+            self._evidence.taken(step)
             self.progress.enter("step", step + 1)
 
     def step(self, loss: LossLike) -> StepOutcome:
@@ -327,7 +327,7 @@ class Guard:
         self.optimizer.zero_grad(set_to_none=True)
         return StepOutcome(ok)
 
-    def _rerun_part(self, rerun: LossFn | None, scaler: Any) -> StepRerun | None:
+    def _transient_part(self, rerun: LossFn | None, scaler: Any) -> TransientFaults | None:
         if rerun is None:
             return None
         if not callable(rerun):
@@ -338,94 +338,42 @@ class Guard:
                 "not supported with a GradScaler yet (an fp16 overflow is the scaler's to "
                 "handle); use rerun=None, or bf16 without a scaler",
             )
-        return StepRerun(rerun, self.model, self._start)
-
-    def _rerun_step(
-        self, step: int, first: Agreement, first_stats: GradStats
-    ) -> tuple[Agreement, GradStats]:
-        """Every rank reruns the bad step from its start and agrees again (``rerun.py``)."""
-        assert self._rerun is not None  # checked by the caller
-        batches = self._step_batches(step)[0]
-        if not batches:  # the loop neither iterates watch() nor calls record_batch()
-            self._rerun_verdict = None
-            self.events.write("rerun", step, verdict="unavailable", reason="no batches")
-            logger.warning(
-                "trainguard: step %d cannot be rerun: the guard has not seen its batches "
-                "(iterate guard.watch(loader) or call guard.record_batch(batch))",
-                step,
-            )
-            return first, first_stats
-        self._losses.clear()
-        result = self._rerun.run(step, batches)
-        self._losses.replace([*result.micro_losses, result.loss])
-        stats, report, sharded = self._measure(result.loss)
-        agreement = self._consensus.agree(report, sharded)
-        verdict = "persistent" if agreement.bad else "transient"
-        hosts = self._host_names()
-        bad_hosts = sorted({hosts[r] for r in first.ranks})
-        self.events.write(
-            "rerun",
-            step,
-            verdict=verdict,
-            where=first.where,
-            ranks=first.ranks,
-            hosts=bad_hosts,
-            losses=first.losses,
-            rerun_losses=agreement.losses,
+        parts = RerunParts(
+            config=self.config,
+            consensus=self._consensus,
+            events=self.events,
+            losses=self._losses,
+            measure=self._measure,
+            batches_of=self._evidence.batches_of,
+            exit_suspect=self._exit_suspect,
         )
-        self._rerun_verdict = verdict
-        if self.rank == 0:
-            logger.warning(
-                "trainguard: step %d non-finite %s on ranks %s, rerun in place: %s",
-                step,
-                first.where,
-                first.ranks,
-                verdict,
-            )
-        if verdict == "transient":
-            self._count_transient(step, bad_hosts, first.ranks)
-        return agreement, stats
+        return TransientFaults(StepRerun(rerun, self.model, self._start), parts)
 
-    def _host_names(self) -> list[str]:
-        """Every rank's host name (one gather, at the first rerun; every rank is there)."""
-        if self._hosts is None:
-            name = socket.gethostname()
-            if self._consensus.distributed and self.world_size > 1:
-                names: list[Any] = [None] * self.world_size
-                dist.all_gather_object(names, name, group=self._consensus.group)
-                self._hosts = [str(n) for n in names]
-            else:
-                self._hosts = [name]
-        return self._hosts
-
-    def _count_transient(self, step: int, hosts: list[str], ranks: list[int]) -> None:
-        """A host with too many transient faults is suspect: every rank exits with 94."""
-        suspect = self.suspect_hosts.transient(step, hosts)
-        if not suspect:
-            return
-        counts = self.suspect_hosts.counts()
-        self.events.write(
-            "suspect_host",
-            step,
-            hosts=suspect,
-            ranks=ranks,
-            transient_faults={h: counts[h] for h in suspect},
-            window=self.config.suspect_host_window,
-            exit_code=EXIT_SUSPECT_HOST,
-        )
-        logger.error(
-            "trainguard: host %s made %d transient faults within %d steps (rank %d exits "
-            "with %d): drain that node and restart the job elsewhere",
-            ", ".join(suspect),
-            max(counts[h] for h in suspect),
-            self.config.suspect_host_window,
-            self.rank,
-            EXIT_SUSPECT_HOST,
-        )
+    def _exit_suspect(self) -> None:
         if self.recovery is not None:
             self.recovery.close()  # every rank: a checkpoint being written completes first
         self._close(raise_errors=False)
-        raise SystemExit(EXIT_SUSPECT_HOST)
+
+    def _evidence_parts(self, reruns: bool) -> EvidenceParts:
+        """What ``StepEvidence`` (batches, RNG states, capture) reads of the guard."""
+        transient = self._transient_verdict if reruns else None
+        return EvidenceParts(
+            config=self.config,
+            model=self.model,
+            optimizer=self.optimizer,
+            capturer=self._capturer,
+            start=self._start,
+            recorded=self._recorded,
+            losses=self._losses,
+            history=self.history,
+            replicas=self.replicas,
+            stream=lambda: self._stream,
+            rerun_verdict=transient,
+            phase=self.phase,
+        )
+
+    def _transient_verdict(self) -> str | None:
+        return self._transient.verdict if self._transient is not None else None
 
     def _sync_free_parts(self) -> SyncFreeParts:
         return SyncFreeParts(
@@ -440,12 +388,12 @@ class Guard:
             start=self._start,
             measure=self._measure,
             take_losses=self._take_losses,
-            step_batches=self._step_batches_taken,
+            step_batches=self._evidence.step_batches_taken,
             agreed=self._agreed,
             decide=self._decide,
             health=self._health,
             log_nonfinite=self._log_nonfinite,
-            capture=self._capture_late,
+            capture=self._evidence.capture_late,
             stop_error=self._stop_error,
         )
 
@@ -502,50 +450,11 @@ class Guard:
         if self._stream is not None:
             self._stream.agreed(agreement, steps_ago)
 
-    def _step_batches(self, step: int) -> tuple[list[Any], dict[str, Any] | None]:
-        """The micro-batches of ``step`` (being decided) and its RNG states: taken at its
-        first forward, else when its first batch was handed out."""
-        batches, rng = self._step_batches_lazy(step)
-        return batches, states_of(rng)
-
-    def _step_batches_lazy(
-        self, step: int
-    ) -> tuple[list[Any], RngSnapshot | dict[str, Any] | None]:
-        """``_step_batches`` with the RNG states as taken (turned into a dict when read)."""
-        rng: RngSnapshot | dict[str, Any] | None = None
-        if self._start.started(step):
-            rng = self._start.rng_snapshot
-        elif not self._recorded.used and self._stream is not None:
-            rng = self._stream.unchecked.step_rng_snapshot()
-        return self._batches_of(step), rng
-
-    def _batches_of(self, step: int) -> list[Any]:
-        """``_step_batches``' batches alone (its RNG states are built only when read)."""
-        stream = self._stream
-        if self._recorded.used or stream is None:
-            return self._recorded.of(step)
-        return stream.unchecked.step()
-
-    def _step_batches_taken(
-        self, step: int
-    ) -> tuple[list[Any], RngSnapshot | dict[str, Any] | None]:
-        """``_step_batches_lazy``, and the step's batches leave the stream (sync-free step)."""
-        found = self._step_batches_lazy(step)
-        self._step_taken(step)
-        return found
-
-    def _step_taken(self, step: int) -> None:
-        stream = self._stream
-        if stream is not None:
-            stream.rng_at_yield = not self._start.seen
-            if not self._recorded.used:
-                stream.unchecked.taken(step)
-
     def _report(self, stats: GradStats, loss: Tensor) -> LocalReport:
         device = self._consensus.device
         last, check = loss_columns(loss, self._losses.checked(loss), device)
         stream = self._stream
-        batches = self._batches_of(self.state.step) if stream is not None else []
+        batches = self._evidence.batches_of(self.state.step) if stream is not None else []
         inputs = self._inputs.value(self.state.step, batches, device)
         fingerprint = self.replicas.fingerprint(self.state.step, device)
         values = torch.stack([last, check, stats.norm, inputs, fingerprint])  # one kernel
@@ -589,7 +498,7 @@ class Guard:
         if self.recovery is not None:
             self.recovery.after_step(step, False, agreement.mean_loss)
         self._log_nonfinite(decision, agreement, stats, step)
-        bundle = self._capture(decision, agreement, stats, step)
+        bundle = self._evidence.capture(decision, agreement, stats, step)
         if decision is Decision.ESCALATE and self._rolled_back(step):
             return False
         if decision is Decision.SKIP:
@@ -605,7 +514,7 @@ class Guard:
         self, decision: Decision, agreement: Agreement, stats: GradStats, step: int
     ) -> bool:
         """A spike skipped (``SPIKE``) or escalated: no update, as for a non-finite step."""
-        bundle = self._capture(decision, agreement, stats, step, spike=True)
+        bundle = self._evidence.capture(decision, agreement, stats, step, spike=True)
         restored = self._drop_update(step)
         if self.recovery is not None:
             self.recovery.after_step(step, False, agreement.mean_loss)
@@ -621,54 +530,6 @@ class Guard:
         )
         return False
 
-    # -- capture: a replay bundle of the bad step; the logic is in capture.py ------------------
-
-    def _capture(
-        self,
-        decision: Decision,
-        agreement: Agreement,
-        stats: GradStats,
-        step: int,
-        pending: PendingStep | None = None,
-        spike: bool = False,
-    ) -> Path | None:
-        """On the first non-finite step, the first spike (``spike``) and on escalation, every
-        rank writes its part of the bundle (collectively, before the gradients are cleared).
-        Never raises; same path on all ranks. The bundle starts from the step's real start:
-        its buffers as before its first forward, the RNG and autocast state of that forward.
-        ``pending``: a sync-free step read late brings its own batches, RNG and losses."""
-        if not self.config.capture or not self._capturer.due(decision, spike):
-            return None
-        if pending is not None:
-            batches, rng, losses = pending.batches, states_of(pending.rng), pending.losses
-            autocast = pending.autocast
-        else:
-            batches, rng = self._step_batches(step)
-            losses = self._losses.step_losses()
-            autocast = self._start.autocast if self._start.started(step) else None
-        evidence = step_evidence(step, decision, agreement, stats, batches, rng, losses)
-        evidence.history = self.history.bundle_history()
-        evidence.buffers = self._start.buffers.pre_step(step)
-        evidence.extra["autocast"] = autocast
-        evidence.extra["pre_step_buffers"] = sorted(evidence.buffers)
-        if self.replicas.diverged_at is not None:  # the replicas disagreed before this step
-            evidence.extra["replica_divergence"] = self.replicas.diverged_at
-        if self._rerun is not None and pending is None:
-            evidence.extra["rerun"] = self._rerun_verdict  # "persistent": reproduced in place
-        with self.phase("capture"):
-            return self._capturer.capture(self.model, self.optimizer, evidence, spike)
-
-    def _capture_late(
-        self,
-        decision: Decision,
-        agreement: Agreement,
-        stats: GradStats,
-        step: int,
-        pending: PendingStep,
-        spike: bool,
-    ) -> Path | None:
-        return self._capture(decision, agreement, stats, step, pending, spike)
-
     def _rolled_back(self, step: int, consecutive: int | None = None) -> bool:
         """On escalation with ``on_escalation="rollback"``: restore, skip data, go on."""
         if self.recovery is None or self.config.on_escalation != "rollback":
@@ -676,31 +537,6 @@ class Guard:
         self._drop_update(step)
         streak = self.state.consecutive_nonfinite if consecutive is None else consecutive
         return self.recovery.rollback(step, max(streak, 1))
-
-    def _drop_update(self, step: int) -> int:
-        """The step is not applied: clear the gradients and put back the buffers its forward
-        changed (BatchNorm statistics, counters). Returns how many buffers were put back."""
-        self.optimizer.zero_grad(set_to_none=True)
-        for _, param in self._params:
-            param.grad = None
-        buffers = self._start.buffers
-        restored = buffers.restore(step)
-        if restored:
-            logger.debug("trainguard: step %d: buffers put back: %s", step, restored)
-        if buffers.uncopied:
-            self._buffers_not_restored(step, buffers.uncopied)
-        return len(restored)
-
-    def _buffers_not_restored(self, step: int, names: list[str]) -> None:
-        """Buffers the step's forward wrote for the first time (no copy was taken)."""
-        self.events.write("buffers_not_restored", step, buffers=names)
-        logger.warning(
-            "trainguard: rank %d: step %d was not applied, but its forward was the first to "
-            "write %s, which could not be put back; they are copied at every step from now on",
-            self.rank,
-            step,
-            ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else ""),
-        )
 
     def _log_nonfinite(
         self, decision: Decision, agreement: Agreement, stats: GradStats, step: int

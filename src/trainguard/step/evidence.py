@@ -1,0 +1,150 @@
+"""A step's evidence: its batches and RNG states as the guard saw them, and its capture.
+
+The batches of the step being decided come from ``watch()`` (``data.BatchStream``'s
+unchecked steps) or from ``guard.record_batch`` (``manual.RecordedBatches``); the RNG
+states from the step's first forward (``start.StepStart``), else from when its first batch
+was handed out. On the first non-finite step, the first spike and on escalation every rank
+writes its part of the replay bundle (``capturer.Capturer``, collectively, before the
+gradients are cleared), starting from the step's real start: its buffers as before its
+first forward, the RNG and autocast state of that forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainguard.capture.rng import RngSnapshot, states_of
+from trainguard.config import GuardConfig
+from trainguard.health.replicas import ReplicaWatch
+from trainguard.step.capturer import Capturer, step_evidence
+from trainguard.step.consensus import Agreement
+from trainguard.step.data import BatchStream
+from trainguard.step.deferred import PendingStep
+from trainguard.step.detect import GradStats
+from trainguard.step.history import StepHistory
+from trainguard.step.losses import StepLosses
+from trainguard.step.manual import RecordedBatches
+from trainguard.step.policy import Decision
+from trainguard.step.start import StepStart
+
+Rng = RngSnapshot | dict[str, Any] | None
+
+
+@dataclass
+class EvidenceParts:
+    """What the evidence reads of the guard (handed over explicitly, as ``SyncFreeParts``)."""
+
+    config: GuardConfig
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    capturer: Capturer
+    start: StepStart
+    recorded: RecordedBatches
+    losses: StepLosses
+    history: StepHistory
+    replicas: ReplicaWatch
+    stream: Callable[[], BatchStream | None]
+    """The current ``watch()`` stream (a new one at every ``watch()`` call)."""
+    rerun_verdict: Callable[[], str | None] | None
+    """The last rerun's verdict, with ``Guard(rerun=...)``."""
+    phase: Callable[[str], contextlib.AbstractContextManager[None]]
+
+
+class StepEvidence:
+    """A step's batches and RNG states, and the capture of a bad step."""
+
+    def __init__(self, parts: EvidenceParts) -> None:
+        self._parts = parts
+
+    def batches_of(self, step: int) -> list[Any]:
+        """The micro-batches of ``step`` (being decided), without its RNG states."""
+        parts = self._parts
+        stream = parts.stream()
+        if parts.recorded.used or stream is None:
+            return parts.recorded.of(step)
+        return stream.unchecked.step()
+
+    def step_batches(self, step: int) -> tuple[list[Any], dict[str, Any] | None]:
+        """The micro-batches of ``step`` and its RNG states: taken at its first forward,
+        else when its first batch was handed out."""
+        batches, rng = self.step_batches_lazy(step)
+        return batches, states_of(rng)
+
+    def step_batches_lazy(self, step: int) -> tuple[list[Any], Rng]:
+        """``step_batches`` with the RNG states as taken (turned into a dict when read)."""
+        parts = self._parts
+        stream = parts.stream()
+        rng: Rng = None
+        if parts.start.started(step):
+            rng = parts.start.rng_snapshot
+        elif not parts.recorded.used and stream is not None:
+            rng = stream.unchecked.step_rng_snapshot()
+        return self.batches_of(step), rng
+
+    def step_batches_taken(self, step: int) -> tuple[list[Any], Rng]:
+        """``step_batches_lazy``, and the step's batches leave the stream (sync-free step)."""
+        found = self.step_batches_lazy(step)
+        self.taken(step)
+        return found
+
+    def taken(self, step: int) -> None:
+        """``step`` is decided: its batches leave the stream."""
+        parts = self._parts
+        stream = parts.stream()
+        if stream is not None:
+            stream.rng_at_yield = not parts.start.seen
+            if not parts.recorded.used:
+                stream.unchecked.taken(step)
+
+    def capture(
+        self,
+        decision: Decision,
+        agreement: Agreement,
+        stats: GradStats,
+        step: int,
+        pending: PendingStep | None = None,
+        spike: bool = False,
+    ) -> Path | None:
+        """Every rank writes its part of the bundle when one is due; never raises; the same
+        path on every rank. ``pending``: a sync-free step read late brings its own batches,
+        RNG and losses."""
+        parts = self._parts
+        if not parts.config.capture or not parts.capturer.due(decision, spike):
+            return None
+        if pending is not None:
+            batches, rng, losses = pending.batches, states_of(pending.rng), pending.losses
+            autocast = pending.autocast
+        else:
+            batches, rng = self.step_batches(step)
+            losses = parts.losses.step_losses()
+            autocast = parts.start.autocast if parts.start.started(step) else None
+        evidence = step_evidence(step, decision, agreement, stats, batches, rng, losses)
+        evidence.history = parts.history.bundle_history()
+        evidence.buffers = parts.start.buffers.pre_step(step)
+        evidence.extra["autocast"] = autocast
+        evidence.extra["pre_step_buffers"] = sorted(evidence.buffers)
+        if parts.replicas.diverged_at is not None:  # the replicas disagreed before this step
+            evidence.extra["replica_divergence"] = parts.replicas.diverged_at
+        if parts.rerun_verdict is not None and pending is None:  # "persistent": reproduced
+            evidence.extra["rerun"] = parts.rerun_verdict()
+        with parts.phase("capture"):
+            return parts.capturer.capture(parts.model, parts.optimizer, evidence, spike)
+
+    def capture_late(
+        self,
+        decision: Decision,
+        agreement: Agreement,
+        stats: GradStats,
+        step: int,
+        pending: PendingStep,
+        spike: bool,
+    ) -> Path | None:
+        """``capture`` of a sync-free step read a step late (``SyncFreeParts.capture``)."""
+        return self.capture(decision, agreement, stats, step, pending, spike)

@@ -1,0 +1,150 @@
+"""Transient or persistent: rerun a bad step in place, agree again, watch each host's faults.
+
+``Guard(rerun=loss_fn)``: once every rank has agreed that a step went non-finite, every rank
+reruns the step from its start (``rerun.StepRerun``) and the agreement runs again. Finite
+everywhere: *transient*, the step counts with the rerun's gradients; still bad: *persistent*,
+the usual policy follows. Every rerun is a ``rerun`` event naming the ranks and hosts of the
+first failure. A host with ``suspect_host_after`` transient faults within
+``suspect_host_window`` steps is *suspect*: a ``suspect_host`` event, and every rank exits
+with ``EXIT_SUSPECT_HOST`` (94) so the job restarts elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+from trainguard.config import GuardConfig
+from trainguard.events import EventLog
+from trainguard.exitcodes import EXIT_SUSPECT_HOST
+from trainguard.step.consensus import Agreement, Consensus, LocalReport
+from trainguard.step.detect import GradStats
+from trainguard.step.losses import StepLosses
+from trainguard.step.rerun import StepRerun, SuspectHosts
+
+logger = logging.getLogger(__name__)
+
+Measure = Callable[[Tensor], tuple[GradStats, LocalReport, bool]]
+
+
+@dataclass
+class RerunParts:
+    """What a rerun uses of the guard (handed over explicitly, as ``SyncFreeParts``)."""
+
+    config: GuardConfig
+    consensus: Consensus
+    events: EventLog
+    losses: StepLosses
+    measure: Measure
+    """The gradient pass and this rank's report for a loss (``Guard._measure``)."""
+    batches_of: Callable[[int], list[Any]]
+    """A step's micro-batches as the guard saw them."""
+    exit_suspect: Callable[[], None]
+    """Closes the guard (and recovery) before the suspect-host exit."""
+
+
+class TransientFaults:
+    """Reruns agreed-bad steps and counts the transient ones per host."""
+
+    def __init__(self, rerun: StepRerun, parts: RerunParts) -> None:
+        self._rerun = rerun
+        self._parts = parts
+        self._hosts: list[str] | None = None
+        self.verdict: str | None = None
+        """The last rerun's verdict: "transient", "persistent" or None (not rerun)."""
+        self.suspect_hosts = SuspectHosts(
+            parts.config.suspect_host_after, parts.config.suspect_host_window
+        )
+
+    def rerun(
+        self, step: int, first: Agreement, first_stats: GradStats
+    ) -> tuple[Agreement, GradStats]:
+        """Every rank reruns the bad step from its start and agrees again."""
+        parts = self._parts
+        batches = parts.batches_of(step)
+        if not batches:  # the loop neither iterates watch() nor calls record_batch()
+            self.verdict = None
+            parts.events.write("rerun", step, verdict="unavailable", reason="no batches")
+            logger.warning(
+                "trainguard: step %d cannot be rerun: the guard has not seen its batches "
+                "(iterate guard.watch(loader) or call guard.record_batch(batch))",
+                step,
+            )
+            return first, first_stats
+        parts.losses.clear()
+        result = self._rerun.run(step, batches)
+        parts.losses.replace([*result.micro_losses, result.loss])
+        stats, report, sharded = parts.measure(result.loss)
+        agreement = parts.consensus.agree(report, sharded)
+        self.verdict = "persistent" if agreement.bad else "transient"
+        hosts = self._host_names()
+        bad_hosts = sorted({hosts[r] for r in first.ranks})
+        parts.events.write(
+            "rerun",
+            step,
+            verdict=self.verdict,
+            where=first.where,
+            ranks=first.ranks,
+            hosts=bad_hosts,
+            losses=first.losses,
+            rerun_losses=agreement.losses,
+        )
+        if parts.consensus.rank == 0:
+            logger.warning(
+                "trainguard: step %d non-finite %s on ranks %s, rerun in place: %s",
+                step,
+                first.where,
+                first.ranks,
+                self.verdict,
+            )
+        if self.verdict == "transient":
+            self._count(step, bad_hosts, first.ranks)
+        return agreement, stats
+
+    def _host_names(self) -> list[str]:
+        """Every rank's host name (one gather, at the first rerun; every rank is there)."""
+        if self._hosts is None:
+            consensus = self._parts.consensus
+            name = socket.gethostname()
+            if consensus.distributed and consensus.world_size > 1:
+                names: list[Any] = [None] * consensus.world_size
+                dist.all_gather_object(names, name, group=consensus.group)
+                self._hosts = [str(n) for n in names]
+            else:
+                self._hosts = [name]
+        return self._hosts
+
+    def _count(self, step: int, hosts: list[str], ranks: list[int]) -> None:
+        """A host with too many transient faults is suspect: every rank exits with 94."""
+        suspect = self.suspect_hosts.transient(step, hosts)
+        if not suspect:
+            return
+        parts = self._parts
+        counts = self.suspect_hosts.counts()
+        window = parts.config.suspect_host_window
+        parts.events.write(
+            "suspect_host",
+            step,
+            hosts=suspect,
+            ranks=ranks,
+            transient_faults={h: counts[h] for h in suspect},
+            window=window,
+            exit_code=EXIT_SUSPECT_HOST,
+        )
+        logger.error(
+            "trainguard: host %s made %d transient faults within %d steps (rank %d exits "
+            "with %d): drain that node and restart the job elsewhere",
+            ", ".join(suspect),
+            max(counts[h] for h in suspect),
+            window,
+            parts.consensus.rank,
+            EXIT_SUSPECT_HOST,
+        )
+        parts.exit_suspect()
+        raise SystemExit(EXIT_SUSPECT_HOST)
