@@ -9,6 +9,13 @@ model (same initial weights), optimizer and endless batch stream, built up front
 - ``naive_norm``: bare plus the torchtitan-style check: the gradient norm
   (``clip_grad_norm_(max_norm=inf)``: no clipping) and one ``.item()`` of
   ``isfinite([loss, norm])``;
+- ``minimal``: the floor, a flat hand-written check of what the guard must at least do per
+  step in one process, with no policy, events, capture or log around it: an RNG snapshot at
+  the step's first forward (a forward pre-hook on the model, ``RngSnapshot.take()``),
+  ``_foreach_norm`` of the gradients, ``aminmax`` of each input, one ``stack`` of
+  ``[loss, norms..., ends...]``, one ``.tolist()``, the norm and finiteness on the host, a
+  tuple appended to a ring; the gap between it and ``guard_check`` is the guard's own
+  structure;
 - ``guard_check``: a default ``Guard(model, opt, run_dir=...)`` (every default feature on),
   ``for batch in guard.watch(...)`` and ``if guard.check(loss): optimizer.step()``;
 - ``guard_step``: the same guard with ``guard.step(loss)``.
@@ -33,11 +40,13 @@ wrapped in a timer (inclusive times; the timer's own cost is measured and subtra
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
 import gc
 import importlib
 import itertools
+import math
 import os
 import random
 import shlex
@@ -66,8 +75,9 @@ from _common import (
 )
 
 import trainguard as tg
+from trainguard.capture.rng import RngSnapshot
 
-MODES = ("bare", "naive_loss", "naive_norm", "guard_check", "guard_step")
+MODES = ("bare", "naive_loss", "naive_norm", "minimal", "guard_check", "guard_step")
 GUARDED = ("guard_check", "guard_step")
 DIST_MODES = ("bare", "guard_check")
 BATCH, DIM_IN, HIDDEN = 32, 16, 32
@@ -104,6 +114,17 @@ class Loop:
             self.guard = tg.Guard(self.model, self.opt, run_dir=run_dir / mode)
             self.batches = iter(self.guard.watch(data))
         self.loss_fn = nn.MSELoss()
+        self._ring: collections.deque[tuple[int, float, float, bool]] = collections.deque(
+            maxlen=1000
+        )
+        self._step, self._started = 0, -1
+        self._snapshot: RngSnapshot | None = None
+        if mode == "minimal":
+            self.model.register_forward_pre_hook(self._minimal_start)
+
+    def _minimal_start(self, module: nn.Module, args: Any) -> None:
+        if self._started != self._step and torch.is_grad_enabled():
+            self._started, self._snapshot = self._step, RngSnapshot.take()
 
     def run(self, steps: int) -> None:
         run = getattr(self, f"_run_{self.mode}")
@@ -139,6 +160,22 @@ class Loop:
             loss = self._loss(next(batches))
             norm = nn.utils.clip_grad_norm_(params, max_norm=float("inf"))
             if torch.isfinite(torch.stack([loss.detach(), norm])).all().item():
+                self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+    def _run_minimal(self, steps: int) -> None:
+        batches, params, ring = self.batches, list(self.model.parameters()), self._ring
+        for _ in range(steps):
+            batch = next(batches)
+            loss = self._loss(batch)
+            norms = torch._foreach_norm([p.grad for p in params if p.grad is not None])
+            ends = [end for tensor in batch for end in torch.aminmax(tensor)]
+            row = torch.stack([loss.detach(), *norms, *ends]).tolist()
+            ok = all(map(math.isfinite, row))
+            norm = math.sqrt(sum(v * v for v in row[1 : 1 + len(norms)]))
+            ring.append((self._step, row[0], norm, ok))
+            self._step += 1
+            if ok:
                 self.opt.step()
             self.opt.zero_grad(set_to_none=True)
 

@@ -21,7 +21,14 @@ def test_fixed_cost_quick(tmp_path: Path) -> None:
     assert "| mode | us/step |" in proc.stdout
     report = json.loads(out.read_text(encoding="utf-8"))
     modes = report["modes"]
-    assert set(modes) == {"bare", "naive_loss", "naive_norm", "guard_check", "guard_step"}
+    assert set(modes) == {
+        "bare",
+        "naive_loss",
+        "naive_norm",
+        "minimal",
+        "guard_check",
+        "guard_step",
+    }
     for name, entry in modes.items():
         assert len(entry["us_per_step"]) == 2 and entry["median_us"] > 0, name
     assert modes["guard_check"]["ratio"] > 0 and "fixed_cost_us" in modes["guard_step"]
