@@ -57,7 +57,8 @@ from _common import (
     replace_block,
     write_json,
 )
-from overhead_modes import MLPStack, TinyGPT
+from _gpt import TinyGPT
+from overhead_modes import MLPStack
 from torch import Tensor, nn
 
 import trainguard as tg

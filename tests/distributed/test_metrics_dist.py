@@ -12,45 +12,14 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from tg_dist import run_ranks, values
+from tg_dist import count_collectives, run_ranks, values
 from tg_models import TinyNet
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainguard as tg
 
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "broadcast",
-    "broadcast_object_list",
-    "barrier",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "gather",
-    "scatter",
-)
 STEPS = 6
 BAD = 2  # rank 1's batch of step 2 holds a NaN
-
-
-def _count_collectives(calls: list[str]) -> None:
-    for name in COLLECTIVES:
-        for module in (dist, dist.distributed_c10d):
-            original = getattr(module, name, None)
-            if original is None:
-                continue
-
-            def wrapper(*args: Any, _name: str = name, _orig: Any = original, **kw: Any) -> Any:
-                calls.append(_name)
-                return _orig(*args, **kw)
-
-            setattr(module, name, wrapper)
 
 
 def _job(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -61,8 +30,8 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
     batches = [torch.randn(6, 8, generator=gen) for _ in range(STEPS)]
     if rank == 1:
         batches[BAD][0, 0] = math.nan
-    calls: list[str] = []
-    _count_collectives(calls)
+    calls: list[tuple[str, int]] = []
+    count_collectives(calls)
     guard = tg.Guard(model, opt, run_dir=Path(root), hang_timeout=0, capture=False)
     seen, in_check, in_metrics = [], [], []
     for x in guard.watch(batches):

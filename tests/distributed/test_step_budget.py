@@ -14,31 +14,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from tg_dist import run_ranks, values
+from tg_dist import count_collectives, run_ranks, values
 from tg_models import TinyNet
 from tg_ops import OpRecorder
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainguard as tg
 from trainguard.step.consensus import COLUMNS
-
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "broadcast",
-    "broadcast_object_list",
-    "barrier",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "gather",
-    "scatter",
-)
 
 
 class CopyRefusingBatch:
@@ -57,21 +39,6 @@ class CopyRefusingBatch:
         raise AssertionError("the batch was pickled")
 
 
-def _count_collectives(calls: list[tuple[str, int]]) -> None:
-    for name in COLLECTIVES:
-        for module in (dist, dist.distributed_c10d):
-            original = getattr(module, name, None)
-            if original is None:
-                continue
-
-            def wrapper(*args: Any, _name: str = name, _orig: Any = original, **kw: Any) -> Any:
-                tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
-                calls.append((_name, tensor.numel() if tensor is not None else -1))
-                return _orig(*args, **kw)
-
-            setattr(module, name, wrapper)
-
-
 def _job(rank: int, world: int, root: str, steps: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = DDP(TinyNet(d_in=64, hidden=256))
@@ -82,7 +49,7 @@ def _job(rank: int, world: int, root: str, steps: int) -> dict[str, Any]:
     big_copies: list[tuple[str, list[int]]] = []
     seen_ids: list[bool] = []
     with tg.Guard(model, opt, run_dir=Path(root), capture=True) as guard:
-        _count_collectives(calls)
+        count_collectives(calls)
         batches = guard.watch(loader)
         for i in range(steps):
             with OpRecorder() as fetch:

@@ -131,3 +131,42 @@ def values(results: list[RankResult]) -> list[Any]:
         details = "\n".join(f"--- rank {r.rank} ---\n{r.traceback}" for r in failed)
         raise AssertionError(f"ranks {[r.rank for r in failed]} failed:\n{details}")
     return [r.value for r in results]
+
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+)
+"""The ``torch.distributed`` collectives ``count_collectives`` wraps."""
+
+
+def count_collectives(calls: list[tuple[str, int]]) -> None:
+    """In this process, record every collective called from now on as ``(name, numel)`` of
+    its first tensor argument (-1: none), in ``torch.distributed`` and ``distributed_c10d``."""
+    import torch
+    import torch.distributed as dist
+
+    for name in COLLECTIVES:
+        for module in (dist, dist.distributed_c10d):
+            original = getattr(module, name, None)
+            if original is None:
+                continue
+
+            def wrapper(*args: Any, _name: str = name, _orig: Any = original, **kw: Any) -> Any:
+                tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                calls.append((_name, tensor.numel() if tensor is not None else -1))
+                return _orig(*args, **kw)
+
+            setattr(module, name, wrapper)
