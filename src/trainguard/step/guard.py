@@ -27,7 +27,7 @@ from trainguard.config import (
     NonFiniteAction,
     SpikeAction,
 )
-from trainguard.errors import ConfigError, NonFiniteError
+from trainguard.errors import ConfigError
 from trainguard.events import EventLog
 from trainguard.hang.watchdog import Watchdog, start_watchdog
 from trainguard.health.replicas import ReplicaWatch
@@ -37,22 +37,17 @@ from trainguard.progress import Progress
 from trainguard.recovery import (
     TrainingObjects,
     build_recovery,
-    record_final_stop,
     recovery_enabled,
 )
 from trainguard.run_identity import identify_run
 from trainguard.step import amp
+from trainguard.step.apply import ApplyParts, DecisionApply
 from trainguard.step.capturer import Capturer, unwrap
-from trainguard.step.consensus import Agreement, Consensus, LocalReport
+from trainguard.step.consensus import Agreement, Consensus
 from trainguard.step.dashboard import Dashboard
 from trainguard.step.data import BatchStream
 from trainguard.step.deferred import StepOutcome, uses_fused
 from trainguard.step.detect import (
-    GradStats,
-    clip_,
-    grad_stats,
-    is_sharded,
-    loss_columns,
     named_parameters,
 )
 from trainguard.step.drop import UpdateDrop
@@ -61,8 +56,8 @@ from trainguard.step.history import StepHistory
 from trainguard.step.inputs import InputCheck
 from trainguard.step.losses import LossLike, StepLosses
 from trainguard.step.manual import RecordedBatches
+from trainguard.step.measure import MeasureParts, StepMeasure
 from trainguard.step.metrics import MetricsLog, metrics_path
-from trainguard.step.nonfinite import log_nonfinite, stop_error
 from trainguard.step.policy import Decision, decide
 from trainguard.step.rerun import LossFn, StepRerun
 from trainguard.step.sampler import SamplerEpochs
@@ -167,8 +162,6 @@ class Guard:
         metrics = MetricsLog(metrics_path(self.run_dir)) if self.rank == 0 else None
         self.history = StepHistory(self.config.history_steps, metrics)
         self._dashboard = Dashboard(self)  # metrics(): reads the parts when called
-        self._is_sharded: bool | None = None
-        self._mixed_grads = False  # sparse/float64 gradients seen: grad_stats' mixed pass
         self._timer = (
             StepTimer(unwrap(model), forward_hooks=self.world_size > 1)
             if self.config.detect_stragglers
@@ -186,10 +179,7 @@ class Guard:
         )
         self._transient: TransientFaults | None = None  # rerun=: step/transient.py
         self._evidence = StepEvidence(self._evidence_parts(rerun is not None))
-        # Recovery restores at step boundaries: it needs the decision before the update.
-        sync_free = uses_fused(optimizer) and scaler is None
-        sync_free = sync_free and not recovery_enabled(self.config) and rerun is None
-        self._sync_free = SyncFreeStep(self._sync_free_parts()) if sync_free else None
+        self._measure = StepMeasure(self._measure_parts())  # this rank's row: step/measure.py
         self._closed = False
         self.recovery = build_recovery(
             self.config,
@@ -200,6 +190,11 @@ class Guard:
             self._consensus.device,
             self.rank,
         )
+        self._decision = DecisionApply(self._apply_parts())  # acting on it: step/apply.py
+        # Recovery restores at step boundaries: it needs the decision before the update.
+        sync_free = uses_fused(optimizer) and scaler is None
+        sync_free = sync_free and not recovery_enabled(self.config) and rerun is None
+        self._sync_free = SyncFreeStep(self._sync_free_parts()) if sync_free else None
         self._transient = self._transient_part(rerun, scaler)
         fields = self.config.start_fields() | {"torch": torch.__version__} | identity.start_fields()
         self.events.write("start", self.state.step, world_size=self.world_size, **fields)
@@ -296,7 +291,7 @@ class Guard:
         self.history.record(step, agreement, decision, self.optimizer, self._loss_known)
         self.state.step = step + 1
         try:
-            applied = self._apply(decision, agreement, stats, step)
+            applied = self._decision.apply(decision, agreement, stats, step)
             self._health(step, agreement)  # after a skip's restore: a resync is not undone
             return applied
         finally:
@@ -372,6 +367,38 @@ class Guard:
             phase=self.phase,
         )
 
+    def _measure_parts(self) -> MeasureParts:
+        """What ``StepMeasure`` (the gradient pass and this rank's row) reads of the guard."""
+        return MeasureParts(
+            params=self._params,
+            device=self._consensus.device,
+            start=self._start,
+            losses=self._losses,
+            no_grads=self._no_grads,
+            inputs=self._inputs,
+            replicas=self.replicas,
+            timer=self._timer,
+            evidence=self._evidence,
+            stream=lambda: self._stream,
+            step_of=lambda: self.state.step,
+        )
+
+    def _apply_parts(self) -> ApplyParts:
+        """What ``DecisionApply`` (acting on the agreed decision) uses of the guard."""
+        return ApplyParts(
+            config=self.config,
+            state=self.state,
+            spikes=self.spikes,
+            recovery=self.recovery,
+            scaler=self.scaler,
+            optimizer=self.optimizer,
+            events=self.events,
+            rank=self.rank,
+            inputs=self._inputs,
+            evidence=self._evidence,
+            drop=self._drop_update,
+        )
+
     def _transient_verdict(self) -> str | None:
         return self._transient.verdict if self._transient is not None else None
 
@@ -392,9 +419,9 @@ class Guard:
             agreed=self._agreed,
             decide=self._decide,
             health=self._health,
-            log_nonfinite=self._log_nonfinite,
+            log_nonfinite=self._decision.log_nonfinite,
             capture=self._evidence.capture_late,
-            stop_error=self._stop_error,
+            stop_error=self._decision.stop_error,
         )
 
     @property
@@ -423,49 +450,12 @@ class Guard:
 
     # -- decision -------------------------------------------------------------------------
 
-    def _p(self) -> Iterator[Tensor]:
-        return (p for _, p in self._params)
-
-    def _sharded(self) -> bool:
-        """Whether the gradients are FSDP2 shards; looked up once, at the first gradients."""
-        if self._is_sharded is None:
-            if not any(p.grad is not None for p in self._p()):
-                return False
-            self._is_sharded = is_sharded(self._p())
-        return self._is_sharded
-
-    def _measure(self, loss: Tensor) -> tuple[GradStats, LocalReport, bool]:
-        """Record the loss, take the one gradient pass, build this rank's report."""
-        self._start.buffers.learn(self.state.step)
-        sharded = self._sharded()
-        stats = grad_stats(self._params, self._consensus.device, sharded, self._mixed_grads)
-        self._mixed_grads = stats.mixed  # stays True once seen
-        self._no_grads.seen(stats, self.state.step)  # check() before backward(): warn once
-        return stats, self._report(stats, loss), sharded
-
     def _take_losses(self) -> list[Tensor]:
         return self._losses.take()
 
     def _agreed(self, agreement: Agreement, steps_ago: int) -> None:
         if self._stream is not None:
             self._stream.agreed(agreement, steps_ago)
-
-    def _report(self, stats: GradStats, loss: Tensor) -> LocalReport:
-        device = self._consensus.device
-        last, check = loss_columns(loss, self._losses.checked(loss), device)
-        stream = self._stream
-        batches = self._evidence.batches_of(self.state.step) if stream is not None else []
-        inputs = self._inputs.value(self.state.step, batches, device)
-        fingerprint = self.replicas.fingerprint(self.state.step, device)
-        values = torch.stack([last, check, stats.norm, inputs, fingerprint])  # one kernel
-        data_time, compute_time = self._timer.take() if self._timer is not None else (0.0, 0.0)
-        return LocalReport(
-            values,
-            exhausted=stream.exhausted if stream is not None else False,
-            batches=stream.batches_seen if stream is not None else 0,
-            data_time=data_time,
-            compute_time=compute_time,
-        )
 
     def _health(self, step: int, agreement: Agreement) -> None:
         """The cross-rank health rules, from the agreed numbers (the same on every rank)."""
@@ -475,84 +465,6 @@ class Guard:
     def _decide(self, agreement: Agreement) -> Decision:
         scale = amp.current_scale(self.scaler) if agreement.bad else None
         return decide(agreement, self.config, self.state.consecutive_nonfinite, scale)
-
-    def _apply(self, decision: Decision, agreement: Agreement, stats: GradStats, step: int) -> bool:
-        if decision is Decision.OK:
-            self.state.record_good(step, agreement.mean_loss)
-            spike = self.spikes.judge(agreement, self.optimizer, step)
-            if spike is not None:
-                return self._apply_spike(spike, agreement, stats, step)
-            if self.recovery is not None:
-                self.recovery.after_step(step, True, agreement.mean_loss)
-            if self.config.grad_clip is not None:
-                clip_(stats.grads, agreement.grad_norm(), self.config.grad_clip)
-            return True
-        if self.scaler is not None:
-            amp.mark_overflow(self.scaler, self.optimizer)
-        if decision is Decision.OVERFLOW:
-            self.state.overflow_steps += 1
-            self._drop_update(step)
-            self.events.write("overflow", step, ranks=agreement.grad_ranks)
-            return False
-        self.state.record_bad(step)
-        if self.recovery is not None:
-            self.recovery.after_step(step, False, agreement.mean_loss)
-        self._log_nonfinite(decision, agreement, stats, step)
-        bundle = self._evidence.capture(decision, agreement, stats, step)
-        if decision is Decision.ESCALATE and self._rolled_back(step):
-            return False
-        if decision is Decision.SKIP:
-            restored = self._drop_update(step)
-            consecutive = self.state.consecutive_nonfinite
-            self.events.write("skip", step, consecutive=consecutive, buffers_restored=restored)
-        elif decision in (Decision.RAISE, Decision.ESCALATE):
-            self._drop_update(step)
-            raise self._stop_error(decision, agreement, step, bundle)
-        return False
-
-    def _apply_spike(
-        self, decision: Decision, agreement: Agreement, stats: GradStats, step: int
-    ) -> bool:
-        """A spike skipped (``SPIKE``) or escalated: no update, as for a non-finite step."""
-        bundle = self._evidence.capture(decision, agreement, stats, step, spike=True)
-        restored = self._drop_update(step)
-        if self.recovery is not None:
-            self.recovery.after_step(step, False, agreement.mean_loss)
-        if decision is Decision.ESCALATE:
-            if self._rolled_back(step, self.spikes.consecutive):
-                return False
-            error = self.spikes.error(step, bundle)
-            record_final_stop(self.config, self.rank, error, self.recovery, "spike")
-            raise error
-        consecutive = self.spikes.consecutive
-        self.events.write(
-            "skip", step, reason="spike", consecutive=consecutive, buffers_restored=restored
-        )
-        return False
-
-    def _rolled_back(self, step: int, consecutive: int | None = None) -> bool:
-        """On escalation with ``on_escalation="rollback"``: restore, skip data, go on."""
-        if self.recovery is None or self.config.on_escalation != "rollback":
-            return False
-        self._drop_update(step)
-        streak = self.state.consecutive_nonfinite if consecutive is None else consecutive
-        return self.recovery.rollback(step, max(streak, 1))
-
-    def _log_nonfinite(
-        self, decision: Decision, agreement: Agreement, stats: GradStats, step: int
-    ) -> None:
-        self._inputs.report(agreement, step)
-        consecutive = self.state.consecutive_nonfinite
-        log_nonfinite(self.events, self.rank, decision, agreement, stats, step, consecutive)
-
-    def _stop_error(
-        self, decision: Decision, agreement: Agreement, step: int, bundle: Path | None = None
-    ) -> NonFiniteError:
-        streak, config, scaler = self.state.consecutive_nonfinite, self.config, self.scaler
-        error = stop_error(decision, agreement, step, bundle, config, streak, scaler, self.events)
-        if decision is Decision.ESCALATE:  # the final stop: a restart into it is refused
-            record_final_stop(config, self.rank, error, self.recovery)
-        return error
 
     # -- lifecycle ------------------------------------------------------------------------
 

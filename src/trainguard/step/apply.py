@@ -1,0 +1,144 @@
+"""Acting on the step's decision, the same on every rank (``policy.decide`` made it).
+
+``OK``: the counters learn a good step, the spike rule judges it (a spike is skipped or
+escalated like a non-finite step), recovery notes it, the gradients are clipped by the
+agreed global norm. ``OVERFLOW`` (fp16 with a GradScaler): the scaler's skip, counted.
+``SKIP`` / ``RAISE`` / ``ESCALATE``: the step is counted bad, logged (``nonfinite``), captured
+on the first occurrence and on escalation (``evidence``), its update dropped (``drop``:
+gradients cleared, buffers put back); ``RAISE``/``ESCALATE`` raise the stop error, unless
+``on_escalation="rollback"`` rolls the run back and goes on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainguard.config import GuardConfig
+from trainguard.errors import NonFiniteError
+from trainguard.events import EventLog
+from trainguard.recovery import Recovery, record_final_stop
+from trainguard.step import amp
+from trainguard.step.consensus import Agreement
+from trainguard.step.detect import GradStats, clip_
+from trainguard.step.drop import UpdateDrop
+from trainguard.step.evidence import StepEvidence
+from trainguard.step.inputs import InputCheck
+from trainguard.step.nonfinite import log_nonfinite, stop_error
+from trainguard.step.policy import Decision
+from trainguard.step.spikewatch import SpikeWatch
+from trainguard.step.state import GuardState
+
+
+@dataclass
+class ApplyParts:
+    """What acting on a decision uses of the guard (handed over explicitly)."""
+
+    config: GuardConfig
+    state: GuardState
+    spikes: SpikeWatch
+    recovery: Recovery | None
+    scaler: Any
+    optimizer: torch.optim.Optimizer
+    events: EventLog
+    rank: int
+    inputs: InputCheck
+    evidence: StepEvidence
+    drop: UpdateDrop
+
+
+class DecisionApply:
+    """``apply(decision, ...)``: True when the optimizer may step."""
+
+    def __init__(self, parts: ApplyParts) -> None:
+        self._parts = parts
+
+    def apply(self, decision: Decision, agreement: Agreement, stats: GradStats, step: int) -> bool:
+        parts = self._parts
+        if decision is Decision.OK:
+            parts.state.record_good(step, agreement.mean_loss)
+            spike = parts.spikes.judge(agreement, parts.optimizer, step)
+            if spike is not None:
+                return self._apply_spike(spike, agreement, stats, step)
+            if parts.recovery is not None:
+                parts.recovery.after_step(step, True, agreement.mean_loss)
+            if parts.config.grad_clip is not None:
+                clip_(stats.grads, agreement.grad_norm(), parts.config.grad_clip)
+            return True
+        if parts.scaler is not None:
+            amp.mark_overflow(parts.scaler, parts.optimizer)
+        if decision is Decision.OVERFLOW:
+            parts.state.overflow_steps += 1
+            parts.drop(step)
+            parts.events.write("overflow", step, ranks=agreement.grad_ranks)
+            return False
+        parts.state.record_bad(step)
+        if parts.recovery is not None:
+            parts.recovery.after_step(step, False, agreement.mean_loss)
+        self.log_nonfinite(decision, agreement, stats, step)
+        bundle = parts.evidence.capture(decision, agreement, stats, step)
+        if decision is Decision.ESCALATE and self._rolled_back(step):
+            return False
+        if decision is Decision.SKIP:
+            restored = parts.drop(step)
+            consecutive = parts.state.consecutive_nonfinite
+            parts.events.write("skip", step, consecutive=consecutive, buffers_restored=restored)
+        elif decision in (Decision.RAISE, Decision.ESCALATE):
+            parts.drop(step)
+            raise self.stop_error(decision, agreement, step, bundle)
+        return False
+
+    def _apply_spike(
+        self, decision: Decision, agreement: Agreement, stats: GradStats, step: int
+    ) -> bool:
+        """A spike skipped (``SPIKE``) or escalated: no update, as for a non-finite step."""
+        parts = self._parts
+        bundle = parts.evidence.capture(decision, agreement, stats, step, spike=True)
+        restored = parts.drop(step)
+        if parts.recovery is not None:
+            parts.recovery.after_step(step, False, agreement.mean_loss)
+        if decision is Decision.ESCALATE:
+            if self._rolled_back(step, parts.spikes.consecutive):
+                return False
+            error = parts.spikes.error(step, bundle)
+            record_final_stop(parts.config, parts.rank, error, parts.recovery, "spike")
+            raise error
+        consecutive = parts.spikes.consecutive
+        parts.events.write(
+            "skip", step, reason="spike", consecutive=consecutive, buffers_restored=restored
+        )
+        return False
+
+    def _rolled_back(self, step: int, consecutive: int | None = None) -> bool:
+        """On escalation with ``on_escalation="rollback"``: restore, skip data, go on."""
+        parts = self._parts
+        if parts.recovery is None or parts.config.on_escalation != "rollback":
+            return False
+        parts.drop(step)
+        streak = parts.state.consecutive_nonfinite if consecutive is None else consecutive
+        return parts.recovery.rollback(step, max(streak, 1))
+
+    def log_nonfinite(
+        self, decision: Decision, agreement: Agreement, stats: GradStats, step: int
+    ) -> None:
+        """The ``bad_input`` and non-finite events and log lines of a bad step."""
+        parts = self._parts
+        parts.inputs.report(agreement, step)
+        consecutive = parts.state.consecutive_nonfinite
+        log_nonfinite(parts.events, parts.rank, decision, agreement, stats, step, consecutive)
+
+    def stop_error(
+        self, decision: Decision, agreement: Agreement, step: int, bundle: Path | None = None
+    ) -> NonFiniteError:
+        """The error a stop raises; an escalation is recorded as the run's final stop."""
+        parts = self._parts
+        streak, config = parts.state.consecutive_nonfinite, parts.config
+        error = stop_error(
+            decision, agreement, step, bundle, config, streak, parts.scaler, parts.events
+        )
+        if decision is Decision.ESCALATE:  # the final stop: a restart into it is refused
+            record_final_stop(config, parts.rank, error, parts.recovery)
+        return error

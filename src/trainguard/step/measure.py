@@ -1,0 +1,95 @@
+"""This rank's numbers for a step: the one gradient pass and the row it agrees on.
+
+After ``backward`` (and the scaler's unscale), once per ``check()`` and again for a rerun:
+the buffers the forward changed are learned (``buffers.BufferKeeper.learn``), the
+gradients' norms taken in one fused pass (``detect.grad_stats``), and the row built that
+the step's all-reduce carries (``consensus.LocalReport``): the last and the checked loss,
+the local gradient norm, the input column (``inputs.InputCheck``), the replica fingerprint
+(``health.replicas``) in one ``stack``, and on the host the data state of the ``watch()``
+stream and the rank's data and compute seconds (``health.timing``). No host sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from trainguard.health.replicas import ReplicaWatch
+from trainguard.health.timing import StepTimer
+from trainguard.step.consensus import LocalReport
+from trainguard.step.data import BatchStream
+from trainguard.step.detect import GradStats, grad_stats, is_sharded, loss_columns
+from trainguard.step.evidence import StepEvidence
+from trainguard.step.inputs import InputCheck
+from trainguard.step.losses import StepLosses
+from trainguard.step.start import StepStart
+from trainguard.step.usage import NoGradientsCheck
+
+
+@dataclass
+class MeasureParts:
+    """What the measure reads of the guard (handed over explicitly, as ``SyncFreeParts``)."""
+
+    params: list[tuple[str, nn.Parameter]]
+    device: torch.device
+    """Where the row lives (``Consensus.device``)."""
+    start: StepStart
+    losses: StepLosses
+    no_grads: NoGradientsCheck
+    inputs: InputCheck
+    replicas: ReplicaWatch
+    timer: StepTimer | None
+    evidence: StepEvidence
+    stream: Callable[[], BatchStream | None]
+    step_of: Callable[[], int]
+
+
+class StepMeasure:
+    """``measure(loss)``: this rank's gradient stats, report row and whether it is sharded."""
+
+    def __init__(self, parts: MeasureParts) -> None:
+        self._parts = parts
+        self._is_sharded: bool | None = None
+        self._mixed_grads = False  # sparse/float64 gradients seen: grad_stats' mixed pass
+
+    def __call__(self, loss: Tensor) -> tuple[GradStats, LocalReport, bool]:
+        """Learn the buffers, take the one gradient pass, build this rank's report."""
+        parts = self._parts
+        step = parts.step_of()
+        parts.start.buffers.learn(step)
+        sharded = self._sharded()
+        stats = grad_stats(parts.params, parts.device, sharded, self._mixed_grads)
+        self._mixed_grads = stats.mixed  # stays True once seen
+        parts.no_grads.seen(stats, step)  # check() before backward(): warn once
+        return stats, self._report(stats, loss, step), sharded
+
+    def _sharded(self) -> bool:
+        """Whether the gradients are FSDP2 shards; looked up once, at the first gradients."""
+        if self._is_sharded is None:
+            params = [p for _, p in self._parts.params]
+            if not any(p.grad is not None for p in params):
+                return False
+            self._is_sharded = is_sharded(params)
+        return self._is_sharded
+
+    def _report(self, stats: GradStats, loss: Tensor, step: int) -> LocalReport:
+        parts = self._parts
+        device = parts.device
+        last, check = loss_columns(loss, parts.losses.checked(loss), device)
+        stream = parts.stream()
+        batches = parts.evidence.batches_of(step) if stream is not None else []
+        inputs = parts.inputs.value(step, batches, device)
+        fingerprint = parts.replicas.fingerprint(step, device)
+        values = torch.stack([last, check, stats.norm, inputs, fingerprint])  # one kernel
+        timer = parts.timer
+        data_time, compute_time = timer.take() if timer is not None else (0.0, 0.0)
+        return LocalReport(
+            values,
+            exhausted=stream.exhausted if stream is not None else False,
+            batches=stream.batches_seen if stream is not None else 0,
+            data_time=data_time,
+            compute_time=compute_time,
+        )
