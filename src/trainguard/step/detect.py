@@ -166,7 +166,7 @@ def _mixed_norms_on(tensors: list[Tensor], device: torch.device) -> list[Tensor]
 def loss_value(loss: Tensor) -> Tensor:
     """The loss as a scalar on its device (the float64 mean when it has several elements);
     non-finite when any element is."""
-    value = loss.detach()
+    value = loss.detach() if loss.requires_grad else loss  # a detached loss: no second op
     if value.numel() == 1:
         return value if value.dim() == 0 else value.reshape(())
     return value.double().mean()

@@ -78,7 +78,8 @@ class StepMeasure:
     def _report(self, stats: GradStats, loss: Tensor, step: int) -> LocalReport:
         parts = self._parts
         device = parts.device
-        last, check = loss_columns(loss, parts.losses.checked(loss), device)
+        checked = parts.losses.checked(loss)  # ends with the loss, detached (or its twin)
+        last, check = loss_columns(checked[-1], checked, device)
         stream = parts.stream()
         batches = parts.evidence.batches_of(step) if stream is not None else []
         inputs = parts.inputs.value(step, batches, device)
