@@ -25,6 +25,7 @@ from _gpt import TinyGPT
 from torch import Tensor, nn
 
 import trainguard as tg
+from trainguard.step.held_work import HeldWork
 
 Batch = tuple[Tensor, Tensor]
 Sample = dict[str, float]
@@ -250,15 +251,25 @@ class ForeachNormRunner(Runner):
 
 class NormAllReduceRunner(Runner):
     """The least a check that every rank agrees on can do: one norm pass, one all-reduce of a
-    row as small as the guard's, one host read."""
+    row as small as the guard's, one host read. Its works are released on the main thread
+    (``HeldWork``, as the guard's: a Python tensor's work dropped last by gloo's thread at
+    interpreter exit aborts the process, issue 15)."""
+
+    def __init__(self, ctx: ModeContext) -> None:
+        super().__init__(ctx)
+        self.held = HeldWork()
 
     def after(self, loss: Tensor) -> bool:
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(self.ctx.grads(), 2.0)))
         row = torch.stack([loss.detach(), loss.detach(), norm]).to(torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             row = torch.cat([row, row.new_zeros(2)]).repeat(dist.get_world_size())
-            dist.all_reduce(row)
+            self.held.wait(dist.all_reduce(row, async_op=True))
         return bool(torch.isfinite(row).all())
+
+    def close(self) -> dict[str, Any]:
+        self.held.retire()
+        return super().close()
 
 
 class ClipRunner(Runner):
