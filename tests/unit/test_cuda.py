@@ -1,4 +1,7 @@
-"""CUDA paths: the sync-free step, the single sync of check(), capture and replay on a GPU.
+"""CUDA paths: the sync-free step, the single sync of check(), capture and replay on a GPU;
+the buffer restore and input check of a skipped step, the sync-free step with every feature
+on, a rollback to an in-memory snapshot, an fp16 overflow under autocast captured on one
+device and replayed on the other, and torch's flight recorder over NCCL (issue 28).
 
 Skipped where torch sees no GPU (CI and the development machines); run on a GPU machine with
 ``python -m pytest tests/unit/test_cuda.py``. ``torch.cuda.set_sync_debug_mode`` makes every
@@ -7,12 +10,20 @@ host-device synchronization that PyTorch knows of raise ("error") or warn ("warn
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import tg_buffer_models as bufmodels
 import tg_capture_models as models
+import tg_replay_cases as cases
 import torch
 from torch import Tensor, nn
 
@@ -161,3 +172,213 @@ def test_capture_on_cuda_replays_on_cuda(tmp_path: Path) -> None:
     assert report["verdict"] == "numerical"
     assert report["reproduced"] is True
     assert "encoder.layers.0.norm" in report["summary"]
+
+
+# -- issue 28: the CUDA paths written and tested on the CPU first -----------------------------
+
+
+def _cuda_batches(data: list[Any]) -> list[Any]:
+    return [tuple(t.cuda() for t in batch) for batch in data]
+
+
+def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    lines = (run_dir / "events" / "rank-0.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["kind"] == kind]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_skip_on_cuda_puts_the_buffers_back(tmp_path: Path, fused: bool) -> None:
+    """A NaN input on the GPU (the input check, on the device) skips its step, and the
+    BatchNorm / EMA buffers its forward wrote are put back (on the device from the agreed
+    flag with the fused step): bit-identical to a run that never saw the batch."""
+    bad, steps = 3, 8
+
+    def make(model: nn.Module) -> torch.optim.Optimizer:
+        if fused:
+            return torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    torch.manual_seed(0)
+    ref = bufmodels.BufferNet().cuda()
+    ref_opt = make(ref)
+    data = _cuda_batches(bufmodels.batches(steps, bad=bad))
+    bufmodels.train_bare(ref, ref_opt, [b for i, b in enumerate(data) if i != bad])
+    torch.manual_seed(0)
+    model = bufmodels.BufferNet().cuda()
+    opt = make(model)
+    with tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0, capture=False) as guard:
+        bufmodels.train_guarded(guard, model, opt, data, fused)
+    assert list(guard.state.nonfinite_steps) == [bad]
+    bufmodels.assert_identical(bufmodels.state_of(model), bufmodels.state_of(ref))
+    [event] = _events(tmp_path, "bad_input")  # found on the device, read on the host
+    assert event["step"] == bad and event["tensors"][0]["positions"] == [3]
+
+
+def test_sync_free_step_with_every_feature_reports_no_sync(tmp_path: Path) -> None:
+    """Fetch (input check), forward (step-start hook, buffer copy), backward and the fused
+    ``guard.step()`` with every per-step feature on: the device spike rule (``"skip"``),
+    clipping, the input check, buffer restore, straggler timing, capture, replica checks."""
+    torch.manual_seed(0)
+    model = bufmodels.BufferNet().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    config = tg.GuardConfig(
+        run_dir=tmp_path, hang_timeout=0, on_spike="skip", spike_warmup=2, grad_clip=1.0
+    )
+    guard = tg.Guard(model, opt, config=config)
+    assert guard._deferred
+    batches = iter(guard.watch(_cuda_batches(bufmodels.batches(10))))
+    counts = []
+    while True:
+        box: list[Any] = []
+        fetched = _syncs_in(lambda box=box: box.append(next(batches, None)))
+        if box[0] is None:
+            break
+
+        def train(batch: Any = box[0]) -> None:
+            loss = bufmodels.loss_fn(model, batch)
+            loss.backward()
+            guard.step(loss)
+
+        counts.append(fetched + _syncs_in(train))
+    guard.close()
+    assert len(counts) == 10 and guard.state.total_nonfinite == 0
+    assert counts[1:] == [0] * 9, counts  # step 0 learns which buffers the forward writes
+
+
+def test_rollback_on_cuda_restores_the_snapshot(tmp_path: Path) -> None:
+    """Two NaN steps escalate; the guard rolls back to its CPU snapshot of a CUDA model and
+    its optimizer: the weights are those the restored step started from, still on the GPU."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    config = tg.GuardConfig(
+        run_dir=tmp_path,
+        hang_timeout=0,
+        on_escalation="rollback",
+        snapshot_every=2,
+        good_after=1,
+        max_consecutive=2,
+        capture=False,
+    )
+    data = _batches(12)
+    data[5] = data[5] * float("nan")
+    data[6] = data[6] * float("nan")
+    at_start: dict[int, Tensor] = {}
+    restored: list[tuple[int, int]] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with tg.Guard(model, opt, config=config) as guard:
+            for batch in guard.watch(data):
+                step = guard.state.step
+                at_start[step] = _flat(model).clone()
+                loss = model(batch).pow(2).mean()
+                loss.backward()
+                guard.step(loss)
+                if guard.state.step <= step:  # rolled back
+                    restored.append((step, guard.state.step))
+                    torch.testing.assert_close(_flat(model), at_start[guard.state.step])
+    [event] = _events(tmp_path, "rollback")
+    assert restored == [(event["step"], event["restored_step"])] and event["source"] == "memory"
+    assert torch.isfinite(_flat(model)).all()
+    assert all(p.device.type == "cuda" for p in model.parameters())
+    states = [v for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]
+    assert states and all(v.device.type == "cuda" for v in states)
+
+
+FP16_CUDA = {"enabled": True, "device_type": "cuda", "dtype": "float16"}
+
+
+def _fp16_overflow_on_cuda(run_dir: Path) -> Path:
+    """``tg_replay_cases.train_under_autocast`` on the GPU: CUDA autocast float16."""
+    model = cases.Overflow().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = [{k: v.cuda() for k, v in b.items()} for b in cases.overflow_batches()]
+    with tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0) as guard:
+        for batch in guard.watch(data):
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = cases.ce(model, batch)
+            loss.backward()
+            if guard.check(loss):
+                opt.step()
+            opt.zero_grad()
+    assert list(guard.state.nonfinite_steps) == [1]
+    (bundle,) = sorted((run_dir / "captures").glob("step-*"))
+    return bundle
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fp16_overflow_captured_on_cuda_replays_on(tmp_path: Path, device: str) -> None:
+    bundle = _fp16_overflow_on_cuda(tmp_path)
+    meta = tg.load_bundle(bundle).meta(0)
+    assert meta["autocast"] == FP16_CUDA and meta["env"]["device"] == "cuda:0"
+    r = tg.replay(bundle, cases.overflow_factory, device=device, repeats=1).to_dict()
+    assert (r["reproduced"], r["verdict"], r["phase"]) == (True, "overflow_fp16", "forward")
+    assert r["module"] == "lin" and r["float32_reproduced"] is False
+    used = r["autocast"]
+    assert (used["device_type"], used["dtype"], used["source"]) == (device, "float16", "bundle")
+    if device == "cpu":
+        assert "recorded cuda autocast float16, run as cpu autocast here" in used["text"]
+    else:
+        assert used["text"] == "float16 on cuda (as recorded)"
+
+
+def test_fp16_overflow_captured_on_the_cpu_replays_on_cuda(tmp_path: Path) -> None:
+    bundle = cases.train_under_autocast(tmp_path)  # CPU autocast float16
+    assert tg.load_bundle(bundle).meta(0)["autocast"] == cases.FP16_CPU
+    r = tg.replay(bundle, cases.overflow_factory, device="cuda", repeats=1).to_dict()
+    assert (r["reproduced"], r["verdict"], r["phase"]) == (True, "overflow_fp16", "forward")
+    assert r["module"] == "lin" and r["float32_reproduced"] is False
+    assert (r["autocast"]["device_type"], r["autocast"]["dtype"]) == ("cuda", "float16")
+    assert "recorded cpu autocast float16, run as cuda autocast here" in r["autocast"]["text"]
+
+
+_RECORDER_SCRIPT = """
+import json, sys, time
+import torch
+import torch.distributed as dist
+from trainguard.hang import flight_recorder as fr
+from trainguard.hang.watchdog import group_name
+
+store = dist.FileStore(sys.argv[1], 1)
+dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+x = torch.ones(4, device="cuda")
+for _ in range(3):
+    dist.all_reduce(x)
+torch.cuda.synchronize()
+name = group_name(None)
+status = fr.pg_status(name)
+deadline = time.monotonic() + 20
+while (status is None or status[0] < 1 or status[0] != status[1]) and time.monotonic() < deadline:
+    time.sleep(0.1)
+    status = fr.pg_status(name)
+calls = fr.read_calls(name)
+out = {"name": name, "status": status, "setting": fr.setting(), "calls": None}
+if calls is not None:
+    out["calls"] = [[c.seq, c.op, c.sizes, c.done] for c in calls]
+print("RESULT " + json.dumps(out), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_flight_recorder_reads_nccl_collectives(tmp_path: Path) -> None:
+    """torch's flight recorder over NCCL (one rank on this GPU): the hang path's reader
+    (``hang/flight_recorder.py``) sees the group's all-reduces and their completion."""
+    env = dict(os.environ, TORCH_FR_BUFFER_SIZE="2000")
+    src = str(Path(tg.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    script = textwrap.dedent(_RECORDER_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "store")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"rc {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    out = json.loads(lines[0].removeprefix("RESULT "))
+    assert out["setting"] == "on" and out["calls"] is not None, out
+    seqs = [c[0] for c in out["calls"]]
+    assert len(seqs) == 3 and seqs == list(range(seqs[0], seqs[0] + 3)), out
+    assert out["status"] == [seqs[-1], seqs[-1]], out  # enqueued and completed
+    assert all(c[1] == "all_reduce" and c[2] == [[4]] and c[3] for c in out["calls"]), out
