@@ -4,6 +4,7 @@ and the report's collectives table."""
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 from pathlib import Path
@@ -150,6 +151,20 @@ def gloo_history() -> list[dict[str, Any]]:
     done = [entry(seq, "gloo:all_reduce", [[36]], True) for seq in range(1, 12)]
     other_group = entry(5, "gloo:broadcast", [[4]], False, pg="1")
     return [*done, other_group, entry(12, "gloo:barrier", [], False)]
+
+
+def test_nccl_and_gloo_recorders_are_read_together() -> None:
+    """NCCL records into its own recorder (``_dump_nccl_trace``): the merged dump holds both
+    recorders' entries, an entry both hold once, and each group's most advanced status."""
+    nccl = [entry(seq, "nccl:all_reduce", [[4]], True) for seq in (1, 2, 3)]
+    gloo = [entry(1, "gloo:broadcast", [[2]], True, pg="1"), nccl[2]]
+    dump = functools.partial(fr.merged_dump, (FakeDump(gloo, 0, 0), FakeDump(nccl, 3, 3)))
+    assert fr.pg_status("0", dump) == (3, 3)
+    calls = fr.read_calls("0", dump)
+    assert calls is not None
+    assert [(c.seq, c.op, c.done) for c in calls] == [(s, "all_reduce", True) for s in (1, 2, 3)]
+    other = fr.read_calls("1", dump)
+    assert other is not None and [c.op for c in other] == ["broadcast"]
 
 
 def test_calls_are_the_groups_last_ones_and_its_pending_one() -> None:

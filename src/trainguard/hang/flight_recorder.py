@@ -17,11 +17,13 @@ no effect in that process.
   of milliseconds for 2000 entries, so only when a rank has stalled).
 
 The dump is torch's own pickle of its own buffer, made in this process
-(``torch._C._distributed_c10d._dump_fr_trace``); ``pickle.loads`` reads nothing from outside.
+(``torch._C._distributed_c10d._dump_fr_trace``, and ``_dump_nccl_trace`` for NCCL's own
+recorder); ``pickle.loads`` reads nothing from outside.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -80,13 +82,53 @@ def setting(environ: Mapping[str, str] | None = None) -> str:
 
 
 def dump_function() -> Dump | None:
-    """torch's dump of the flight recorder (None: this torch has none that covers gloo)."""
+    """torch's dump of the flight recorder (None: this torch has none that covers gloo).
+
+    NCCL keeps its own recorder (CUDA events), dumped by ``_dump_nccl_trace`` in a build
+    with NCCL; ``_dump_fr_trace`` dumps the one gloo records into (seen on torch 2.11 with
+    one NCCL rank: ``_dump_fr_trace`` held none of its all-reduces). Where both exist, the
+    dump reads both and merges them (``merged_dump``)."""
     if not dist.is_available():
         return None
     from torch._C import _distributed_c10d as c10d
 
     dump: Dump | None = getattr(c10d, "_dump_fr_trace", None)
-    return dump
+    nccl: Dump | None = getattr(c10d, "_dump_nccl_trace", None)
+    if dump is None or nccl is None:
+        return dump
+    return functools.partial(merged_dump, (dump, nccl))
+
+
+def merged_dump(dumps: tuple[Dump, ...], **options: Any) -> bytes:
+    """One pickle of several recorders' dumps: their entries (an entry both hold, once) and,
+    per process group, the status that has seen the most collectives."""
+    entries: list[dict[str, Any]] = []
+    seen: set[tuple[str, int, str]] = set()
+    status: dict[str, Any] = {}
+    for dump in dumps:
+        data = pickle.loads(dump(**options))
+        for entry in data.get("entries", []):
+            group: Any = entry.get("process_group") or ("",)
+            key = (
+                str(group[0]),
+                int(entry.get("collective_seq_id", 0)),
+                str(entry.get("profiling_name")),
+            )
+            if key not in seen:
+                seen.add(key)
+                entries.append(entry)
+        for name, pg in data.get("pg_status", {}).items():
+            known = status.get(name)
+            if known is None or _enqueued(pg) > _enqueued(known):
+                status[name] = pg
+    return pickle.dumps({"entries": entries, "pg_status": status})
+
+
+def _enqueued(status: Any) -> int:
+    try:
+        return int(status["last_enqueued_collective"])
+    except (KeyError, TypeError, ValueError):
+        return -1
 
 
 def pg_status(pg_name: str, dump: Dump | None = None) -> tuple[int, int] | None:
