@@ -11,8 +11,9 @@
    by the median of the per-round ratios (and quartiles), and the median paired difference.
    The batch carries a float loss-weight mask beside the tokens, so that the input check has
    a floating-point tensor to check (token ids are integers, which it skips).
-2. Buffer restore on a small BatchNorm conv net (its forward writes the running statistics
-   every step), with the input check on its float images.
+2. Buffer restore on a BatchNorm conv net (its forward writes the running statistics every
+   step), with the input check on its float images: small (launch-bound, a few ms a step)
+   and large (GPU-bound, about 30 ms a step on an H100).
 3. Host syncs per step (``torch.cuda.set_sync_debug_mode("warn")``) over the whole loop
    iteration, fetch from ``watch()`` included, for every guard mode; where a mode syncs, the
    Python stacks of the syncs (the first frames inside trainguard) say which part it is.
@@ -232,8 +233,10 @@ class BNConv(nn.Module):
         return out
 
 
-def bnconv(device: torch.device, quick: bool) -> Workload:
-    width, size, batch = (4, 8, 4) if quick else (64, 32, 128)
+def bnconv(device: torch.device, quick: bool, large: bool = False) -> Workload:
+    """``large``: sized to keep the GPU busy (about 30 ms a step on an H100); else a small,
+    launch-bound net (a few ms), where the guard's fixed host cost shows."""
+    width, size, batch = (4, 8, 4) if quick else (128, 64, 128) if large else (64, 32, 128)
     gen = torch.Generator().manual_seed(0)
     batches: list[tuple[Tensor, ...]] = [
         tuple(
@@ -246,7 +249,7 @@ def bnconv(device: torch.device, quick: bool) -> Workload:
         for _ in range(4)
     ]
     return Workload(
-        "bnconv",
+        "bnconv_large" if large else "bnconv",
         lambda: BNConv(width),
         batches,
         lambda m, b: F.cross_entropy(m(b[0]), b[1]),
@@ -547,13 +550,22 @@ def autocast_cost(device: torch.device, repeats: int) -> dict[str, float]:
 def _workload(
     label: str, dtype: torch.dtype | None, device: torch.device, args: argparse.Namespace
 ) -> Workload:
-    if label == "bnconv":
-        return bnconv(device, args.quick)
+    if label.startswith("bnconv"):
+        return bnconv(device, args.quick, large=label == "bnconv_large")
     batch = 2
     if not args.quick and device.type == "cuda":
         print(f"[{label}] picking the batch (bare fused step >= {args.target_ms} ms)")
         batch = pick_batch(device, dtype, args.target_ms)
     return transformer(device, dtype, batch, args.quick)
+
+
+RUNS: dict[str, tuple[torch.dtype | None, float]] = {
+    "fp32": (None, 0.36),
+    "bf16": (torch.bfloat16, 0.34),
+    "bnconv": (None, 0.12),
+    "bnconv_large": (None, 0.18),
+}
+"""Each run: the autocast dtype, and its share of the timing budget."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -566,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-ms", type=float, default=30.0, help="bare fused step time")
     parser.add_argument("--sync-steps", type=int, default=6)
     parser.add_argument("--budget-s", type=float, default=330.0, help="stop rounds before")
+    parser.add_argument("--runs", default=",".join(RUNS), help="which of " + ", ".join(RUNS))
     parser.add_argument("--out", type=Path, default=Path("runs/benchmarks/gpu_features.json"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -587,15 +600,16 @@ def main(argv: list[str] | None = None) -> int:
         "sync_counts": {},
     }
     sections: list[tuple[str, dict[str, Any]]] = []
-    shares = {"fp32": 0.42, "bf16": 0.37, "bnconv": 0.21}  # of the timing budget
+    runs = [r for r in RUNS if r in args.runs.split(",")]
+    weight = sum(RUNS[r][1] for r in runs)
     budget = args.budget_s - 60 if not args.quick else args.budget_s  # the sync counts after
     with tempfile.TemporaryDirectory() as tmp:
-        for label, dtype in (("fp32", None), ("bf16", torch.bfloat16), ("bnconv", None)):
+        for label in runs:
             try:
-                work = _workload(label, dtype, device, args)
+                work = _workload(label, RUNS[label][0], device, args)
                 print(f"[{label}] {work.what}", flush=True)
-                names = BNCONV_MODES if label == "bnconv" else TRANSFORMER_MODES
-                deadline = time.monotonic() + shares[label] * budget
+                names = BNCONV_MODES if label.startswith("bnconv") else TRANSFORMER_MODES
+                deadline = time.monotonic() + RUNS[label][1] / weight * budget
                 res = interleaved(
                     work, names, specs, args.rounds, args.block_steps, args.warmup, deadline, tmp
                 )

@@ -333,7 +333,7 @@ def test_fp16_overflow_captured_on_the_cpu_replays_on_cuda(tmp_path: Path) -> No
 
 
 _RECORDER_SCRIPT = """
-import json, sys, time
+import json, pickle, sys, time
 import torch
 import torch.distributed as dist
 from trainguard.hang import flight_recorder as fr
@@ -347,28 +347,32 @@ for _ in range(3):
 torch.cuda.synchronize()
 name = group_name(None)
 status = fr.pg_status(name)
-deadline = time.monotonic() + 20
+deadline = time.monotonic() + 10
 while (status is None or status[0] < 1 or status[0] != status[1]) and time.monotonic() < deadline:
     time.sleep(0.1)
     status = fr.pg_status(name)
 calls = fr.read_calls(name)
-out = {"name": name, "status": status, "setting": fr.setting(), "calls": None}
+out = {"name": name, "status": status, "setting": fr.setting(), "calls": None, "raw": {}}
 if calls is not None:
     out["calls"] = [[c.seq, c.op, c.sizes, c.done] for c in calls]
-print("RESULT " + json.dumps(out), flush=True)
+from torch._C import _distributed_c10d as c10d
+for fn in ("_dump_fr_trace", "_dump_nccl_trace"):  # what each recorder holds, for a failure
+    dump = getattr(c10d, fn, None)
+    if dump is not None:
+        data = pickle.loads(dump(includeStackTraces=False))
+        out["raw"][fn] = [len(data.get("entries", [])), data.get("pg_status")]
+print("RESULT " + json.dumps(out, default=str), flush=True)
 dist.destroy_process_group()
 """
 
 
-def test_flight_recorder_reads_nccl_collectives(tmp_path: Path) -> None:
-    """torch's flight recorder over NCCL (one rank on this GPU): the hang path's reader
-    (``hang/flight_recorder.py``) sees the group's all-reduces and their completion."""
-    env = dict(os.environ, TORCH_FR_BUFFER_SIZE="2000")
+def _recorder_run(tmp_path: Path, **env_vars: str) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if "BUFFER_SIZE" not in k} | env_vars
     src = str(Path(tg.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
-    script = textwrap.dedent(_RECORDER_SCRIPT)
+    store = tmp_path / f"store-{len(env_vars)}"
     proc = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "store")],
+        [sys.executable, "-c", textwrap.dedent(_RECORDER_SCRIPT), str(store)],
         env=env,
         capture_output=True,
         text=True,
@@ -376,7 +380,20 @@ def test_flight_recorder_reads_nccl_collectives(tmp_path: Path) -> None:
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, f"rc {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    out = json.loads(lines[0].removeprefix("RESULT "))
+    out: dict[str, Any] = json.loads(lines[0].removeprefix("RESULT "))
+    return out
+
+
+def test_flight_recorder_reads_nccl_collectives(tmp_path: Path) -> None:
+    """torch's flight recorder over NCCL (one rank on this GPU), sized by the variable
+    trainguard's launcher sets: the hang path's reader (``hang/flight_recorder.py``) sees the
+    group's all-reduces and their completion."""
+    out = _recorder_run(tmp_path, TORCH_FR_BUFFER_SIZE="2000")
+    if out["calls"] is None:  # say whether the older variable alone would have done it
+        old = _recorder_run(
+            tmp_path, TORCH_FR_BUFFER_SIZE="2000", TORCH_NCCL_TRACE_BUFFER_SIZE="2000"
+        )
+        out["with TORCH_NCCL_TRACE_BUFFER_SIZE too"] = old
     assert out["setting"] == "on" and out["calls"] is not None, out
     seqs = [c[0] for c in out["calls"]]
     assert len(seqs) == 3 and seqs == list(range(seqs[0], seqs[0] + 3)), out

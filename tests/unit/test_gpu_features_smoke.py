@@ -35,6 +35,7 @@ def test_gpu_features_quick_on_the_cpu(tmp_path: Path) -> None:
         "fp32": gpu_features.TRANSFORMER_MODES,
         "bf16": gpu_features.TRANSFORMER_MODES,
         "bnconv": gpu_features.BNCONV_MODES,
+        "bnconv_large": gpu_features.BNCONV_MODES,
     }
     assert set(report["runs"]) == set(expected)
     for run, modes in expected.items():
