@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_features.py [--rounds 10] [--out runs/benchmarks/gpu_features.json]
     python benchmarks/gpu_features.py --device cpu --quick      # smoke test, seconds
+    python benchmarks/gpu_features.py --from-json A.json B.json  # the table of saved runs
 
 1. A GPT-style transformer (``_gpt.TinyGPT``) whose batch is picked so that a bare fused
    step takes about ``--target-ms`` (default 30 ms), in float32 and under bf16 autocast.
@@ -13,7 +14,7 @@
    a floating-point tensor to check (token ids are integers, which it skips).
 2. Buffer restore on a BatchNorm conv net (its forward writes the running statistics every
    step), with the input check on its float images: small (launch-bound, a few ms a step)
-   and large (GPU-bound, about 30 ms a step on an H100).
+   and large (GPU-bound, about 13 ms a step on an H100).
 3. Host syncs per step (``torch.cuda.set_sync_debug_mode("warn")``) over the whole loop
    iteration, fetch from ``watch()`` included, for every guard mode; where a mode syncs, the
    Python stacks of the syncs (the first frames inside trainguard) say which part it is.
@@ -26,6 +27,7 @@ import argparse
 import contextlib
 import copy
 import itertools
+import json
 import random
 import subprocess
 import sys
@@ -234,7 +236,7 @@ class BNConv(nn.Module):
 
 
 def bnconv(device: torch.device, quick: bool, large: bool = False) -> Workload:
-    """``large``: sized to keep the GPU busy (about 30 ms a step on an H100); else a small,
+    """``large``: sized to keep the GPU busy (about 13 ms a step on an H100); else a small,
     launch-bound net (a few ms), where the guard's fixed host cost shows."""
     width, size, batch = (4, 8, 4) if quick else (128, 64, 128) if large else (64, 32, 128)
     gen = torch.Generator().manual_seed(0)
@@ -514,6 +516,21 @@ def table(sections: list[tuple[str, dict[str, Any]]], syncs: dict[str, Any]) -> 
     return markdown_table(headers, rows)
 
 
+def saved_table(paths: list[Path]) -> str:
+    """The table of saved reports, a run measured in several named by its report (``#2``)."""
+    reports = [json.loads(path.read_text(encoding="utf-8")) for path in paths]
+    labels = [label for report in reports for label in report["runs"]]
+    sections: list[tuple[str, dict[str, Any]]] = []
+    syncs: dict[str, Any] = {}
+    for i, report in enumerate(reports, 1):
+        for label, res in report["runs"].items():
+            name = label if labels.count(label) == 1 else f"{label} #{i}"
+            if "modes" in res:
+                sections.append((name, res))
+            syncs[name] = report["sync_counts"].get(label, {})
+    return table(sections, syncs)
+
+
 def gpu_info() -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {}
@@ -580,7 +597,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=330.0, help="stop rounds before")
     parser.add_argument("--runs", default=",".join(RUNS), help="which of " + ", ".join(RUNS))
     parser.add_argument("--out", type=Path, default=Path("runs/benchmarks/gpu_features.json"))
+    parser.add_argument("--from-json", type=Path, nargs="+", help="print the saved runs' table")
     args = parser.parse_args(argv)
+    if args.from_json:
+        print(saved_table(args.from_json))
+        return 0
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_features: no CUDA device here; use --device cpu for a smoke run")
