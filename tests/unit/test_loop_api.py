@@ -158,7 +158,7 @@ def test_the_no_gradient_test_walks_no_parameter_when_gradients_exist(tmp_path: 
     log = EventLog(tmp_path, 0)
     check = NoGradientsCheck(_NoIteration(), log, 0)
     grad = torch.ones(2)
-    stats = GradStats(["w"], torch.ones(1), torch.ones((), dtype=torch.float64), [grad])
+    stats = GradStats(["w"], [torch.ones(())], [grad], grad.device)
     for step in range(3):
         check.seen(stats, step)  # would raise if it walked the parameters
     assert not check.warned

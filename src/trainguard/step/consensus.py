@@ -21,6 +21,7 @@ from torch import Tensor
 
 from trainguard.numerics import norm_or_inf
 from trainguard.step.held_work import HeldWork
+from trainguard.step.local_row import FoldedRow
 
 COLUMNS = (
     "loss",
@@ -64,6 +65,9 @@ class LocalReport:
     compute_time: float = 0.0
     """Seconds of this rank's own compute during the step (its forward passes: no time
     spent waiting for other ranks; ``health.timing``)."""
+    layout: FoldedRow | None = None
+    """A world of one's folded row (``local_row``): ``values`` holds the columns' pieces,
+    reduced on the host at the read."""
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,10 @@ class Consensus:
     def agree(self, report: LocalReport, sum_grad_norms: bool) -> Agreement:
         """One all-reduce, one host read."""
         if not self.distributed or self.world_size == 1:  # nothing to reduce: read the row
-            return _alone(report.values.tolist(), report, sum_grad_norms)
+            values = report.values.tolist()
+            if report.layout is not None:
+                values = report.layout.unfold(values)
+            return _alone(values, report, sum_grad_norms)
         reduced = self.reduce(report, sum_grad_norms)
         return self.read(reduced.buf.tolist(), reduced)
 

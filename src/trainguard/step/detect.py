@@ -16,7 +16,7 @@ clipping multiplies a sparse gradient in place. Dense-only models never see the 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -26,28 +26,56 @@ from trainguard.numerics import is_sparse, stored_values
 
 @dataclass
 class GradStats:
-    """The gradient pass of one rank. All tensors live on ``device``; nothing synced yet."""
+    """The gradient pass of one rank. All tensors live on ``device``; nothing synced yet.
+
+    The per-parameter norms are kept as the fused pass returned them (``per_param``); their
+    ``stack`` (``norms``) and the total (``norm``) are built on first read: a world of one
+    folds the norms on the host instead (``step/local_row.py``), two ops fewer a step."""
 
     names: list[str]
-    """Parameter names, aligned with ``norms``."""
-    norms: Tensor | None
-    """Per-parameter gradient norms (float32, 1-d), or None when no parameter has a gradient."""
-    norm: Tensor
-    """L2 norm of all the local gradients (float64 scalar, computed in float64). Non-finite
-    exactly when some gradient holds NaN/Inf (or has a norm beyond float32): squares of finite
-    float32 norms cannot overflow float64."""
+    """Parameter names, aligned with ``per_param``."""
+    per_param: list[Tensor]
+    """Per-parameter gradient norms (float32 0-d tensors on ``device``)."""
     grads: list[Tensor]
     """The local gradient tensors (shards under FSDP2), for in-place clipping. After the mixed
-    pass the sparse ones come last (in ``names`` and ``norms`` too)."""
+    pass the sparse ones come last (in ``names`` and ``per_param`` too)."""
+    device: torch.device
     mixed: bool = False
     """The gradients took the mixed pass (some are sparse, float64 or complex): pass
     ``mixed=True`` to the next ``grad_stats`` to go there directly."""
+    input_norms: list[Tensor] = field(default_factory=list)
+    """float32 L2 norms of the tensors given as ``grad_stats(inputs=...)`` (taken in the same
+    fused pass), on ``device``."""
+    _norms: Tensor | None = field(default=None, init=False, repr=False)
+    _norm: Tensor | None = field(default=None, init=False, repr=False)
+
+    @property
+    def norms(self) -> Tensor | None:
+        """Per-parameter gradient norms (float32, 1-d), or None when no parameter has a
+        gradient."""
+        if self._norms is None and self.per_param:
+            self._norms = torch.stack(self.per_param)
+        return self._norms
+
+    @property
+    def norm(self) -> Tensor:
+        """L2 norm of all the local gradients (float64 scalar, computed in float64).
+        Non-finite exactly when some gradient holds NaN/Inf (or has a norm beyond float32):
+        squares of finite float32 norms cannot overflow float64."""
+        if self._norm is None:
+            norms = self.norms
+            if norms is None:
+                self._norm = torch.zeros((), dtype=torch.float64, device=self.device)
+            else:  # NaN/Inf propagate
+                self._norm = torch.linalg.vector_norm(norms, dtype=torch.float64)
+        return self._norm
 
     def bad_names(self) -> list[str]:
         """Names of the parameters whose gradients are not finite. Syncs: bad steps only."""
-        if self.norms is None:
+        norms = self.norms
+        if norms is None:
             return []
-        finite = torch.isfinite(self.norms).tolist()
+        finite = torch.isfinite(norms).tolist()
         return [name for name, ok in zip(self.names, finite, strict=True) if not ok]
 
 
@@ -77,23 +105,31 @@ def grad_stats(
     device: torch.device,
     sharded: bool = True,
     mixed: bool = False,
+    inputs: list[Tensor] | None = None,
 ) -> GradStats:
     """One fused pass over the local gradients, grouped by device; results land on ``device``.
 
     ``sharded=False`` skips the DTensor lookup per parameter (plain gradients). ``mixed``: the
     last call's ``GradStats.mixed``; when False the fused pass is tried first and the mixed
-    pass runs only if it refuses a gradient, so dense models pay nothing for it."""
+    pass runs only if it refuses a gradient, so dense models pay nothing for it. ``inputs``:
+    tensors on ``device`` that ``fused_takes`` (the step's input data) whose norms ride the
+    same pass (``GradStats.input_norms``): one launch for both."""
     names, grads = _local_grads(named_params, sharded)
-    if not grads:
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        return GradStats(names, None, zero, [])
-    if not mixed:
+    extra = inputs or []
+    if not mixed and grads:
         try:
-            return _stats(names, grads, _norms_on(grads, device))
+            norms = _norms_on(grads + extra, device)
+            cut = len(grads)
+            return GradStats(names, norms[:cut], grads, device, input_norms=norms[cut:])
         except RuntimeError:  # NotImplementedError too: a sparse gradient, a float64 one
-            if all(_fused_takes(grad) for grad in grads):
+            if all(fused_takes(grad) for grad in grads):
                 raise
-    return _mixed_stats(names, grads, device)
+    input_norms = _norms(extra) if extra else []
+    if not grads:
+        return GradStats(names, [], [], device, input_norms=input_norms)
+    stats = _mixed_stats(names, grads, device)
+    stats.input_norms = input_norms
+    return stats
 
 
 def _local_grads(
@@ -104,14 +140,6 @@ def _local_grads(
     else:  # comprehensions, not a loop of appends: a large model has hundreds of gradients
         found = [(name, grad) for name, p in named_params if (grad := p.grad) is not None]
     return [name for name, _ in found], [grad for _, grad in found]
-
-
-def _stats(
-    names: list[str], grads: list[Tensor], norms: list[Tensor], mixed: bool = False
-) -> GradStats:
-    stacked = torch.stack(norms)
-    norm = torch.linalg.vector_norm(stacked, dtype=torch.float64)  # NaN/Inf propagate
-    return GradStats(names, stacked, norm, grads, mixed)
 
 
 def _norms_on(grads: list[Tensor], device: torch.device) -> list[Tensor]:
@@ -133,7 +161,8 @@ _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """What the fused pass accumulates in float32 (``dtype=`` refuses to narrow float64/complex)."""
 
 
-def _fused_takes(grad: Tensor) -> bool:
+def fused_takes(grad: Tensor) -> bool:
+    """Whether the fused pass accumulates this tensor (strided, float32/16, bfloat16)."""
     return grad.layout == torch.strided and grad.dtype in _FUSED_DTYPES
 
 
@@ -143,7 +172,8 @@ def _mixed_stats(names: list[str], grads: list[Tensor], device: torch.device) ->
     order = sorted(range(len(grads)), key=lambda i: is_sparse(grads[i]))  # stable
     names = [names[i] for i in order]
     grads = [grads[i] for i in order]
-    return _stats(names, grads, _mixed_norms_on([stored_values(g) for g in grads], device), True)
+    norms = _mixed_norms_on([stored_values(g) for g in grads], device)
+    return GradStats(names, norms, grads, device, True)
 
 
 def _mixed_norms_on(tensors: list[Tensor], device: torch.device) -> list[Tensor]:

@@ -282,7 +282,7 @@ class Guard:
             self._start.missed(step)
         if self.scaler is not None:
             amp.unscale(self.scaler, self.optimizer)
-        stats, report, sharded = self._measure(loss)
+        stats, report, sharded = self._measure(loss, readback=True)
         agreement = self._consensus.agree(report, sharded)
         if agreement.bad and self._transient is not None:
             agreement, stats = self._transient.rerun(step, agreement, stats)
@@ -377,6 +377,7 @@ class Guard:
             no_grads=self._no_grads,
             inputs=self._inputs,
             replicas=self.replicas,
+            fold=self.world_size == 1,
             timer=self._timer,
             evidence=self._evidence,
             stream=lambda: self._stream,

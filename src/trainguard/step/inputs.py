@@ -25,6 +25,7 @@ from trainguard.capture import batchtree
 from trainguard.events import EventLog
 from trainguard.numerics import is_sparse, stored_values
 from trainguard.step.consensus import Agreement
+from trainguard.step.detect import fused_takes
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,22 @@ class InputCheck:
             return self._zero
         self._checked.append((step, list(batches)))
         return max_abs(float_tensors(batches), device)
+
+    def foldable(
+        self, step: int, batches: Sequence[Any], device: torch.device
+    ) -> list[Tensor] | None:
+        """The step's floating-point input tensors for a world of one's folded row (their
+        norms taken in the gradients' fused pass, ``step/local_row.py``): [] when the check is
+        off or there are no batches, None unless every tensor is a strided float32, float16
+        or bfloat16 tensor on ``device`` (then ``value``)."""
+        if not self.enabled or not batches:
+            return []
+        tensors = float_tensors(batches)
+        for tensor in tensors:
+            if tensor.device != device or not fused_takes(tensor):
+                return None
+        self._checked.append((step, list(batches)))
+        return tensors
 
     def report(self, agreement: Agreement, step: int) -> None:
         """On a step with a non-finite input somewhere: a ``bad_input`` event on every rank

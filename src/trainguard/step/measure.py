@@ -23,7 +23,8 @@ from trainguard.step.consensus import LocalReport
 from trainguard.step.data import BatchStream
 from trainguard.step.detect import GradStats, grad_stats, is_sharded, loss_columns
 from trainguard.step.evidence import StepEvidence
-from trainguard.step.inputs import InputCheck
+from trainguard.step.inputs import InputCheck, max_abs
+from trainguard.step.local_row import FoldedRow, fold
 from trainguard.step.losses import StepLosses
 from trainguard.step.start import StepStart
 from trainguard.step.usage import NoGradientsCheck
@@ -45,6 +46,9 @@ class MeasureParts:
     evidence: StepEvidence
     stream: Callable[[], BatchStream | None]
     step_of: Callable[[], int]
+    fold: bool = False
+    """A world of one: a row read back at once (``check()``, not the sync-free step) may be
+    folded on the host (``local_row``)."""
 
 
 class StepMeasure:
@@ -55,16 +59,20 @@ class StepMeasure:
         self._is_sharded: bool | None = None
         self._mixed_grads = False  # sparse/float64 gradients seen: grad_stats' mixed pass
 
-    def __call__(self, loss: Tensor) -> tuple[GradStats, LocalReport, bool]:
-        """Learn the buffers, take the one gradient pass, build this rank's report."""
+    def __call__(self, loss: Tensor, readback: bool = False) -> tuple[GradStats, LocalReport, bool]:
+        """Learn the buffers, take the one gradient pass, build this rank's report.
+        ``readback``: the report is read back at once (``Consensus.agree``), never reduced
+        on the device (the sync-free step's ``Consensus.reduce``)."""
         parts = self._parts
         step = parts.step_of()
         parts.start.buffers.learn(step)
         sharded = self._sharded()
-        stats = grad_stats(parts.params, parts.device, sharded, self._mixed_grads)
+        inputs = self._fold_inputs(step) if readback and parts.fold and not sharded else None
+        stats = grad_stats(parts.params, parts.device, sharded, self._mixed_grads, inputs)
         self._mixed_grads = stats.mixed  # stays True once seen
         parts.no_grads.seen(stats, step)  # check() before backward(): warn once
-        return stats, self._report(stats, loss, step), sharded
+        report = self._folded(stats, loss, inputs) if inputs is not None else None
+        return stats, report or self._report(stats, loss, step), sharded
 
     def _sharded(self) -> bool:
         """Whether the gradients are FSDP2 shards; looked up once, at the first gradients."""
@@ -85,7 +93,33 @@ class StepMeasure:
         inputs = parts.inputs.value(step, batches, device)
         fingerprint = parts.replicas.fingerprint(step, device)
         values = torch.stack([last, check, stats.norm, inputs, fingerprint])  # one kernel
-        timer = parts.timer
+        return self._host_fields(values, stream, None)
+
+    def _fold_inputs(self, step: int) -> list[Tensor] | None:
+        """The step's input tensors for a folded row ([] unchecked), None: not foldable."""
+        parts = self._parts
+        batches = parts.evidence.batches_of(step) if parts.stream() is not None else []
+        return parts.inputs.foldable(step, batches, parts.device)
+
+    def _folded(self, stats: GradStats, loss: Tensor, inputs: list[Tensor]) -> LocalReport | None:
+        """The row of a world of one, its reductions left to the host (``local_row``); None
+        when the loss does not fold (then ``_report``)."""
+        parts = self._parts
+        device = parts.device
+        checked = parts.losses.checked(loss)
+
+        def confirm() -> float:
+            return float(max_abs(inputs, device))
+
+        folded = fold(checked, stats.per_param, stats.input_norms, device, confirm)
+        if folded is None:
+            return None
+        return self._host_fields(folded[0], parts.stream(), folded[1])
+
+    def _host_fields(
+        self, values: Tensor, stream: BatchStream | None, layout: FoldedRow | None
+    ) -> LocalReport:
+        timer = self._parts.timer
         data_time, compute_time = timer.take() if timer is not None else (0.0, 0.0)
         return LocalReport(
             values,
@@ -93,4 +127,5 @@ class StepMeasure:
             batches=stream.batches_seen if stream is not None else 0,
             data_time=data_time,
             compute_time=compute_time,
+            layout=layout,
         )
