@@ -25,6 +25,7 @@ import tg_buffer_models as bufmodels
 import tg_capture_models as models
 import tg_replay_cases as cases
 import torch
+from tg_ops import OpRecorder
 from torch import Tensor, nn
 
 import trainguard as tg
@@ -117,6 +118,36 @@ def test_check_synchronizes_once_per_step(tmp_path: Path) -> None:
         opt.zero_grad()
     guard.close()
     assert counts == [1] * 4  # the read of the agreed flags, nothing per parameter
+
+
+def test_check_folds_its_row_on_cuda(tmp_path: Path) -> None:
+    """A world of one: the inputs' norms ride the gradients' one fused launch, one stack, one
+    read; a NaN input skips, a huge finite one (its float32 norm overflows) does not."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0)
+    gen = torch.Generator().manual_seed(3)
+    data = [
+        (torch.randn(16, 32, generator=gen), torch.randn(16, 4, generator=gen)) for _ in range(4)
+    ]
+    data[2][1][5, 1], data[3][1][0, 0] = float("nan"), 1e20
+    results, syncs, ops = [], [], []
+    for x, _aux in guard.watch([(x.cuda(), aux.cuda()) for x, aux in data]):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        with OpRecorder() as rec:
+            syncs.append(_syncs_in(lambda loss=loss: results.append(guard.check(loss))))
+        ops.append([(name, sizes) for name, sizes in rec.ops])
+        opt.step()
+        opt.zero_grad()
+    guard.close()
+    assert results == [True, True, False, True]
+    assert syncs[0] == syncs[1] == 1
+    names = [name for name, _ in ops[0]]
+    assert names.count("_foreach_norm") == 1 and names.count("stack") == 1, names
+    assert "linalg_vector_norm" not in names and "amax" not in names, names
+    [(_, sizes)] = [op for op in ops[0] if op[0] == "_foreach_norm"]
+    assert len(sizes) == 4 + 2  # the 4 gradients and the 2 input tensors
 
 
 def test_grad_clip_on_cuda_matches_clip_grad_norm(tmp_path: Path) -> None:
