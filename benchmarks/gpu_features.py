@@ -597,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=330.0, help="stop rounds before")
     parser.add_argument("--runs", default=",".join(RUNS), help="which of " + ", ".join(RUNS))
     parser.add_argument("--out", type=Path, default=Path("runs/benchmarks/gpu_features.json"))
+    parser.add_argument("--modes", help="only these modes (comma-separated; default: all)")
     parser.add_argument("--from-json", type=Path, nargs="+", help="print the saved runs' table")
     args = parser.parse_args(argv)
     if args.from_json:
@@ -629,7 +630,11 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 work = _workload(label, RUNS[label][0], device, args)
                 print(f"[{label}] {work.what}", flush=True)
-                names = BNCONV_MODES if label.startswith("bnconv") else TRANSFORMER_MODES
+                names: tuple[str, ...] = (
+                    BNCONV_MODES if label.startswith("bnconv") else TRANSFORMER_MODES
+                )
+                if args.modes:
+                    names = tuple(n for n in names if n in args.modes.split(","))
                 deadline = time.monotonic() + RUNS[label][1] / weight * budget
                 res = interleaved(
                     work, names, specs, args.rounds, args.block_steps, args.warmup, deadline, tmp

@@ -316,6 +316,35 @@ def test_rollback_on_cuda_restores_the_snapshot(tmp_path: Path) -> None:
     assert states and all(v.device.type == "cuda" for v in states)
 
 
+def test_snapshot_of_a_cuda_model_is_taken_without_a_host_sync(sync_debug: None) -> None:
+    """Pinned non-blocking copies: no sync while taking it; the next update does not leak in;
+    a restore waits for the copies and puts back the weights and the optimizer state."""
+    from trainguard.recovery import snapshot as snap
+
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    objects = snap.TrainingObjects(model, opt)
+    for batch in _batches(2):
+        model(batch).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    before = _flat(model).clone()
+    moments = [s["exp_avg"].clone() for s in opt.state.values()]
+    torch.cuda.set_sync_debug_mode("error")  # any sync while taking it raises
+    taken = snap.take(objects, step=2, position=2, stream_id=0, guard={}, extra={})
+    torch.cuda.set_sync_debug_mode("default")
+    assert taken.copies and all(t.is_pinned() for t in taken.state["model"].values())
+    for batch in _batches(3):  # updates queued right behind the copies
+        model(batch).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert not torch.equal(_flat(model), before)
+    snap.restore(objects, taken)
+    assert torch.equal(_flat(model), before) and taken.copies == []
+    for state, moment in zip(opt.state.values(), moments, strict=True):
+        assert state["exp_avg"].is_cuda and torch.equal(state["exp_avg"], moment)
+
+
 FP16_CUDA = {"enabled": True, "device_type": "cuda", "dtype": "float16"}
 
 
