@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _bnconv import BNConv
 from _common import machine_info, markdown_table, median, now_iso, quartiles, write_json
 from overhead_modes import workloads
 
@@ -44,24 +45,6 @@ from trainguard.step.start import autocast_state
 
 MODES = ("bare", "guard", "guard_no_restore")
 Batch = tuple[Tensor, Tensor]
-
-
-class BNConv(nn.Module):
-    """Three conv + BatchNorm2d + ReLU blocks, pooled, a linear head."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        layers: list[nn.Module] = []
-        channels = 3
-        for _ in range(3):
-            layers += [nn.Conv2d(channels, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU()]
-            channels = width
-        self.body = nn.Sequential(*layers)
-        self.head = nn.Linear(width, 10)
-
-    def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.head(self.body(x).mean((2, 3)))
-        return out
 
 
 class Job:

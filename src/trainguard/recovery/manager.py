@@ -135,25 +135,32 @@ class Recovery:
         self.stream = Stream(view, iterable, epoch, self._streams, self._loader)
 
     def step_boundary(self) -> None:
-        """Before a step's first batch: the weights describe the start of that step."""
+        """At a step's start (its first training forward, else when its first batch is handed
+        out): the weights describe the start of that step, whose first batch is at the
+        stream's ``step_position`` (a loop that fetches ahead took it during the step
+        before)."""
         stream = self.stream
         step = self.guard_state.step
         if stream is None:
             return
-        if self._resume_rng is not None and self._resume_rng[0] == step:
-            set_rng_state(self._resume_rng[1])  # as the checkpointed run had it here
-        self._resume_rng = None
+        resume_rng = self._resume_rng
+        if resume_rng is not None and resume_rng[0] == step:
+            # As the checkpointed run had it here: at the batch's hand-out, and again at the
+            # step's first forward when a hook records it (the checkpoint's moment then).
+            set_rng_state(resume_rng[1])
+        elif resume_rng is not None and resume_rng[0] < step:
+            self._resume_rng = None
         if self._checkpoint_due(step):
             self._save_checkpoint(step, stream)
         elif stream.loader is not None:
-            stream.loader.forget_before(stream.view.position)
+            stream.loader.forget_before(stream.view.step_position)
         if not self.snapshots.due(step):
             return
         self.snapshots.add(
             snap.take(
                 self.objects,
                 step,
-                stream.view.position,
+                stream.view.step_position,
                 stream.ident,
                 self.guard_state.state_dict(),
                 {"recovery": self.state.state_dict(), "epoch": stream.epoch},
@@ -187,7 +194,7 @@ class Recovery:
         return due and step not in self._good_steps
 
     def _save_checkpoint(self, step: int, stream: Stream) -> None:
-        position = stream.view.position
+        position = stream.view.step_position
         # The loader's own state at this boundary (not at the prefetch front); this rank's.
         loader = stream.loader.at(position) if stream.loader is not None else None
         extras = {
@@ -304,7 +311,8 @@ class Recovery:
         skipped = self._skip_batches(target, step)
         self._restore(target, attempt, rung, step)
         if self.stream is not None:  # the restored state now reads on from here
-            target.position, target.stream_id = self.stream.view.position, self.stream.ident
+            target.position = self.stream.view.untrained_position
+            target.stream_id = self.stream.ident
         self.events.write(
             "rollback",
             step,
@@ -357,7 +365,8 @@ class Recovery:
         if stream is None:
             return []
         start = target.position if target.stream_id == stream.ident else 0
-        positions = list(range(start, stream.view.position))
+        # Up to the loop's next batch: one it fetched ahead trains the restored step.
+        positions = list(range(start, stream.view.untrained_position))
         if self.config.skip_margin:
             before = stream.view.position
             stream.view.drop_next(self.config.skip_margin)

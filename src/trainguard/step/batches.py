@@ -34,21 +34,32 @@ class StepBatches:
         self._k = accumulation_steps
         self._events = events
         self._rank = rank
-        self._items: deque[tuple[Any, RngSnapshot | None]] = deque()
+        self._items: deque[tuple[Any, RngSnapshot | None, int]] = deque()
         self._ahead: int | None = None
         """How many items the loop holds ahead at a decision (set by the first step)."""
         self.mismatch = False
         """The loop's batches per step did not match ``accumulation_steps`` (said once)."""
 
-    def handed_out(self, batch: Any, rng: RngSnapshot | None) -> None:
-        """``watch()`` yielded ``batch`` (``rng``: states taken before it, or None)."""
-        self._items.append((batch, rng))
+    def handed_out(self, batch: Any, rng: RngSnapshot | None, position: int) -> None:
+        """``watch()`` yielded ``batch``, item ``position`` of the iterable (``rng``: states
+        taken before it, or None)."""
+        self._items.append((batch, rng, position))
         if len(self._items) > MAX_AHEAD + self._k:
             self._items.popleft()
 
     def step(self) -> list[Any]:
         """The micro-batches of the step being decided (the first ``k`` waiting)."""
-        return [batch for batch, _ in list(self._items)[: self._k]]
+        return [batch for batch, _, _ in list(self._items)[: self._k]]
+
+    def first_position(self) -> int | None:
+        """Position of the oldest item waiting: the first batch of the step in progress
+        (None: none handed out since the last decided step)."""
+        return self._items[0][2] if self._items else None
+
+    def ahead_position(self) -> int | None:
+        """Position of the first item beyond the step being decided: a batch the loop fetched
+        ahead and has not trained on (None: the loop holds none)."""
+        return self._items[self._k][2] if len(self._items) > self._k else None
 
     def step_rng(self) -> dict[str, Any] | None:
         """RNG states taken when the step's first micro-batch was handed out, if any."""

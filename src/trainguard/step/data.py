@@ -96,9 +96,10 @@ class BatchStream:
         self.unchecked = StepBatches(accumulation_steps, events, consensus.rank)
         """The batches handed out and not yet decided, in order: the checked step's are the
         first ``accumulation_steps`` of them, however far the loop fetched ahead."""
-        self.rng_at_yield = True
-        """Take the RNG states when a step's first batch is handed out (the fallback when
-        no forward hook records the step's start: ``start.StepStart``)."""
+        self.start_at_yield = True
+        """Start the step when its first batch is handed out (the RNG states, and
+        recovery's step boundary): the fallback while no forward hook records the step's
+        start (``start.StepStart``)."""
 
     @property
     def exhausted(self) -> bool:
@@ -108,6 +109,20 @@ class BatchStream:
     def position(self) -> int:
         """Position in the iterable of the next batch to hand out (dropped ones counted)."""
         return self._queue[0][0] if self._queue else self._taken
+
+    @property
+    def step_position(self) -> int:
+        """Position of the first batch of the step in progress: handed out already (a loop
+        that fetches ahead took it during the step before), else the next to hand out."""
+        first = self.unchecked.first_position()
+        return self.position if first is None else first
+
+    @property
+    def untrained_position(self) -> int:
+        """During a ``check()``: the first position the loop has not trained on, a batch it
+        fetched ahead and holds (it trains the next step on it), else the next to hand out."""
+        ahead = self.unchecked.ahead_position()
+        return self.position if ahead is None else ahead
 
     def drop_next(self, count: int) -> None:
         """Drop the next ``count`` batches (fetched or not); call on every rank alike."""
@@ -142,12 +157,12 @@ class BatchStream:
                 if not self._queue:  # dropped after a rollback: the data ran out
                     break
                 rng = None
-                if micro == 0:
+                if micro == 0 and self.start_at_yield:
                     if self._on_step_start is not None:
                         self._on_step_start()  # recovery: snapshot at the step boundary
-                    rng = RngSnapshot.take() if self.rng_at_yield else None
-                batch = self._queue.popleft()[1]
-                self.unchecked.handed_out(batch, rng)
+                    rng = RngSnapshot.take()
+                position, batch = self._queue.popleft()
+                self.unchecked.handed_out(batch, rng, position)
                 self._yielded += 1
                 self._progress.enter("step")
                 yield batch

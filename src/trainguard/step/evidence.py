@@ -99,7 +99,7 @@ class StepEvidence:
         parts = self._parts
         stream = parts.stream()
         if stream is not None:
-            stream.rng_at_yield = not parts.start.seen
+            stream.start_at_yield = not parts.start.seen
             if not parts.recorded.used:
                 stream.unchecked.taken(step)
 

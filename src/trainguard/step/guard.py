@@ -190,6 +190,8 @@ class Guard:
             self._consensus.device,
             self.rank,
         )
+        if self.recovery is not None:  # snapshots at the step's first forward (step/start.py)
+            self._start.on_begin = self.recovery.step_boundary
         self._decision = DecisionApply(self._apply_parts())  # acting on it: step/apply.py
         # Recovery restores at step boundaries: it needs the decision before the update.
         sync_free = uses_fused(optimizer) and scaler is None

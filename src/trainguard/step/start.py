@@ -78,6 +78,10 @@ class StepStart:
         """Whether a hook has fired at all (then the stream need not take RNG states)."""
         self._rng: RngSnapshot | dict[str, Any] | None = None
         self.autocast: dict[str, Any] | None = None
+        self.on_begin: Callable[[], None] | None = None
+        """Runs at each recorded start, before the states are taken: recovery's step boundary
+        (snapshots and checkpoints at the true start of the step, also where the loop
+        fetched the step's first batch during the step before)."""
         self._roots = [model] if self._inner is model else [model, self._inner]
         self._handles = [m.register_forward_pre_hook(self._pre_hook) for m in self._roots]
         self._child_handles: list[Any] = []
@@ -131,6 +135,8 @@ class StepStart:
         if self.step == step:
             return
         self.step = step
+        if self.on_begin is not None:
+            self.on_begin()
         self.buffers.begin(step)
         self._rng = RngSnapshot.take()
         self.autocast = autocast_state(self._device_type)

@@ -1,0 +1,105 @@
+"""Recovery in a loop that fetches the next batch before the optimizer step (nanoGPT does):
+snapshots and checkpoints describe the true start of a step (its first forward) and the
+position of that step's first batch, and a rollback does not count the batch the loop holds
+as skipped (the loop trains the restored step on it)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import trainguard as tg
+from trainguard.events import read_events
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP: "single process"
+
+
+def _data(bad: tuple[int, ...] = ()) -> list[Tensor]:
+    return [torch.full((2, 4), float("nan") if i in bad else i / 16) for i in range(14)]
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _params(model: nn.Module) -> Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _prefetching(
+    run_dir: Path, data: list[Tensor], crash_at: int | None = None, **options: Any
+) -> dict[str, Any]:
+    """The loop fetches the next batch right after the forward, before backward and update."""
+    model, opt = _model()
+    config = tg.GuardConfig(run_dir=run_dir, hang_timeout=0, capture=False, **options)
+    trained: list[tuple[int, int]] = []  # (guard step, batch index)
+    at_start: dict[int, Tensor] = {}
+    restored: list[bool] = []
+    with warnings.catch_warnings(), tg.Guard(model, opt, config=config) as guard:
+        warnings.simplefilter("ignore")
+        batches = iter(guard.watch(data))
+        x: Tensor | None = next(batches)
+        while x is not None:
+            step = guard.state.step
+            if step == crash_at:
+                return {"trained": trained}
+            at_start[step] = _params(model)
+            loss = model(x).pow(2).mean()
+            trained.append((step, round(float(x[0, 0]) * 16) if x.isfinite().all() else -1))
+            x = next(batches, None)  # the prefetch
+            loss.backward()
+            if guard.check(loss):
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            if guard.state.step <= step:  # rolled back
+                restored.append(torch.equal(_params(model), at_start[guard.state.step]))
+    return {"trained": trained, "params": _params(model), "restored": restored}
+
+
+def _plain(indices: list[int]) -> Tensor:
+    """What training on exactly these batches gives, in a plain loop."""
+    model, opt = _model()
+    data = _data()
+    for i in indices:
+        model(data[i]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return _params(model)
+
+
+def test_rollback_in_a_prefetching_loop_skips_the_bad_steps_batches_only(tmp_path: Path) -> None:
+    run = _prefetching(
+        tmp_path,
+        _data(bad=(7, 8)),
+        on_escalation="rollback",
+        snapshot_every=2,
+        good_after=1,
+        max_consecutive=2,
+    )
+    [event] = [e for e in read_events(tmp_path, 0) if e["kind"] == "rollback"]
+    assert (event["step"], event["restored_step"]) == (8, 6)
+    assert run["restored"] == [True]  # the weights the restored step started from
+    assert event["batches_skipped"] == [6, 7, 8]  # steps 6-8's; not batch 9, held by the loop
+    after = [index for step, index in run["trained"][9:]]
+    assert after == [9, 10, 11, 12, 13] and run["trained"][9][0] == 6
+    # Nothing the rollback threw away reached the weights, nothing trained was left out:
+    torch.testing.assert_close(run["params"], _plain([0, 1, 2, 3, 4, 5, 9, 10, 11, 12, 13]))
+
+
+def test_resume_in_a_prefetching_loop_continues_at_the_checkpoints_batch(tmp_path: Path) -> None:
+    whole = _prefetching(tmp_path / "whole", _data(), checkpoint_every=3, good_after=1)
+    run_dir = tmp_path / "crashed"
+    first = _prefetching(run_dir, _data(), crash_at=8, checkpoint_every=3, good_after=1)
+    assert first["trained"] == whole["trained"][:8]
+    again = _prefetching(run_dir, _data(), checkpoint_every=3, good_after=1, resume=True)
+    [event] = [e for e in read_events(run_dir, 0) if e["kind"] == "resume"]
+    assert (event["from_step"], event["position"]) == (6, 6)
+    assert again["trained"] == whole["trained"][6:]  # steps 6.. again: none lost or repeated
+    assert torch.equal(again["params"], whole["params"])
