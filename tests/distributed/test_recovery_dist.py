@@ -42,6 +42,40 @@ def _rollback_job(rank: int, world: int, root: str, mode: str) -> dict[str, Any]
     }
 
 
+def _prefetch_job(rank: int, world: int, root: str) -> dict[str, Any]:
+    import trainguard as tg
+
+    config: dict[str, Any] = {
+        "on_escalation": "rollback",
+        "max_consecutive": 3,
+        "snapshot_every": 2,
+        "good_after": 2,
+        "hang_timeout": 0,
+    }
+    runs = {}
+    for name, prefetch in (("plain", False), ("prefetch", True)):
+        run_dir = Path(root) / name
+        cfg = tg.GuardConfig(run_dir=run_dir, **config)
+        runs[name] = train(rank, "ddp", run_dir, BATCHES, POISON, config=cfg, prefetch=prefetch)
+    return runs
+
+
+@pytest.mark.timeout(90)
+def test_ddp_rollback_in_a_prefetching_loop_matches_the_plain_loop(tmp_path: Path) -> None:
+    """nanoGPT's loop takes the next batch before backward: the same snapshot (the step's
+    own first batch), the same skip, and the held batch trains the restored step, so both
+    ranks end with the plain loop's weights, bit for bit."""
+    runs = values(run_ranks(_prefetch_job, 2, str(tmp_path), timeout=80))
+    for rank, run in enumerate(runs):
+        plain, fetched = run["plain"], run["prefetch"]
+        assert fetched["error"] is None and fetched["finite"] and fetched["same"], rank
+        [event] = [e for e in fetched["events"] if e["kind"] == "rollback"]
+        assert (event["step"], event["restored_step"]) == (8, 4)
+        assert event["batches_skipped"] == [4, 5, 6, 7, 8]  # not 9: the loop holds it
+        assert fetched["step"] == plain["step"] == BATCHES - 5
+        assert torch.equal(fetched["params"], plain["params"]), rank
+
+
 @pytest.mark.timeout(90)
 def test_ddp_rollback_skips_the_bad_batch_and_finishes(tmp_path: Path) -> None:
     runs = values(run_ranks(_rollback_job, 2, str(tmp_path), "ddp", timeout=80))

@@ -96,12 +96,15 @@ def train(
     *,
     optimizer: str = "sgd",
     watch_optimizer: bool = False,
+    prefetch: bool = False,
     **guard_kwargs: Any,
 ) -> dict[str, Any]:
     """``watch_optimizer``: copy the optimizer state at the start of every step and, when a
     ``check()`` rolls back, record it (``now``) next to the state the restored step had
     when it last started (``saved``) and the failing step's (``before``), in
-    ``out["optimizer_rollbacks"]``; ``out["optimizer_final"]``: the state at the end."""
+    ``out["optimizer_rollbacks"]``; ``out["optimizer_final"]``: the state at the end.
+    ``prefetch``: take the next batch right after the forward, before backward and the
+    update (nanoGPT's loop)."""
     torch.manual_seed(0)
     model = wrap(TinyNet(), mode)
     opt = OPTIMIZERS[optimizer](model.parameters())
@@ -112,11 +115,16 @@ def train(
     rollbacks: list[dict[str, Any]] = []
     try:
         with guard:
-            for x, y, scale in guard.watch(make_data(rank, batches, poison)):
+            stream = iter(guard.watch(make_data(rank, batches, poison)))
+            item = next(stream, None)
+            while item is not None:
+                x, y, scale = item
                 step = guard.state.step
                 if watch_optimizer:
                     at_start[step] = optimizer_state(opt)
                 loss = nn.functional.mse_loss(model(x), y)
+                if prefetch:
+                    item = next(stream, None)
                 loss.backward()
                 ok = guard.check(loss)
                 if watch_optimizer and guard.state.step <= step:  # rolled back
@@ -137,6 +145,8 @@ def train(
                     opt.step()
                     sched.step()
                 opt.zero_grad(set_to_none=True)
+                if not prefetch:
+                    item = next(stream, None)
     except tg.NonFiniteError as exc:
         out["error"] = type(exc).__name__
     params = full_params(model)
@@ -148,6 +158,7 @@ def train(
         step=guard.state.step,
         finite=bool(torch.isfinite(params).all()),
         same=all(torch.equal(gathered[0], g) for g in gathered),
+        params=params,
         eval_loss=eval_loss(model),
         events=[e for e in read_events(run_dir, rank) if e["kind"] in RECOVERY_EVENTS],
     )
