@@ -219,3 +219,28 @@ def test_rerun_without_the_steps_batches_says_so_and_the_policy_goes_on(tmp_path
     assert list(guard.state.nonfinite_steps) == [2]
     reruns = _events(tmp_path, "rerun")
     assert [(e["step"], e["verdict"]) for e in reruns] == [(2, "unavailable")]
+
+
+def test_restore_where_puts_buffers_back_in_one_launch_each() -> None:
+    """The sync-free skip: the flag compared once, one in-place ``where`` per buffer (was a
+    device move, a compare, a ``where`` and a copy per buffer); exact both ways."""
+    from tg_ops import OpRecorder
+
+    from trainguard.step import buffers
+
+    model = torch.nn.Sequential(*[torch.nn.BatchNorm1d(4) for _ in range(3)]).train()
+    keeper = buffers.BufferKeeper(model)
+    for step, flag in enumerate((1.0, 0.0)):
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        keeper.begin(step)
+        model(torch.randn(8, 4) * 5 + 3)
+        after = {k: v.clone() for k, v in model.state_dict().items()}
+        keeper.learn(step)
+        with OpRecorder() as rec:
+            keeper.restore_where(torch.tensor(flag), step)
+        names = [name for name, _ in rec.ops]
+        assert names.count("where") == 9 and names.count("gt") == 1, names
+        assert "copy_" not in names, names
+        expected = start if flag else after
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, expected[key]), (step, key)

@@ -161,13 +161,16 @@ class BufferKeeper:
         tensor) is non-zero, keep them otherwise. No host read (the sync-free step)."""
         if self._steps[self._turn] != step:
             return
-        for index, saved in self._copies[self._turn].items():
-            slot = self._slots[index]
-            now = slot.current()
-            if now is None or now.shape != saved.shape or now.dtype != saved.dtype:
-                continue
-            bad = flag.to(now.device, non_blocking=True) > 0
-            now.copy_(torch.where(bad, saved, now))
+        bad_on: dict[torch.device, Tensor] = {}  # the flag compared once per device
+        with torch.no_grad():
+            for index, saved in self._copies[self._turn].items():
+                now = self._slots[index].current()
+                if now is None or now.shape != saved.shape or now.dtype != saved.dtype:
+                    continue
+                bad = bad_on.get(now.device)
+                if bad is None:
+                    bad = bad_on[now.device] = flag.to(now.device, non_blocking=True) > 0
+                torch.where(bad, saved, now, out=now)  # one launch a buffer, in place
 
     def pre_step(self, step: int) -> dict[str, Tensor]:
         """The persistent buffers step ``step`` changed, as they were at its start (state-dict
