@@ -244,3 +244,24 @@ def test_restore_where_puts_buffers_back_in_one_launch_each() -> None:
         expected = start if flag else after
         for key, value in model.state_dict().items():
             assert torch.equal(value, expected[key]), (step, key)
+
+
+def test_the_start_copies_the_buffers_in_one_launch_per_dtype() -> None:
+    """From the third step on (two alternating stores), one ``_foreach_copy_`` per device and
+    dtype: BatchNorm's float statistics and its int64 counters."""
+    from tg_ops import OpRecorder
+
+    from trainguard.step import buffers
+
+    model = torch.nn.Sequential(*[torch.nn.BatchNorm1d(4) for _ in range(3)]).train()
+    keeper = buffers.BufferKeeper(model)
+    for step in range(3):
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        with OpRecorder() as rec:
+            keeper.begin(step)
+        model(torch.randn(8, 4))
+        keeper.learn(step)
+        assert keeper.restore(step)  # the saved copies are the start's values
+        assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+    names = [name for name, _ in rec.ops]
+    assert names == ["_foreach_copy_", "_foreach_copy_"], names

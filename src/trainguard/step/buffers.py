@@ -98,13 +98,15 @@ class BufferKeeper:
         self._steps[self._turn] = step
         copies = self._copies[self._turn]
         indices = self._tracked if self._learned else range(len(self._slots))
+        refresh = _Refresh()
         for index in indices:
             slot = self._slots[index]
             slot.mark()
             if slot.tensor is None:
                 copies.pop(index, None)
                 continue
-            copies[index] = _copy_into(copies.get(index), slot.tensor)
+            copies[index] = refresh.into(copies.get(index), slot.tensor)
+        refresh.run()
         for index in set(copies) - set(indices):
             del copies[index]
         if self._learned:
@@ -198,14 +200,34 @@ def _buffers(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     return found
 
 
-def _copy_into(store: Tensor | None, tensor: Tensor) -> Tensor:
-    with torch.no_grad():
+class _Refresh:
+    """The start's copies into the stores of the step before: one ``_foreach_copy_`` per
+    device and dtype (a BatchNorm net: two launches, not one per buffer)."""
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]]
+        self._groups = {}
+
+    def into(self, store: Tensor | None, tensor: Tensor) -> Tensor:
+        """The store ``tensor`` will be copied into by ``run`` (a fresh copy when none fits)."""
         if store is None or store.shape != tensor.shape or store.dtype != tensor.dtype:
-            return tensor.detach().clone()
+            return _fresh_copy(tensor)
         if store.device != tensor.device:
-            return tensor.detach().clone()
-        store.copy_(tensor)
+            return _fresh_copy(tensor)
+        stores, tensors = self._groups.setdefault((tensor.device, tensor.dtype), ([], []))
+        stores.append(store)
+        tensors.append(tensor)  # read under no_grad (run): no detach op
         return store
+
+    def run(self) -> None:
+        with torch.no_grad():
+            for stores, tensors in self._groups.values():
+                torch._foreach_copy_(stores, tensors)
+
+
+def _fresh_copy(tensor: Tensor) -> Tensor:
+    with torch.no_grad():
+        return tensor.detach().clone()
 
 
 def _put_back(slot: _Slot, saved: Tensor) -> None:
