@@ -67,10 +67,14 @@ def _guard(mode: str, model: torch.nn.Module, opt: Any, run_dir: Path, args: Any
     return tg.Guard(model, opt, config=config)
 
 
-def wrap_recovery_hooks(recovery: Any, wrap: Callable[[str, Any], Any]) -> None:
-    """Replace each of the recovery part's per-step hooks by ``wrap(name, hook)``."""
+def wrap_recovery_hooks(guard: tg.Guard, wrap: Callable[[str, Any], Any]) -> None:
+    """Replace each of the recovery part's per-step hooks by ``wrap(name, hook)``, where the
+    guard calls them: the step's first forward calls ``step_boundary`` through the guard's
+    step-start record (``StepStart.on_begin``), ``watch()``'s stream until a hook fires."""
+    recovery = guard.recovery
     for name in RECOVERY_HOOKS:
         setattr(recovery, name, wrap(name, getattr(recovery, name)))
+    guard._start.on_begin = recovery.step_boundary  # type: ignore[union-attr]
 
 
 class HookClock:
@@ -78,9 +82,9 @@ class HookClock:
     snapshot copy and the checkpoint start; ``after_step``: marking good, retention): the
     direct cost of recovery on the step, free of the step-to-step noise of a shared machine."""
 
-    def __init__(self, recovery: Any) -> None:
+    def __init__(self, guard: tg.Guard) -> None:
         self.seconds = 0.0
-        wrap_recovery_hooks(recovery, lambda _name, hook: self._timed(hook))
+        wrap_recovery_hooks(guard, lambda _name, hook: self._timed(hook))
 
     def _timed(self, hook: Any) -> Any:
         def timed(*args: Any) -> Any:
@@ -111,7 +115,7 @@ def time_mode(mode: str, work: Workload, steps: int, root: Path, args: Any) -> t
         return _time_bare(work, model, opt, data, steps), 0.0
     run_dir = root / f"{mode}-{time.monotonic_ns()}"
     guard = _guard(mode, model, opt, run_dir, args)
-    hooks = HookClock(guard.recovery) if guard.recovery is not None else None
+    hooks = HookClock(guard) if guard.recovery is not None else None
     start = 0.0
     with guard:
         for i, batch in enumerate(guard.watch(data)):
@@ -136,11 +140,12 @@ def time_blocks(
 
     The switch is installed before ``watch()`` starts (its stream keeps the ``step_boundary``
     it was given) and set for step ``i + 1`` at the end of step ``i``: the boundary hook of a
-    step runs inside ``watch()`` before that step's batch is handed out."""
+    step runs at that step's first forward (inside ``watch()`` before its batch is handed out,
+    until a forward hook has fired)."""
     model, opt, data = _training(work, steps)
     run_dir = root / f"{mode}-blocks-{time.monotonic_ns()}"
     guard = _guard(mode, model, opt, run_dir, args)
-    switch = HookSwitch(guard.recovery)
+    switch = HookSwitch(guard)
     times: dict[bool, list[float]] = {True: [], False: []}
     with guard:
         last = time.perf_counter()
@@ -161,11 +166,11 @@ def time_blocks(
 class HookSwitch:
     """The recovery part's per-step hooks, run only while ``on``."""
 
-    def __init__(self, recovery: Any) -> None:
+    def __init__(self, guard: tg.Guard) -> None:
         self.on = True
         self.calls = {name: {"ran": 0, "skipped": 0} for name in RECOVERY_HOOKS}
         """Calls of each hook that ran and that were skipped (the switch is really in use)."""
-        wrap_recovery_hooks(recovery, self._switched)
+        wrap_recovery_hooks(guard, self._switched)
 
     def _switched(self, name: str, hook: Any) -> Any:
         def switched(*args: Any) -> Any:
