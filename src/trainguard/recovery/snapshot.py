@@ -33,7 +33,7 @@ def to_cpu(tree: Any, staged: set[torch.device] | None = None) -> Any:
     ``staged``: copy plain CUDA tensors into pinned memory without waiting, and add their
     devices to the set (then ``copies_done`` must be recorded before the copy is read)."""
     if isinstance(tree, Tensor):
-        if staged is not None and tree.is_cuda and type(tree.data) is Tensor:
+        if staged is not None and tree.is_cuda and type(tree) in (Tensor, nn.Parameter):
             return _staged_copy(tree.detach(), staged)
         return tree.detach().to("cpu", copy=True)
     if isinstance(tree, dict):

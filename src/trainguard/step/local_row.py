@@ -17,7 +17,7 @@ when any is NaN, else Inf when any is Inf). Only the input column's finiteness i
 non-finite norm (a NaN/Inf input, or a finite input whose float32 sum of squares overflows:
 values beyond about 1e19) is confirmed by the exact ``max |x|`` (``confirm``: a host read, on
 such steps only). Anything else (a loss that is not a float32 scalar on the device, float64
-inputs, sharded gradients) keeps the reduced row (``fold`` returns None).
+inputs, sharded gradients) keeps the reduced row (``foldable_losses``, ``InputCheck.foldable``).
 """
 
 from __future__ import annotations
@@ -55,17 +55,21 @@ class FoldedRow:
         return [losses[-1], check, math.sqrt(squares), top, 0.0]
 
 
+def foldable_losses(losses: list[Tensor], device: torch.device) -> bool:
+    """Whether every loss is a float32 0-d tensor on ``device`` (a ``stack`` that must convert
+    costs more than folding saves)."""
+    return all(
+        loss.dtype == torch.float32 and loss.dim() == 0 and loss.device == device for loss in losses
+    )
+
+
 def fold(
     losses: list[Tensor],
     norms: list[Tensor],
     input_norms: list[Tensor],
-    device: torch.device,
     confirm: Callable[[], float],
-) -> tuple[Tensor, FoldedRow] | None:
-    """One float32 ``stack`` of the pieces and its layout, or None when a loss is not a
-    float32 0-d tensor on ``device`` (a ``stack`` that must convert costs more than it saves)."""
-    for loss in losses:
-        if loss.dtype != torch.float32 or loss.dim() != 0 or loss.device != device:
-            return None
+) -> tuple[Tensor, FoldedRow]:
+    """One float32 ``stack`` of the pieces (``foldable_losses`` checked first) and its
+    layout."""
     values = torch.stack([*losses, *norms, *input_norms])
     return values, FoldedRow(len(losses), len(norms), confirm)

@@ -24,7 +24,7 @@ from trainguard.step.data import BatchStream
 from trainguard.step.detect import GradStats, grad_stats, is_sharded, loss_columns
 from trainguard.step.evidence import StepEvidence
 from trainguard.step.inputs import InputCheck, max_abs
-from trainguard.step.local_row import FoldedRow, fold
+from trainguard.step.local_row import FoldedRow, fold, foldable_losses
 from trainguard.step.losses import StepLosses
 from trainguard.step.start import StepStart
 from trainguard.step.usage import NoGradientsCheck
@@ -67,12 +67,14 @@ class StepMeasure:
         step = parts.step_of()
         parts.start.buffers.learn(step)
         sharded = self._sharded()
-        inputs = self._fold_inputs(step) if readback and parts.fold and not sharded else None
+        folding = self._fold_pieces(step, loss) if readback and parts.fold and not sharded else None
+        inputs = folding[1] if folding is not None else None
         stats = grad_stats(parts.params, parts.device, sharded, self._mixed_grads, inputs)
         self._mixed_grads = stats.mixed  # stays True once seen
         parts.no_grads.seen(stats, step)  # check() before backward(): warn once
-        report = self._folded(stats, loss, inputs) if inputs is not None else None
-        return stats, report or self._report(stats, loss, step), sharded
+        if folding is not None:
+            return stats, self._folded(stats, *folding), sharded
+        return stats, self._report(stats, loss, step), sharded
 
     def _sharded(self) -> bool:
         """Whether the gradients are FSDP2 shards; looked up once, at the first gradients."""
@@ -95,26 +97,26 @@ class StepMeasure:
         values = torch.stack([last, check, stats.norm, inputs, fingerprint])  # one kernel
         return self._host_fields(values, stream, None)
 
-    def _fold_inputs(self, step: int) -> list[Tensor] | None:
-        """The step's input tensors for a folded row ([] unchecked), None: not foldable."""
+    def _fold_pieces(self, step: int, loss: Tensor) -> tuple[list[Tensor], list[Tensor]] | None:
+        """The step's losses and input tensors for a folded row ([] inputs: unchecked), or
+        None when they do not fold (then ``_report``)."""
         parts = self._parts
+        checked = parts.losses.checked(loss)  # ends with the loss, detached (or its twin)
+        if not foldable_losses(checked, parts.device):
+            return None
         batches = parts.evidence.batches_of(step) if parts.stream() is not None else []
-        return parts.inputs.foldable(step, batches, parts.device)
+        inputs = parts.inputs.foldable(step, batches, parts.device)
+        return None if inputs is None else (checked, inputs)
 
-    def _folded(self, stats: GradStats, loss: Tensor, inputs: list[Tensor]) -> LocalReport | None:
-        """The row of a world of one, its reductions left to the host (``local_row``); None
-        when the loss does not fold (then ``_report``)."""
-        parts = self._parts
-        device = parts.device
-        checked = parts.losses.checked(loss)
+    def _folded(self, stats: GradStats, losses: list[Tensor], inputs: list[Tensor]) -> LocalReport:
+        """The row of a world of one, its reductions left to the host (``local_row``)."""
+        device = self._parts.device
 
         def confirm() -> float:
             return float(max_abs(inputs, device))
 
-        folded = fold(checked, stats.per_param, stats.input_norms, device, confirm)
-        if folded is None:
-            return None
-        return self._host_fields(folded[0], parts.stream(), folded[1])
+        values, layout = fold(losses, stats.per_param, stats.input_norms, confirm)
+        return self._host_fields(values, self._parts.stream(), layout)
 
     def _host_fields(
         self, values: Tensor, stream: BatchStream | None, layout: FoldedRow | None
