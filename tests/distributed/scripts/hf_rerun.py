@@ -100,6 +100,9 @@ def main() -> None:
     result = {run: train(ex, args.run_dir / run, run == "fault") for run in ("clean", "fault")}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
+    # The Trainer leaves the process group up: destroyed at interpreter exit instead, gloo's
+    # worker threads can abort the process ("terminate called without an active exception")
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
