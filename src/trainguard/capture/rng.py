@@ -83,11 +83,14 @@ class _PythonRaw:
     def __init__(self) -> None:
         self.generator: Any = getattr(random.getstate, "__self__", None)
         self.offset: int | None = None
+        self._view: memoryview | None = None
         try:
             self.offset = self._find()
         except Exception as exc:  # any surprise: the plain getstate() path
             logger.debug("trainguard: random's state is read with getstate(): %s", exc)
             self.offset = None
+        if self.offset is not None:  # the generator is held: its memory stays where it is
+            self._view = _view_at(id(self.generator) + self.offset, _MT_BYTES)
 
     def _find(self) -> int | None:
         if sys.implementation.name != "cpython" or sysconfig.get_config_var("Py_GIL_DISABLED"):
@@ -119,9 +122,9 @@ class _PythonRaw:
         generator = self.generator
         if self.offset is None or generator is None:
             return random.getstate()
-        if getattr(random.getstate, "__self__", None) is not generator:
+        if getattr(random.getstate, "__self__", None) is not generator or self._view is None:
             return random.getstate()  # the module's generator was replaced
-        return (_read(generator, self.offset), getattr(generator, "gauss_next", None))
+        return (self._view.tobytes(), getattr(generator, "gauss_next", None))
 
     def state(self, taken: Any) -> Any:
         if self.offset is None or not isinstance(taken[0], bytes):
@@ -131,6 +134,13 @@ class _PythonRaw:
 
 def _read(generator: object, offset: int) -> bytes:
     return ctypes.string_at(id(generator) + offset, _MT_BYTES)
+
+
+def _view_at(address: int, size: int) -> memoryview:
+    """A view of ``size`` bytes of memory at ``address``, made once: each ``tobytes()`` is a
+    plain copy (``ctypes.string_at`` is a foreign call, several times slower at every step).
+    The caller holds the object that owns the memory for as long as it uses the view."""
+    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
 
 
 def _python_state(raw: bytes, gauss_next: Any, version: int) -> tuple[Any, ...]:
@@ -174,6 +184,7 @@ class _NumpyRaw:
         self.bit_generator: Any = getattr(self.generator, "_bit_generator", None)
         self.offset: int | None = None
         self.address = 0
+        self._views: tuple[memoryview, memoryview] | None = None
         self.lock: Any = contextlib.nullcontext()
         try:
             self.offset = self._find()
@@ -202,23 +213,27 @@ class _NumpyRaw:
         self.address = int(self.bit_generator.ctypes.state_address)
         # The RandomState's lock is its bit generator's: its draws and get_state() hold it.
         self.lock = self.bit_generator.lock
+        # Both held (self.generator, self.bit_generator): their memory stays where it is
+        self._views = (
+            _view_at(self.address, _NP_STATE_BYTES),
+            _view_at(id(generator) + offset, _NP_GAUSS_BYTES),
+        )
         return offset
 
     def take(self) -> Any:
         """The raw state (``_numpy_value`` materializes it); ``get_state()``'s on fallback."""
         generator: Any = self.generator
         module = self.module
+        views = self._views
         if (
-            self.offset is None
+            views is None
+            or self.offset is None
             or getattr(module.get_state, "__self__", None) is not generator
             or getattr(generator, "_bit_generator", None) is not self.bit_generator
         ):
             return module.get_state()
         with self.lock:  # as get_state(): a draw in another thread holds it (without the GIL)
-            return (
-                ctypes.string_at(self.address, _NP_STATE_BYTES),
-                ctypes.string_at(id(generator) + self.offset, _NP_GAUSS_BYTES),
-            )
+            return (views[0].tobytes(), views[1].tobytes())
 
 
 def _numpy_value(taken: Any) -> Any:
