@@ -27,8 +27,10 @@ per step over the rounds; the guard's *fixed cost* is the median over rounds of
 the bare and guarded modes in 2-rank DDP on gloo instead (each rank one thread).
 
 The breakdown (``--breakdown``, on by default): where the guard's microseconds go. The loop's
-phases (next batch, forward + backward, check, update) timed around each call in a bare and
-a guarded loop, and inside the guard per-part timers: named methods of the guard's parts are
+phases (next batch, forward + backward, check, update) timed around each call in a bare
+loop, a control (the bare loop plus about 100 us of unrelated Python where the guard checks:
+does any Python between two steps slow the user's own forward and update?) and a guarded
+loop, interleaved, and inside the guard per-part timers: named methods of the guard's parts are
 wrapped in a timer (inclusive times; the timer's own cost is measured and subtracted).
 
     python benchmarks/fixed_cost.py                      # 40 rounds of 200 steps
@@ -46,6 +48,7 @@ import functools
 import gc
 import importlib
 import itertools
+import json
 import math
 import os
 import random
@@ -253,24 +256,30 @@ def _median_of(values: list[float], indices: list[int]) -> float:
 
 # -- breakdown --------------------------------------------------------------------------------
 
+_MEASURE = "trainguard.step.measure:StepMeasure"
 PARTS: tuple[tuple[str, str, str], ...] = (
-    # (label, owner: "guard.<attr path>" or a module, attribute)
+    # (label, owner: "guard.<attr path>", a module or "module:Class", attribute)
     ("check()", "guard", "check"),
-    ("  _measure: loss, buffers, gradient pass, report", "guard", "_measure"),
+    ("  _measure: buffers, gradient pass, row", "guard", "_measure"),
     ("    buffers.learn", "guard._start.buffers", "learn"),
-    ("    grad_stats (fused norm pass)", "trainguard.step.guard", "grad_stats"),
-    ("    _report", "guard", "_report"),
-    ("      loss_columns", "trainguard.step.guard", "loss_columns"),
-    ("      input check (InputCheck.value)", "guard._inputs", "value"),
-    ("      replica fingerprint", "guard.replicas", "fingerprint"),
+    ("    grad_stats (fused norm pass)", "trainguard.step.measure", "grad_stats"),
+    ("      torch._foreach_norm (every caller)", "torch", "_foreach_norm"),
+    ("    losses and inputs for the folded row", _MEASURE, "_fold_pieces"),
+    ("      InputCheck.foldable", "guard._inputs", "foldable"),
+    ("    the folded row (world of one)", _MEASURE, "_folded"),
+    ("      torch.stack (every caller)", "torch", "stack"),
+    ("      host fields (timer, stream)", _MEASURE, "_host_fields"),
+    ("    the reduced row (other ranks)", _MEASURE, "_report"),
     ("  consensus.agree (row, all-reduce, read)", "guard._consensus", "agree"),
+    ("    FoldedRow.unfold", "trainguard.step.local_row:FoldedRow", "unfold"),
     ("  _agreed (stream)", "guard", "_agreed"),
     ("  _decide", "guard", "_decide"),
     ("  history.record (ring + metrics)", "guard.history", "record"),
-    ("  _apply (state, spikes)", "guard", "_apply"),
+    ("    MetricsLog.add (incl. its flushes)", "guard.history._metrics", "add"),
+    ("  decision.apply (state, spikes)", "guard._decision", "apply"),
     ("    spikes.judge", "guard.spikes", "judge"),
     ("  _health (stragglers, replicas)", "guard", "_health"),
-    ("  _step_taken", "guard", "_step_taken"),
+    ("  evidence.taken", "guard._evidence", "taken"),
     ("step start hook (StepStart.begin)", "guard._start", "begin"),
     ("  RNG snapshot (RngSnapshot.take)", "trainguard.capture.rng:RngSnapshot", "take"),
     ("  autocast_state", "trainguard.step.start", "autocast_state"),
@@ -360,44 +369,67 @@ def _timer_cost() -> float:
     return max(0.0, wrapped - (time.perf_counter() - start) / n)
 
 
-def phases(loop: Loop, steps: int, rounds: int) -> dict[str, float]:
-    """Median over ``rounds`` of the microseconds per step in each phase of the loop."""
-    found: dict[str, list[float]] = {
-        "next batch": [],
-        "forward+backward": [],
-        "check": [],
-        "update": [],
-    }
-    clock, guard, batches = time.perf_counter, loop.guard, loop.batches
+def unrelated_python() -> int:
+    """The control's work between backward and update: about 100 us of Python that touches
+    fresh objects (a dict of lists, its JSON text), unrelated to the training step."""
+    table = {f"k{i}": (i, float(i), str(i)) for i in range(60)}
+    return len(json.dumps(table)) + sum(len(text) for _, _, text in table.values())
+
+
+def phases(
+    loops: dict[str, tuple[Loop, Callable[[], object] | None]], steps: int, rounds: int
+) -> dict[str, dict[str, float]]:
+    """Per loop, the median over ``rounds`` of the microseconds per step in each phase of the
+    loop; the loops interleaved, in a freshly shuffled order each round. A loop's ``between``
+    (the guard's ``check()``, or the control's unrelated Python) runs where the guard would
+    check: whether the user's own phases slow down after it tells the guard's own cost from
+    what any Python between two steps does to the forward and the update."""
+    names = ("next batch", "forward+backward", "check", "update")
+    found: dict[str, dict[str, list[float]]] = {n: {k: [] for k in names} for n in loops}
+    order, rng, clock = list(loops), random.Random(0), time.perf_counter
     for _ in range(rounds):
-        acc = dict.fromkeys(found, 0.0)
-        for _ in range(steps):
-            t0 = clock()
-            batch = next(batches)
-            t1 = clock()
-            loss = loop._loss(batch)
-            t2 = clock()
-            ok = guard.check(loss) if guard is not None else True
-            t3 = clock()
-            if ok:
-                loop.opt.step()
-            loop.opt.zero_grad(set_to_none=True)
-            t4 = clock()
-            acc["next batch"] += t1 - t0
-            acc["forward+backward"] += t2 - t1
-            acc["check"] += t3 - t2
-            acc["update"] += t4 - t3
-        for key, value in acc.items():
-            found[key].append(1e6 * value / steps)
-    return {key: median(values) for key, values in found.items()}
+        rng.shuffle(order)
+        for name in order:
+            loop, between = loops[name]
+            acc = dict.fromkeys(names, 0.0)
+            batches, guard = loop.batches, loop.guard
+            for _ in range(steps):
+                t0 = clock()
+                batch = next(batches)
+                t1 = clock()
+                loss = loop._loss(batch)
+                t2 = clock()
+                ok = guard.check(loss) if guard is not None else True
+                if between is not None:
+                    between()
+                t3 = clock()
+                if ok:
+                    loop.opt.step()
+                loop.opt.zero_grad(set_to_none=True)
+                t4 = clock()
+                acc["next batch"] += t1 - t0
+                acc["forward+backward"] += t2 - t1
+                acc["check"] += t3 - t2
+                acc["update"] += t4 - t3
+            for key, value in acc.items():
+                found[name][key].append(1e6 * value / steps)
+    return {n: {k: median(v) for k, v in per.items()} for n, per in found.items()}
 
 
 def breakdown(seed: int, steps: int, rounds: int, run_dir: Path) -> dict[str, Any]:
     bare, guarded = Loop("bare", seed, run_dir), Loop("guard_check", seed, run_dir / "bd")
-    bare.run(steps)
-    guarded.run(steps)
-    loop_bare = phases(bare, steps, rounds)
-    loop_guard = phases(guarded, steps, rounds)
+    control = Loop("bare", seed, run_dir)
+    for loop in (bare, guarded, control):
+        loop.run(steps)
+    loop_phases = phases(
+        {
+            "bare": (bare, None),
+            "bare+python": (control, unrelated_python),
+            "guard_check": (guarded, None),
+        },
+        steps,
+        rounds,
+    )
     assert guarded.guard is not None
     timers = Timers()
     labels, undo = _instrument(guarded.guard, timers)
@@ -422,7 +454,7 @@ def breakdown(seed: int, steps: int, rounds: int, run_dir: Path) -> dict[str, An
         for label in labels
     }
     return {
-        "loop_phases_us": {"bare": loop_bare, "guard_check": loop_guard},
+        "loop_phases_us": loop_phases,
         "parts": parts,
         "timer_overhead_us_per_call": 1e6 * overhead,
         "steps": steps,
@@ -490,17 +522,20 @@ def table(modes: dict[str, Any]) -> str:
 
 def breakdown_table(found: dict[str, Any]) -> str:
     phase_rows = []
-    bare, guard = found["loop_phases_us"]["bare"], found["loop_phases_us"]["guard_check"]
+    loops = found["loop_phases_us"]
+    bare, control, guard = loops["bare"], loops["bare+python"], loops["guard_check"]
     for phase in bare:
         phase_rows.append(
             [
                 phase,
                 round(bare[phase], 1),
+                round(control[phase], 1),
                 round(guard[phase], 1),
                 round(guard[phase] - bare[phase], 1),
             ]
         )
-    text = markdown_table(["loop phase", "bare us", "guarded us", "guard adds us"], phase_rows)
+    headers = ["loop phase", "bare us", "bare + unrelated Python us", "guarded us", "guard adds us"]
+    text = markdown_table(headers, phase_rows)
     part_rows = [
         [f"`{label}`", round(entry["us_per_step"], 1), round(entry["calls_per_step"], 2)]
         for label, entry in found["parts"].items()

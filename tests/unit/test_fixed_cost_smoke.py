@@ -34,4 +34,4 @@ def test_fixed_cost_quick(tmp_path: Path) -> None:
     assert modes["guard_check"]["ratio"] > 0 and "fixed_cost_us" in modes["guard_step"]
     parts = report["breakdown"]["parts"]
     assert parts["check()"]["calls_per_step"] == 1.0
-    assert set(report["breakdown"]["loop_phases_us"]) == {"bare", "guard_check"}
+    assert set(report["breakdown"]["loop_phases_us"]) == {"bare", "bare+python", "guard_check"}
