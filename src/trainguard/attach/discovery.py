@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from trainguard.step.capturer import unwrap
+from trainguard.user_hooks import Hook
 
 _FRAMEWORK_GUARDS = ("trainguard.step", "trainguard.health")
 """Modules whose objects hook a model a trainguard ``Guard`` watches."""
@@ -63,7 +64,8 @@ def existing_guard(model: nn.Module) -> str | None:
     for module in model.modules():
         hooks: Iterable[object] = module._forward_pre_hooks.values()
         for hook in hooks:
-            owner = getattr(hook, "__self__", None)
+            callback = hook.callback if isinstance(hook, Hook) else hook  # the guard's: Hook
+            owner = getattr(callback, "__self__", None)
             kind = type(owner)
             if owner is not None and kind.__module__.startswith(_FRAMEWORK_GUARDS):
                 return f"{kind.__module__}.{kind.__qualname__}"

@@ -46,6 +46,7 @@ from trainguard.attach.options import RunOptions
 from trainguard.attach.prestart import PreStart, StepZero, batch_of
 from trainguard.errors import ConfigError
 from trainguard.step.guard import Guard
+from trainguard.user_hooks import Hook
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +257,8 @@ class Attacher:
         self.guard, self.optimizer, self.model = guard, optimizer, model
         _adopt_step_zero(guard, prestart.calls.get(id(model)))
         prestart.calls.clear()
-        self._handles.append(model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
+        pre = Hook(self._model_pre)  # a copy of the model (EMA, torch.save) carries an inert one
+        self._handles.append(model.register_forward_pre_hook(pre, with_kwargs=True))
         atexit.register(self.close)
         self._announce(guard, optimizer, model)
         return True

@@ -27,6 +27,8 @@ from typing import Any
 
 from torch import nn
 
+from trainguard.user_hooks import Hook
+
 
 class StepTimer:
     """Accumulates one step's data and compute seconds; ``take()`` hands them over."""
@@ -41,8 +43,8 @@ class StepTimer:
         self._last_take: float | None = None
         self._handles = (
             [
-                inner.register_forward_pre_hook(self._before_forward),
-                inner.register_forward_hook(self._after_forward),
+                inner.register_forward_pre_hook(Hook(self._before_forward)),
+                inner.register_forward_hook(Hook(self._after_forward)),
             ]
             if forward_hooks
             else []

@@ -29,6 +29,7 @@ from torch import nn
 from trainguard.capture.rng import RngSnapshot, states_of
 from trainguard.step.buffers import BufferKeeper
 from trainguard.step.capturer import unwrap
+from trainguard.user_hooks import Hook
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class StepStart:
         (snapshots and checkpoints at the true start of the step, also where the loop
         fetched the step's first batch during the step before)."""
         self._roots = [model] if self._inner is model else [model, self._inner]
-        self._handles = [m.register_forward_pre_hook(self._pre_hook) for m in self._roots]
+        self._handles = [m.register_forward_pre_hook(Hook(self._pre_hook)) for m in self._roots]
         self._child_handles: list[Any] = []
         self._hook_children()
 
@@ -105,7 +106,7 @@ class StepStart:
     def _hook_children(self) -> None:
         roots = {id(m) for m in self._roots}
         children = [m for m in self._inner.children() if id(m) not in roots]
-        self._child_handles = [m.register_forward_pre_hook(self._pre_hook) for m in children]
+        self._child_handles = [m.register_forward_pre_hook(Hook(self._pre_hook)) for m in children]
 
     def _pre_hook(self, module: nn.Module, args: Any) -> None:
         if self.step == self._step_of():

@@ -1,0 +1,113 @@
+"""A guarded model can be saved whole and deep-copied mid-training (``user_hooks.Hook``).
+
+Loops do both by hand: ``torch.save(model, "best.pt")`` when the eval improves, an EMA or
+reference model made with ``copy.deepcopy(model)``. The guard's hooks on the model must not
+make the pickle fail, nor ride into the copy (where they would run a copy of the guard's
+parts at every forward of the copy).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import trainguard as tg
+from trainguard.health.timing import StepTimer
+from trainguard.user_hooks import Hook
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+
+
+def _hooks(model: nn.Module) -> list[object]:
+    return [
+        hook
+        for module in model.modules()
+        for hooks in (module._forward_pre_hooks, module._forward_hooks)
+        for hook in hooks.values()
+    ]
+
+
+def _train(guard: tg.Guard, model: nn.Module, steps: int) -> None:
+    batches = [torch.randn(6, 4, generator=torch.Generator().manual_seed(i)) for i in range(steps)]
+    for batch in guard.watch(batches):
+        loss = model(batch).square().mean()
+        loss.backward()
+        guard.step(loss)
+
+
+def _train_forward(model: nn.Module) -> Tensor:
+    model.train()
+    out: Tensor = model(torch.randn(6, 4))
+    return out
+
+
+@pytest.fixture
+def guarded(tmp_path: Path) -> tuple[tg.Guard, nn.Module]:
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = tg.Guard(model, opt, run_dir=tmp_path / "run", hang_timeout=0)
+    _train(guard, model, 3)
+    assert any(isinstance(h, Hook) and not h.inert for h in _hooks(model))
+    yield guard, model
+    guard.close()
+
+
+def test_a_guarded_model_is_saved_whole_and_loads_without_the_guard(
+    guarded: tuple[tg.Guard, nn.Module],
+) -> None:
+    guard, model = guarded
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # failed before: "Can't pickle local object ... <lambda>"
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for mine, theirs in zip(model.state_dict().values(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(mine, theirs)
+    hooks = _hooks(loaded)
+    assert hooks and all(isinstance(h, Hook) and h.inert for h in hooks)
+    started = guard._start.step
+    _train_forward(loaded).sum().backward()  # a training forward of the loaded copy
+    assert guard._start.step == started  # the guard did not see it
+
+
+def test_a_deep_copy_carries_nothing_of_the_guard(guarded: tuple[tg.Guard, nn.Module]) -> None:
+    guard, model = guarded
+    ema = copy.deepcopy(model)
+    hooks = _hooks(ema)
+    assert hooks and all(isinstance(h, Hook) and h.inert and h.callback is None for h in hooks)
+    started, step = guard._start.step, guard.state.step
+    _train_forward(ema).sum().backward()
+    assert (guard._start.step, guard.state.step) == (started, step)
+    # the guarded model itself still starts its steps: the next forward records step 3
+    _train_forward(model)
+    assert guard._start.step == guard.state.step == 3
+    _train(guard, model, 2)
+    assert guard.state.step == 5
+
+
+def test_the_straggler_timers_hooks_stay_out_of_copies() -> None:
+    model = _net()
+    timer = StepTimer(model, forward_hooks=True)
+    copied = copy.deepcopy(model)
+    assert all(isinstance(h, Hook) and h.inert for h in _hooks(copied))
+    copied(torch.randn(6, 4))
+    assert timer.take()[1] == 0.0  # the copy's forward was not timed
+    model(torch.randn(6, 4))
+    assert timer.take()[1] > 0.0
+
+
+def test_a_hook_calls_its_callback_and_its_copies_call_nothing() -> None:
+    seen: list[int] = []
+    hook = Hook(lambda value: seen.append(value))
+    hook(1)
+    copy.deepcopy(hook)(2)
+    copy.copy(hook)(3)
+    assert seen == [1]
+    assert copy.deepcopy(hook).inert and not hook.inert
