@@ -12,7 +12,8 @@ step-start callback), whose copy the copied module then calls at its every forwa
 ``Hook`` wraps the callback instead. Pickled or deep-copied, a ``Hook`` is inert: it calls
 nothing and holds nothing, so a copy of a guarded module is the user's module and nothing of
 the guard (loading such a pickle needs trainguard importable, as a pickle needs every class
-it names). The guarded module itself keeps its working hooks.
+it names). The guarded module itself keeps its working hooks. The copy keeps the inert
+entries in its hook dicts (a copy cannot drop them): a no-op call per forward of the copy.
 """
 
 from __future__ import annotations
