@@ -123,8 +123,6 @@ def main() -> None:
             "weights_finite": finite,
         }
         (args.out / f"rank{rank}.json").write_text(json.dumps(result))
-    if torch.distributed.is_initialized():  # the Trainer leaves it up: see docs/transformers.md
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

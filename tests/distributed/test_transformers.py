@@ -27,6 +27,7 @@ import trainguard as tg
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "hf_trainer.py"
+FAST_EXIT = Path(__file__).resolve().parent / "scripts" / "fast_exit.py"
 
 
 def _free_port() -> int:
@@ -50,7 +51,8 @@ def _run(tmp_path: Path, world: int) -> tuple[list[dict[str, Any]], Path]:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
         ]
-    command = [*launcher, str(EXAMPLE), "--run-dir", str(run_dir), "--out", str(out)]
+    script = [str(FAST_EXIT), str(EXAMPLE)]  # the example, ended before PyTorch's exit race
+    command = [*launcher, *script, "--run-dir", str(run_dir), "--out", str(out)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
