@@ -39,7 +39,7 @@ from trainguard.recovery import (
     build_recovery,
     recovery_enabled,
 )
-from trainguard.run_identity import identify_run
+from trainguard.run_identity import RunIdentity, identify_run
 from trainguard.step import amp
 from trainguard.step.apply import ApplyParts, DecisionApply
 from trainguard.step.capturer import Capturer, unwrap
@@ -133,6 +133,17 @@ class Guard:
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler
+        self._closed = False
+        identity = self._join(model, process_group)
+        self._build_step_path(model, optimizer)
+        self._build_health(model, optimizer, process_group)
+        self._build_decision(model, optimizer, scheduler, rerun, process_group)
+        self._start_run(identity, process_group)
+
+    # -- construction: the parts, in the order they need each other ---------------------
+
+    def _join(self, model: nn.Module, process_group: dist.ProcessGroup | None) -> RunIdentity:
+        """The agreement's group, this rank, the run it writes and its event log."""
         self._params = named_parameters(model)
         local_device = next((p.device for _, p in self._params), torch.device("cpu"))
         self._consensus = Consensus(process_group, local_device)
@@ -141,6 +152,10 @@ class Guard:
         self.run_dir = Path(self.config.run_dir)
         identity = identify_run(self.run_dir, self.config.resume, self.config.run, self._consensus)
         self.events = EventLog(self.run_dir, self.rank, identity)  # every event names its run
+        return identity
+
+    def _build_step_path(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """State, progress and the per-step parts: step start, losses, inputs, spikes, history."""
         self.state = GuardState(nonfinite_steps=deque(maxlen=self.config.max_recorded_steps))
         self.progress = Progress()
         self._stream: BatchStream | None = None
@@ -167,6 +182,14 @@ class Guard:
             if self.config.detect_stragglers
             else None
         )
+
+    def _build_health(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        process_group: dist.ProcessGroup | None,
+    ) -> None:
+        """The cross-rank health rules: stragglers and replica agreement."""
         self.stragglers = StragglerWatch(self.config, self.events, self.rank)
         self.replicas = ReplicaWatch(
             model,
@@ -177,10 +200,20 @@ class Guard:
             self.world_size,
             process_group,
         )
+
+    def _build_decision(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        rerun: LossFn | None,
+        process_group: dist.ProcessGroup | None,
+    ) -> None:
+        """Evidence, the measure, recovery, acting on the decision, the sync-free step, rerun."""
+        scaler = self.scaler
         self._transient: TransientFaults | None = None  # rerun=: step/transient.py
         self._evidence = StepEvidence(self._evidence_parts(rerun is not None))
         self._measure = StepMeasure(self._measure_parts())  # this rank's row: step/measure.py
-        self._closed = False
         self.recovery = build_recovery(
             self.config,
             TrainingObjects(model, optimizer, scheduler, scaler),
@@ -198,6 +231,9 @@ class Guard:
         sync_free = sync_free and not recovery_enabled(self.config) and rerun is None
         self._sync_free = SyncFreeStep(self._sync_free_parts()) if sync_free else None
         self._transient = self._transient_part(rerun, scaler)
+
+    def _start_run(self, identity: RunIdentity, process_group: dist.ProcessGroup | None) -> None:
+        """The run's start event, then the hang watchdog."""
         fields = self.config.start_fields() | {"torch": torch.__version__} | identity.start_fields()
         self.events.write("start", self.state.step, world_size=self.world_size, **fields)
         self._watchdog: Watchdog | None = start_watchdog(
