@@ -21,7 +21,9 @@ import sys
 
 
 def exit_without_finalizing(code: int = 0) -> None:
-    """Flush what the process wrote and end it at once (``os._exit``)."""
+    """Flush what the process wrote and end it at once (``os._exit``): no atexit handlers,
+    no wait for other threads (a capture's background fsync is cut short: the files are
+    written, only their flush to disk is skipped)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
