@@ -4,9 +4,9 @@ A module's hooks live in its ``__dict__`` (``_forward_pre_hooks``, ``_forward_ho
 every copy of the module carries them: ``torch.save(model)`` pickles them and
 ``copy.deepcopy(model)`` (an EMA copy, a frozen reference model) copies them. A bound method
 of one of the guard's parts drags the guard along: the pickle fails on its lambdas ("Can't
-pickle local object 'Guard.__init__.<locals>.<lambda>'"), and a deep copy duplicates the
-part with what it holds (stored buffers, RNG snapshots, recovery's snapshots through the
-step-start callback), whose copy the copied module then calls at its every forward.
+pickle local object '...<lambda>'"), and a deep copy duplicates the part with what it holds
+(stored buffers, RNG snapshots, recovery's snapshots through the step-start callback), whose
+copy the copied module then calls at its every forward.
 (An optimizer's copies carry no hooks: its ``__getstate__`` leaves them out.)
 
 ``Hook`` wraps the callback instead. Pickled or deep-copied, a ``Hook`` is inert: it calls

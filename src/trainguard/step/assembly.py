@@ -1,0 +1,296 @@
+"""How a ``Guard`` is put together: its parts, and what each part is handed of the others.
+
+``GuardAssembly`` builds the parts in the order they need each other (the agreement's group
+and the run's event log, the per-step path, the health rules, then the decision's parts and
+the services that start the run) and hands each part an explicit view of the others (the
+``*Parts`` dataclasses: ``MeasureParts``, ``ApplyParts``, ``SyncFreeParts``, ...), with the
+small decision callbacks they share. ``Guard`` (``step/guard.py``) is the loop's API on top:
+``watch``, ``check``, ``step``, ``phase``, the state and the lifecycle.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from trainguard.config import GuardConfig
+from trainguard.errors import ConfigError
+from trainguard.events import EventLog
+from trainguard.hang.watchdog import Watchdog, start_watchdog
+from trainguard.health.replicas import ReplicaWatch
+from trainguard.health.stragglers import StragglerWatch
+from trainguard.health.timing import StepTimer
+from trainguard.progress import Progress
+from trainguard.recovery import TrainingObjects, build_recovery, recovery_enabled
+from trainguard.run_identity import RunIdentity, identify_run
+from trainguard.step import amp
+from trainguard.step.apply import ApplyParts, DecisionApply
+from trainguard.step.capturer import Capturer, unwrap
+from trainguard.step.consensus import Agreement, Consensus
+from trainguard.step.dashboard import Dashboard
+from trainguard.step.data import BatchStream
+from trainguard.step.deferred import uses_fused
+from trainguard.step.detect import named_parameters
+from trainguard.step.drop import UpdateDrop
+from trainguard.step.evidence import EvidenceParts, StepEvidence
+from trainguard.step.history import StepHistory
+from trainguard.step.inputs import InputCheck
+from trainguard.step.losses import StepLosses
+from trainguard.step.manual import RecordedBatches
+from trainguard.step.measure import MeasureParts, StepMeasure
+from trainguard.step.metrics import MetricsLog, metrics_path
+from trainguard.step.policy import Decision, decide
+from trainguard.step.rerun import LossFn, StepRerun
+from trainguard.step.sampler import SamplerEpochs
+from trainguard.step.spikewatch import SpikeWatch
+from trainguard.step.start import StepStart
+from trainguard.step.state import GuardState
+from trainguard.step.syncfree import SyncFreeParts, SyncFreeStep
+from trainguard.step.transient import RerunParts, TransientFaults
+from trainguard.step.usage import NoGradientsCheck
+
+
+class GuardAssembly:
+    """Builds the guard's parts and the views they get of each other (``Guard`` runs them)."""
+
+    config: GuardConfig
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: Any
+
+    def _join(self, model: nn.Module, process_group: dist.ProcessGroup | None) -> RunIdentity:
+        """The agreement's group, this rank, the run it writes and its event log."""
+        self._params = named_parameters(model)
+        local_device = next((p.device for _, p in self._params), torch.device("cpu"))
+        self._consensus = Consensus(process_group, local_device)
+        self.rank = self._consensus.rank
+        self.world_size = self._consensus.world_size
+        self.run_dir = Path(self.config.run_dir)
+        identity = identify_run(self.run_dir, self.config.resume, self.config.run, self._consensus)
+        self.events = EventLog(self.run_dir, self.rank, identity)  # every event names its run
+        return identity
+
+    def _build_step_path(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """State, progress and the per-step parts: step start, losses, inputs, spikes, history."""
+        self.state = GuardState(nonfinite_steps=deque(maxlen=self.config.max_recorded_steps))
+        self.progress = Progress()
+        self._stream: BatchStream | None = None
+        self._recorded = RecordedBatches()  # record_batch(): loops without watch()
+        self._start = StepStart(
+            model, lambda: self.state.step, restore_buffers=self.config.restore_buffers
+        )
+        self._losses = StepLosses()  # record_loss() and check()'s loss: step/losses.py
+        self._loss_known = True  # False inside check_gradients(): no loss is recorded
+        self._no_grads = NoGradientsCheck(self._params, self.events, self.rank)
+        self._drop_update = UpdateDrop(
+            optimizer, self._params, self._start, self.events, self.rank
+        )  # a step not applied: gradients cleared, buffers put back (step/drop.py)
+        self._capturer = Capturer(self.run_dir, self._consensus, self.events)
+        self.spikes = SpikeWatch(self.config, self.events, self.rank)
+        self.state.spikes = self.spikes  # saved and restored with the counters
+        self._inputs = InputCheck(self.config.check_inputs, self.events, self.rank)
+        self._sampler_epochs = SamplerEpochs(self.events, self.rank)
+        metrics = MetricsLog(metrics_path(self.run_dir)) if self.rank == 0 else None
+        self.history = StepHistory(self.config.history_steps, metrics)
+        self._dashboard = Dashboard(self)  # metrics(): reads the parts when called
+        self._timer = (
+            StepTimer(unwrap(model), forward_hooks=self.world_size > 1)
+            if self.config.detect_stragglers
+            else None
+        )
+
+    def _build_health(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        process_group: dist.ProcessGroup | None,
+    ) -> None:
+        """The cross-rank health rules: stragglers and replica agreement."""
+        self.stragglers = StragglerWatch(self.config, self.events, self.rank)
+        self.replicas = ReplicaWatch(
+            model,
+            optimizer,
+            self.config,
+            self.events,
+            self.rank,
+            self.world_size,
+            process_group,
+        )
+
+    def _build_decision(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        rerun: LossFn | None,
+        process_group: dist.ProcessGroup | None,
+    ) -> None:
+        """Evidence, the measure, recovery, acting on the decision, the sync-free step, rerun."""
+        scaler = self.scaler
+        self._transient: TransientFaults | None = None  # rerun=: step/transient.py
+        self._evidence = StepEvidence(self._evidence_parts(rerun is not None))
+        self._measure = StepMeasure(self._measure_parts())  # this rank's row: step/measure.py
+        self.recovery = build_recovery(
+            self.config,
+            TrainingObjects(model, optimizer, scheduler, scaler),
+            self.state,
+            self.events,
+            process_group,
+            self._consensus.device,
+            self.rank,
+        )
+        if self.recovery is not None:  # snapshots at the step's first forward (step/start.py)
+            self._start.on_begin = self.recovery.step_boundary
+        self._decision = DecisionApply(self._apply_parts())  # acting on it: step/apply.py
+        # Recovery restores at step boundaries: it needs the decision before the update.
+        sync_free = uses_fused(optimizer) and scaler is None
+        sync_free = sync_free and not recovery_enabled(self.config) and rerun is None
+        self._sync_free = SyncFreeStep(self._sync_free_parts()) if sync_free else None
+        self._transient = self._transient_part(rerun, scaler)
+
+    def _start_run(self, identity: RunIdentity, process_group: dist.ProcessGroup | None) -> None:
+        """The run's start event, then the hang watchdog."""
+        fields = self.config.start_fields() | {"torch": torch.__version__} | identity.start_fields()
+        self.events.write("start", self.state.step, world_size=self.world_size, **fields)
+        self._watchdog: Watchdog | None = start_watchdog(
+            self.progress, self.events, self.config.hang_timeout, self.run_dir, process_group
+        )
+        if self._watchdog is not None:  # a hang exits with os._exit: keep the metrics
+            self._watchdog.before_exit(self.history.flush)
+
+    # -- the views each part gets of the others -------------------------------------------
+
+    def _transient_part(self, rerun: LossFn | None, scaler: Any) -> TransientFaults | None:
+        if rerun is None:
+            return None
+        if not callable(rerun):
+            raise ConfigError("rerun", "expected loss_fn(model, batch) -> loss, a callable")
+        if scaler is not None:
+            raise ConfigError(
+                "rerun",
+                "not supported with a GradScaler yet (an fp16 overflow is the scaler's to "
+                "handle); use rerun=None, or bf16 without a scaler",
+            )
+        parts = RerunParts(
+            config=self.config,
+            consensus=self._consensus,
+            events=self.events,
+            losses=self._losses,
+            measure=self._measure,
+            batches_of=self._evidence.batches_of,
+            exit_suspect=self._exit_suspect,
+        )
+        return TransientFaults(StepRerun(rerun, self.model, self._start), parts)
+
+    def _exit_suspect(self) -> None:
+        if self.recovery is not None:
+            self.recovery.close()  # every rank: a checkpoint being written completes first
+        self._close(raise_errors=False)
+
+    def _evidence_parts(self, reruns: bool) -> EvidenceParts:
+        """What ``StepEvidence`` (batches, RNG states, capture) reads of the guard."""
+        transient = self._transient_verdict if reruns else None
+        return EvidenceParts(
+            config=self.config,
+            model=self.model,
+            optimizer=self.optimizer,
+            capturer=self._capturer,
+            start=self._start,
+            recorded=self._recorded,
+            losses=self._losses,
+            history=self.history,
+            replicas=self.replicas,
+            stream=lambda: self._stream,
+            rerun_verdict=transient,
+            phase=self.phase,
+        )
+
+    def _measure_parts(self) -> MeasureParts:
+        """What ``StepMeasure`` (the gradient pass and this rank's row) reads of the guard."""
+        return MeasureParts(
+            params=self._params,
+            device=self._consensus.device,
+            start=self._start,
+            losses=self._losses,
+            no_grads=self._no_grads,
+            inputs=self._inputs,
+            replicas=self.replicas,
+            fold=self.world_size == 1,
+            timer=self._timer,
+            evidence=self._evidence,
+            stream=lambda: self._stream,
+            step_of=lambda: self.state.step,
+        )
+
+    def _apply_parts(self) -> ApplyParts:
+        """What ``DecisionApply`` (acting on the agreed decision) uses of the guard."""
+        return ApplyParts(
+            config=self.config,
+            state=self.state,
+            spikes=self.spikes,
+            recovery=self.recovery,
+            scaler=self.scaler,
+            optimizer=self.optimizer,
+            events=self.events,
+            rank=self.rank,
+            inputs=self._inputs,
+            evidence=self._evidence,
+            drop=self._drop_update,
+        )
+
+    def _transient_verdict(self) -> str | None:
+        return self._transient.verdict if self._transient is not None else None
+
+    def _sync_free_parts(self) -> SyncFreeParts:
+        return SyncFreeParts(
+            config=self.config,
+            state=self.state,
+            progress=self.progress,
+            consensus=self._consensus,
+            spikes=self.spikes,
+            history=self.history,
+            events=self.events,
+            optimizer=self.optimizer,
+            start=self._start,
+            measure=self._measure,
+            take_losses=self._take_losses,
+            step_batches=self._evidence.step_batches_taken,
+            agreed=self._agreed,
+            decide=self._decide,
+            health=self._health,
+            log_nonfinite=self._decision.log_nonfinite,
+            capture=self._evidence.capture_late,
+            stop_error=self._decision.stop_error,
+        )
+
+    # -- decision -------------------------------------------------------------------------
+
+    def _take_losses(self) -> list[Tensor]:
+        return self._losses.take()
+
+    def _agreed(self, agreement: Agreement, steps_ago: int) -> None:
+        if self._stream is not None:
+            self._stream.agreed(agreement, steps_ago)
+
+    def _health(self, step: int, agreement: Agreement) -> None:
+        """The cross-rank health rules, from the agreed numbers (the same on every rank)."""
+        self.stragglers.observe(step, agreement.data_times, agreement.compute_times)
+        self.replicas.observe(step, agreement.fingerprints)
+
+    def _decide(self, agreement: Agreement) -> Decision:
+        scale = amp.current_scale(self.scaler) if agreement.bad else None
+        return decide(agreement, self.config, self.state.consecutive_nonfinite, scale)
+
+    # -- what the parts call back into (the loop's API, in ``Guard``) ----------------------
+
+    def phase(self, name: str) -> AbstractContextManager[None]:
+        raise NotImplementedError  # Guard.phase
+
+    def _close(self, raise_errors: bool) -> None:
+        raise NotImplementedError  # Guard._close
