@@ -257,21 +257,23 @@ def _median_of(values: list[float], indices: list[int]) -> float:
 # -- breakdown --------------------------------------------------------------------------------
 
 _MEASURE = "trainguard.step.measure:StepMeasure"
+_LONE = "trainguard.step.lone:LoneStep"
 PARTS: tuple[tuple[str, str, str], ...] = (
     # (label, owner: "guard.<attr path>", a module or "module:Class", attribute)
     ("check()", "guard", "check"),
-    ("  _measure: buffers, gradient pass, row", "guard", "_measure"),
-    ("    buffers.learn", "guard._start.buffers", "learn"),
-    ("    grad_stats (fused norm pass)", "trainguard.step.measure", "grad_stats"),
-    ("      torch._foreach_norm (every caller)", "torch", "_foreach_norm"),
-    ("    losses and inputs for the folded row", _MEASURE, "_fold_pieces"),
-    ("      InputCheck.foldable", "guard._inputs", "foldable"),
-    ("    the folded row (world of one)", _MEASURE, "_folded"),
-    ("      torch.stack (every caller)", "torch", "stack"),
-    ("      host fields (timer, stream)", _MEASURE, "_host_fields"),
-    ("    the reduced row (other ranks)", _MEASURE, "_report"),
-    ("  consensus.agree (row, all-reduce, read)", "guard._consensus", "agree"),
-    ("    FoldedRow.unfold", "trainguard.step.local_row:FoldedRow", "unfold"),
+    ("  _lone.measure: the usual step (world of one)", "guard._lone", "measure"),
+    ("    InputCheck.foldable", "guard._inputs", "foldable"),
+    ("    the fused pass and the row (_row)", _LONE, "_row"),
+    ("    buffers, timer, agreement (_commit)", _LONE, "_commit"),
+    ("  torch._foreach_norm (every caller)", "torch", "_foreach_norm"),
+    ("  torch.stack (every caller)", "torch", "stack"),
+    ("  _agree: the full path (other steps)", "guard", "_agree"),
+    ("    _measure: buffers, gradient pass, row", "guard", "_measure"),
+    ("      grad_stats (fused norm pass)", "trainguard.step.measure", "grad_stats"),
+    ("      losses and inputs for the folded row", _MEASURE, "_fold_pieces"),
+    ("      the folded row (world of one)", _MEASURE, "_folded"),
+    ("      the reduced row (other ranks)", _MEASURE, "_report"),
+    ("    consensus.agree (row, all-reduce, read)", "guard._consensus", "agree"),
     ("  _agreed (stream)", "guard", "_agreed"),
     ("  _decide", "guard", "_decide"),
     ("  history.record (ring + metrics)", "guard.history", "record"),

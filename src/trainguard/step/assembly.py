@@ -41,6 +41,7 @@ from trainguard.step.drop import UpdateDrop
 from trainguard.step.evidence import EvidenceParts, StepEvidence
 from trainguard.step.history import StepHistory
 from trainguard.step.inputs import InputCheck
+from trainguard.step.lone import LoneParts, LoneStep
 from trainguard.step.losses import StepLosses
 from trainguard.step.manual import RecordedBatches
 from trainguard.step.measure import MeasureParts, StepMeasure
@@ -136,6 +137,8 @@ class GuardAssembly:
         self._transient: TransientFaults | None = None  # rerun=: step/transient.py
         self._evidence = StepEvidence(self._evidence_parts(rerun is not None))
         self._measure = StepMeasure(self._measure_parts())  # this rank's row: step/measure.py
+        # a world of one's usual step, in few calls (step/lone.py); the rest: _measure
+        self._lone = LoneStep(self._lone_parts()) if self.world_size == 1 else None
         self.recovery = build_recovery(
             self.config,
             TrainingObjects(model, optimizer, scheduler, scaler),
@@ -228,6 +231,19 @@ class GuardAssembly:
             step_of=lambda: self.state.step,
         )
 
+    def _lone_parts(self) -> LoneParts:
+        """What ``LoneStep`` (a world of one's usual step) reads of the guard."""
+        return LoneParts(
+            params=self._params,
+            device=self._consensus.device,
+            start=self._start,
+            losses=self._losses,
+            inputs=self._inputs,
+            evidence=self._evidence,
+            timer=self._timer,
+            stream=lambda: self._stream,
+        )
+
     def _apply_parts(self) -> ApplyParts:
         """What ``DecisionApply`` (acting on the agreed decision) uses of the guard."""
         return ApplyParts(
@@ -280,6 +296,8 @@ class GuardAssembly:
 
     def _health(self, step: int, agreement: Agreement) -> None:
         """The cross-rank health rules, from the agreed numbers (the same on every rank)."""
+        if self.world_size == 1:
+            return  # no other rank: no straggler, no replica to compare
         self.stragglers.observe(step, agreement.data_times, agreement.compute_times)
         self.replicas.observe(step, agreement.fingerprints)
 

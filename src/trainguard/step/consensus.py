@@ -228,17 +228,32 @@ class Consensus:
 def _alone(values: list[float], report: LocalReport, sharded: bool) -> Agreement:
     """``Consensus.read`` of a world of one, from its device columns and its own host fields
     (the same agreement, without building the rows)."""
+    return alone_agreement(
+        values, report.exhausted, report.batches, report.data_time, report.compute_time, sharded
+    )
+
+
+def alone_agreement(
+    values: list[float],
+    exhausted: bool,
+    batches: int,
+    data_time: float,
+    compute_time: float,
+    sharded: bool = False,
+) -> Agreement:
+    """A world of one's agreement: its reduced device columns ``values`` (``COLUMNS`` order)
+    and its host fields (also ``step/lone.py``'s, for the usual step)."""
     loss, check, norm, inputs, fingerprint = values
     return Agreement(
         loss_ranks=[] if math.isfinite(check) else [0],
         grad_ranks=[] if math.isfinite(norm) else [0],
-        exhausted_ranks=[0] if report.exhausted else [],
-        batches=[int(float(report.batches))],
+        exhausted_ranks=[0] if exhausted else [],
+        batches=[int(float(batches))],
         losses=[loss],
         global_grad_norm=math.hypot(norm) if sharded else norm,
         input_ranks=[] if math.isfinite(inputs) else [0],
-        data_times=[report.data_time],
-        compute_times=[report.compute_time],
+        data_times=[data_time],
+        compute_times=[compute_time],
         fingerprints=[fingerprint],
     )
 

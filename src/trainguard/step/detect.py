@@ -114,7 +114,7 @@ def grad_stats(
     pass runs only if it refuses a gradient, so dense models pay nothing for it. ``inputs``:
     tensors on ``device`` that ``fused_takes`` (the step's input data) whose norms ride the
     same pass (``GradStats.input_norms``): one launch for both."""
-    names, grads = _local_grads(named_params, sharded)
+    names, grads = local_grads(named_params, sharded)
     extra = inputs or []
     if not mixed and grads:
         try:
@@ -132,9 +132,10 @@ def grad_stats(
     return stats
 
 
-def _local_grads(
+def local_grads(
     named_params: list[tuple[str, nn.Parameter]], sharded: bool
 ) -> tuple[list[str], list[Tensor]]:
+    """The names and gradients of the parameters that have one (``sharded``: the local shards)."""
     if sharded:
         found = [(name, grad) for name, p in named_params if (grad := local_grad(p)) is not None]
     else:  # comprehensions, not a loop of appends: a large model has hundreds of gradients

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from trainguard.config import (
     DivergenceAction,
@@ -30,9 +30,12 @@ from trainguard.config import (
 from trainguard.errors import ConfigError
 from trainguard.step import amp
 from trainguard.step.assembly import GuardAssembly
+from trainguard.step.consensus import Agreement
 from trainguard.step.data import BatchStream
 from trainguard.step.deferred import StepOutcome
+from trainguard.step.detect import GradStats
 from trainguard.step.losses import LossLike
+from trainguard.step.policy import Decision
 from trainguard.step.rerun import LossFn
 from trainguard.step.saved import guard_state_dict, load_guard_state
 
@@ -181,16 +184,14 @@ class Guard(GuardAssembly):
         self._resolve_pending()
         step = self.state.step
         self.progress.enter("check", step)
-        if self._start.step != step:
-            self._start.missed(step)
-        if self.scaler is not None:
-            amp.unscale(self.scaler, self.optimizer)
-        stats, report, sharded = self._measure(loss, readback=True)
-        agreement = self._consensus.agree(report, sharded)
-        if agreement.bad and self._transient is not None:
-            agreement, stats = self._transient.rerun(step, agreement, stats)
+        lone = self._lone if self.scaler is None else None
+        usual = lone.measure(loss, step) if lone is not None else None
+        if usual is not None:  # a world of one's usual step (step/lone.py): good
+            (stats, agreement), decision = usual, Decision.OK
+        else:
+            stats, agreement = self._agree(loss, step)
+            decision = self._decide(agreement)
         self._agreed(agreement, 0)
-        decision = self._decide(agreement)
         self.history.record(step, agreement, decision, self.optimizer, self._loss_known)
         self.state.step = step + 1
         try:
@@ -201,6 +202,19 @@ class Guard(GuardAssembly):
             self._losses.clear()
             self._evidence.taken(step)
             self.progress.enter("step", step + 1)
+
+    def _agree(self, loss: Tensor, step: int) -> tuple[GradStats, Agreement]:
+        """``check()``'s full path: this rank's measure, the agreement over the ranks and, on
+        a bad step with ``rerun=``, the rerun's verdict."""
+        if self._start.step != step:
+            self._start.missed(step)
+        if self.scaler is not None:
+            amp.unscale(self.scaler, self.optimizer)
+        stats, report, sharded = self._measure(loss, readback=True)
+        agreement = self._consensus.agree(report, sharded)
+        if agreement.bad and self._transient is not None:
+            agreement, stats = self._transient.rerun(step, agreement, stats)
+        return stats, agreement
 
     def step(self, loss: LossLike) -> StepOutcome:
         """``check()``, then the optimizer step (when good) and ``zero_grad`` in one call.

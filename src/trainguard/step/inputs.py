@@ -156,19 +156,21 @@ class InputCheck:
         return max_abs(float_tensors(batches), device)
 
     def foldable(
-        self, step: int, batches: Sequence[Any], device: torch.device
+        self, step: int, batches: Sequence[Any], device: torch.device, keep: bool = True
     ) -> list[Tensor] | None:
         """The step's floating-point input tensors for a world of one's folded row (their
         norms taken in the gradients' fused pass, ``step/local_row.py``): [] when the check is
         off or there are no batches, None unless every tensor is a strided float32, float16
-        or bfloat16 tensor on ``device`` (then ``value``)."""
+        or bfloat16 tensor on ``device`` (then ``value``). ``keep`` False: the batches are not
+        kept for a bad step's ``report`` (``step/lone.py``: a bad step takes the full path)."""
         if not self.enabled or not batches:
             return []
         tensors = float_tensors(batches)
         for tensor in tensors:
             if tensor.device != device or not fused_takes(tensor):
                 return None
-        self._checked.append((step, list(batches)))
+        if keep:
+            self._checked.append((step, list(batches)))
         return tensors
 
     def report(self, agreement: Agreement, step: int) -> None:

@@ -1,0 +1,280 @@
+"""A world of one's usual step (``step/lone.py``): taken in few calls, decided and recorded
+exactly as the full path decides and records it; every other step takes the full path."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import trainguard as tg
+from trainguard.testing import poison_grad, poison_loss
+
+NAN = math.nan
+STEPS = 30
+BAD_INPUT, BAD_LOSS, BAD_GRAD, SPIKE = 9, 13, 17, 22
+"""Steps made bad (an input, the loss, a gradient) or spiking (the loss x 1e4)."""
+
+TIMING = {"time", "step_seconds", "data_times", "compute_times"}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1)
+    )
+
+
+def _batches() -> list[tuple[Tensor, Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(8, 6, generator=gen), torch.randn(8, 1, generator=gen)) for _ in range(STEPS)
+    ]
+
+
+class _FullPathCount:
+    """Counts the steps the full path measured (``Guard._measure``)."""
+
+    def __init__(self, guard: tg.Guard) -> None:
+        self.steps: list[int] = []
+        measure = guard._measure
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.steps.append(guard.state.step)
+            return measure(*args, **kwargs)
+
+        guard._measure = counted  # type: ignore[assignment]
+
+
+def _run(run_dir: Path, lone: bool, **options: Any) -> dict[str, Any]:
+    """The same seeded loop (BatchNorm, dropout, clipping, spikes skipped, a bad input, loss
+    and gradient), with the usual-step path on or off."""
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    config = tg.GuardConfig(
+        run_dir=run_dir,
+        hang_timeout=0,
+        grad_clip=1.0,
+        on_spike="skip",
+        spike_warmup=5,
+        **options,
+    )
+    guard = tg.Guard(model, opt, config=config)
+    if not lone:
+        guard._lone = None
+    full = _FullPathCount(guard)
+    oks = []
+    torch.manual_seed(2)  # dropout
+    for step, (x, y) in enumerate(guard.watch(_batches())):
+        if step == BAD_INPUT:
+            x = x.clone()
+            x[3, 1] = NAN
+        loss = nn.functional.mse_loss(model(x), y)
+        if step == SPIKE:
+            loss = loss * 1e4
+        if step == BAD_LOSS:
+            loss = poison_loss(loss)
+        loss.backward()  # type: ignore[no-untyped-call]
+        if step == BAD_GRAD:
+            poison_grad(model, "0.weight")
+        ok = guard.check(loss)
+        oks.append(ok)
+        if step == 0:  # learned at the first decided step (``BufferKeeper.learn``)
+            learned = sorted(guard._start.buffers._tracked)
+        if ok:
+            opt.step()
+        opt.zero_grad()
+    state = guard.state_dict()
+    guard.close()
+    events = [json.loads(line) for line in (run_dir / "events" / "rank-0.jsonl").open()]
+    metrics = [json.loads(line) for line in (run_dir / "metrics" / "rank-0.jsonl").open()]
+    return {
+        "oks": oks,
+        "weights": {k: v.clone() for k, v in model.state_dict().items()},
+        "state": state,
+        "history": [_untimed(r.bundle_fields()) for r in guard.history.records()],
+        "metrics": [_untimed(line) for line in metrics],
+        "events": [(e["kind"], e["step"]) for e in events if e["kind"] not in ("start", "close")],
+        "bundles": [_bundle(p) for p in sorted((run_dir / "captures").glob("*"))],
+        "full_path_steps": full.steps,
+        "buffers_learned": learned,  # what the step start copies from then on
+    }
+
+
+def _bundle(path: Path) -> dict[str, Any]:
+    """A capture as far as it does not name the run, the process or the time."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    meta = json.loads((path / "rank-0" / "meta.json").read_text())
+    return {
+        "name": path.name,
+        "manifest": {k: v for k, v in manifest.items() if k not in ("time", "time_utc", "run")},
+        "meta": {k: v for k, v in meta.items() if k != "env"},
+        "batch": _listed(torch.load(path / "rank-0" / "batch.pt", weights_only=False)),
+        "rng": torch.load(path / "rank-0" / "rng.pt", weights_only=False)["torch"].tolist(),
+    }
+
+
+def _listed(obj: Any) -> Any:
+    """Tensors as nested lists, for comparing as JSON."""
+    if isinstance(obj, Tensor):
+        return obj.tolist()
+    if isinstance(obj, dict):
+        return {k: _listed(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_listed(v) for v in obj]
+    return obj
+
+
+def _untimed(fields: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in fields.items() if k not in TIMING}
+
+
+def test_usual_steps_take_the_lone_path_and_change_nothing(tmp_path: Path) -> None:
+    lone = _run(tmp_path / "lone", lone=True)
+    full = _run(tmp_path / "full", lone=False)
+    assert full["full_path_steps"] == list(range(STEPS))
+    # only the unusual steps took the full path: the bad ones and the last (the stream ran
+    # out); the spike, finite for the measure and judged after it, took the lone path
+    assert lone["full_path_steps"] == [BAD_INPUT, BAD_LOSS, BAD_GRAD, STEPS - 1]
+    assert lone["oks"] == full["oks"]
+    assert [i for i, ok in enumerate(lone["oks"]) if not ok] == [
+        BAD_INPUT,
+        BAD_LOSS,
+        BAD_GRAD,
+        SPIKE,
+    ]
+    for name, value in lone["weights"].items():  # BatchNorm statistics included
+        assert torch.equal(value, full["weights"][name]), name
+    assert lone["buffers_learned"]  # BatchNorm's running statistics
+    for key in ("state", "history", "metrics", "events", "bundles", "buffers_learned"):  # NaN as "NaN"
+        assert json.dumps(lone[key], sort_keys=True) == json.dumps(full[key], sort_keys=True), key
+    assert lone["bundles"]  # the first bad step and the spike were captured
+
+
+def test_lone_path_is_built_for_a_world_of_one_only(tmp_path: Path) -> None:
+    model = _model()
+    guard = tg.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=tmp_path)
+    assert guard._lone is not None and guard.world_size == 1
+    guard.close()
+
+
+def _loop(run_dir: Path, steps: int, body: Any, **options: Any) -> tuple[tg.Guard, list[int]]:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0, **options)
+    full = _FullPathCount(guard)
+    gen = torch.Generator().manual_seed(0)
+    data = [
+        (torch.randn(4, 4, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(steps)
+    ]
+    for x, y in guard.watch(data):
+        body(guard, model, opt, x, y)
+    guard.close()
+    return guard, full.steps
+
+
+def _plain(guard: tg.Guard, model: nn.Module, opt: Any, x: Tensor, y: Tensor) -> None:
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()  # type: ignore[no-untyped-call]
+    if guard.check(loss):
+        opt.step()
+    opt.zero_grad()
+
+
+def test_recorded_losses_take_the_full_path(tmp_path: Path) -> None:
+    def body(guard: tg.Guard, model: nn.Module, opt: Any, x: Tensor, y: Tensor) -> None:
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()  # type: ignore[no-untyped-call]
+        guard.record_loss(loss)
+        if guard.check(loss):
+            opt.step()
+        opt.zero_grad()
+
+    _, full = _loop(tmp_path, 4, body)
+    assert full == [0, 1, 2, 3]
+
+
+def test_a_float_loss_takes_the_full_path(tmp_path: Path) -> None:
+    def body(guard: tg.Guard, model: nn.Module, opt: Any, x: Tensor, y: Tensor) -> None:
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()  # type: ignore[no-untyped-call]
+        if guard.check(loss.item()):  # a float64 tensor for the guard: the reduced row
+            opt.step()
+        opt.zero_grad()
+
+    guard, full = _loop(tmp_path, 3, body)
+    assert full == [0, 1, 2] and guard.state.last_good_step == 2
+
+
+def test_float64_inputs_take_the_full_path(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0)
+    full = _FullPathCount(guard)
+    data = [(torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 1)) for _ in range(3)]
+    for x, y in guard.watch(data):
+        loss = nn.functional.mse_loss(model(x.float()), y)
+        loss.backward()  # type: ignore[no-untyped-call]
+        assert guard.check(loss)
+        opt.zero_grad()
+    guard.close()
+    assert full.steps == [0, 1, 2]
+    assert guard._lone is not None and guard._lone.active  # per step, not for good
+
+
+def test_sparse_gradients_turn_the_lone_path_off_for_the_run(tmp_path: Path) -> None:
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    guard = tg.Guard(emb, opt, run_dir=tmp_path, hang_timeout=0)
+    full = _FullPathCount(guard)
+    for _ in guard.watch(range(3)):
+        loss = emb(torch.tensor([1, 2, 3])).pow(2).mean()
+        loss.backward()  # type: ignore[no-untyped-call]
+        assert guard.check(loss)
+        opt.step()
+        opt.zero_grad()
+    guard.close()
+    assert full.steps == [0, 1, 2]
+    assert guard._lone is not None and not guard._lone.active
+
+
+def test_a_gradscaler_takes_the_full_path(tmp_path: Path) -> None:
+    scaler = torch.amp.GradScaler("cpu")
+
+    def body(guard: tg.Guard, model: nn.Module, opt: Any, x: Tensor, y: Tensor) -> None:
+        loss = nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+        if guard.check(loss):
+            scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    _, full = _loop(tmp_path, 3, body, scaler=scaler)
+    assert full == [0, 1, 2]
+
+
+def test_the_step_after_a_bad_one_takes_the_lone_path_again(tmp_path: Path) -> None:
+    def body(guard: tg.Guard, model: nn.Module, opt: Any, x: Tensor, y: Tensor) -> None:
+        loss = nn.functional.mse_loss(model(x), y)
+        if guard.state.step == 2:
+            loss = poison_loss(loss)
+        loss.backward()  # type: ignore[no-untyped-call]
+        if guard.check(loss):
+            opt.step()
+        opt.zero_grad()
+
+    guard, full = _loop(tmp_path, 5, body)
+    assert full == [2, 4]  # the bad step, and the last one (the end of the data)
+    assert guard.state.total_nonfinite == 1 and guard.state.last_good_step == 4
+
+
+@pytest.mark.parametrize("last", [3, 4])
+def test_the_end_of_the_data_is_agreed_by_the_full_path(tmp_path: Path, last: int) -> None:
+    _, full = _loop(tmp_path, last, _plain)
+    # the stream knows it ran out once its lookahead found no more batch: the last step
+    assert full == [last - 1]
