@@ -119,6 +119,10 @@ def _bundle(path: Path) -> dict[str, Any]:
     }
 
 
+def _text(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True)
+
+
 def _listed(obj: Any) -> Any:
     """Tensors as nested lists, for comparing as JSON."""
     if isinstance(obj, Tensor):
@@ -152,7 +156,7 @@ def test_usual_steps_take_the_lone_path_and_change_nothing(tmp_path: Path) -> No
         assert torch.equal(value, full["weights"][name]), name
     assert lone["buffers_learned"]  # BatchNorm's running statistics
     for key in ("state", "history", "metrics", "events", "bundles", "buffers_learned"):  # NaN as "NaN"
-        assert json.dumps(lone[key], sort_keys=True) == json.dumps(full[key], sort_keys=True), key
+        assert _text(lone[key]) == _text(full[key]), key
     assert lone["bundles"]  # the first bad step and the spike were captured
 
 
