@@ -120,6 +120,7 @@ def _bundle(path: Path) -> dict[str, Any]:
 
 
 def _text(obj: Any) -> str:
+    """JSON text (NaN as NaN: equal where == on NaN is not)."""
     return json.dumps(obj, sort_keys=True)
 
 
@@ -155,7 +156,7 @@ def test_usual_steps_take_the_lone_path_and_change_nothing(tmp_path: Path) -> No
     for name, value in lone["weights"].items():  # BatchNorm statistics included
         assert torch.equal(value, full["weights"][name]), name
     assert lone["buffers_learned"]  # BatchNorm's running statistics
-    for key in ("state", "history", "metrics", "events", "bundles", "buffers_learned"):  # NaN as "NaN"
+    for key in ("state", "history", "metrics", "events", "bundles", "buffers_learned"):
         assert _text(lone[key]) == _text(full[key]), key
     assert lone["bundles"]  # the first bad step and the spike were captured
 
