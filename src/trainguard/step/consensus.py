@@ -81,7 +81,7 @@ class Reduced:
     """The gradients are shards (FSDP2): the global norm combines every rank's."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Agreement:
     """The step as every rank sees it after the all-reduce (identical on every rank)."""
 

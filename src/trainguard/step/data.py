@@ -234,6 +234,8 @@ class BatchStream:
             self._set_agreement(self._exchange(), step - 1)
         agreement = self._agreement
         assert agreement is not None  # set just above
+        if not agreement.exhausted_ranks:  # the usual step: no rank ran out
+            return False
         available = agreement.steps_available(self._k)
         if step < available:
             return False

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from trainguard.numerics import is_sparse, stored_values
 
 
-@dataclass
+@dataclass(slots=True)
 class GradStats:
     """The gradient pass of one rank. All tensors live on ``device``; nothing synced yet.
 

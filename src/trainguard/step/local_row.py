@@ -42,17 +42,24 @@ class FoldedRow:
 
     def unfold(self, values: list[float]) -> list[float]:
         """The reduced device columns ``[loss, loss_check, grad_norm, input, fingerprint]``."""
-        split = self.losses + self.norms
-        losses = values[: self.losses]
-        check = losses[0] if len(losses) == 1 else sum(losses)
-        squares = 0.0
-        for norm in values[self.losses : split]:
-            squares += norm * norm
-        inputs = values[split:]
-        top = max(inputs, default=0.0)
-        if not math.isfinite(top) or not all(map(math.isfinite, inputs)):
-            top = self.confirm()
-        return [losses[-1], check, math.sqrt(squares), top, 0.0]
+        return reduce_row(values, self.losses, self.norms, self.confirm)
+
+
+def reduce_row(
+    values: list[float], losses: int, norms: int, confirm: Callable[[], float]
+) -> list[float]:
+    """``FoldedRow.unfold`` of a row laid out ``[losses..., norms..., input norms...]``."""
+    split = losses + norms
+    step_losses = values[:losses]
+    check = step_losses[0] if losses == 1 else sum(step_losses)
+    squares = 0.0
+    for norm in values[losses:split]:
+        squares += norm * norm
+    inputs = values[split:]
+    top = max(inputs, default=0.0)
+    if not math.isfinite(top) or not all(map(math.isfinite, inputs)):
+        top = confirm()
+    return [step_losses[-1], check, math.sqrt(squares), top, 0.0]
 
 
 def foldable_losses(losses: list[Tensor], device: torch.device) -> bool:

@@ -12,11 +12,12 @@ code and data from the caches), so the count of distinct calls sets the fixed co
 ``LoneStep.measure(loss, step)`` takes such a step in one pass: the gradients' and the step
 inputs' norms in one fused ``_foreach_norm``, one ``stack`` with the loss, one read, the same
 values the folded row of the full path holds (``local_row``), reduced by the same
-``FoldedRow.unfold`` into the same ``Agreement`` (``consensus.alone_agreement``). The guard
-then decides and records the step exactly as after the full path (``Guard.check``): the
-history, the metrics line, the counters, the spike rule, recovery and clipping are the same
-code. It returns None, before changing anything, when the step is not the usual one, and
-the full path measures it as always:
+``reduce_row`` (``FoldedRow.unfold``) into the same ``Agreement``
+(``consensus.alone_agreement``). The guard then decides and records the step exactly as
+after the full path (``Guard.check``): the history, the metrics line, the counters, the
+spike rule, recovery and clipping are the same code. It returns None when the step is not
+the usual one, having changed nothing the full path does not set again (the step's losses,
+``StepLosses.checked``), and the full path measures it as always:
 
 - a value is not finite (the loss, a gradient norm or an input norm): the full path locates,
   confirms and captures it;
@@ -47,7 +48,7 @@ from trainguard.step.data import BatchStream
 from trainguard.step.detect import GradStats, is_sharded, local_grads
 from trainguard.step.evidence import StepEvidence
 from trainguard.step.inputs import InputCheck
-from trainguard.step.local_row import FoldedRow
+from trainguard.step.local_row import reduce_row
 from trainguard.step.losses import StepLosses
 from trainguard.step.start import StepStart
 
@@ -82,7 +83,7 @@ class LoneStep:
 
     def measure(self, loss: Tensor, step: int) -> tuple[GradStats, Agreement] | None:
         """The step's gradient stats and agreement when it is the usual step (every value
-        finite, nothing special: the module docstring), else None, with nothing changed."""
+        finite, nothing special: the module docstring), else None (then the full path)."""
         parts = self._parts
         if not self.active or parts.start.step != step or parts.losses.has_recorded:
             return None
@@ -99,11 +100,12 @@ class LoneStep:
         names, grads = local_grads(parts.params, sharded=False)
         if not grads:
             return None
+        (loss,) = parts.losses.checked(loss)  # detached; the full path sets the same again
         row = self._row(loss, grads, inputs)
         if row is None or not all(map(math.isfinite, row[0])):
             return None
         values, norms = row
-        return self._commit(loss, step, stream, values, names, grads, norms)
+        return self._commit(step, stream, values, names, grads, norms)
 
     def _plain_gradients(self) -> bool:
         """False (for good) when the gradients are FSDP2 shards: looked up once, at the first
@@ -119,10 +121,11 @@ class LoneStep:
     def _row(
         self, loss: Tensor, grads: list[Tensor], inputs: list[Tensor]
     ) -> tuple[list[float], list[Tensor]] | None:
-        """``[loss, gradient norms..., input norms...]`` read on the host, and the norms."""
+        """``[loss, gradient norms..., input norms...]`` read on the host, and the norms
+        (``loss`` detached)."""
         try:
             norms = torch._foreach_norm(grads + inputs, 2.0, dtype=torch.float32)
-            values: list[float] = torch.stack([loss.detach(), *norms]).tolist()
+            values: list[float] = torch.stack([loss, *norms]).tolist()
         except (RuntimeError, TypeError):  # sparse/float64 gradients, several devices
             self.active = False  # the full path's mixed pass, from now on
             return None
@@ -130,7 +133,6 @@ class LoneStep:
 
     def _commit(
         self,
-        loss: Tensor,
         step: int,
         stream: BatchStream | None,
         values: list[float],
@@ -141,10 +143,9 @@ class LoneStep:
         """The step is the usual one: what the full path's measure leaves, and the agreement."""
         parts = self._parts
         parts.start.buffers.learn(step)
-        parts.losses.checked(loss)  # the step's losses, for a capture (a spike)
         data_time, compute_time = parts.timer.take() if parts.timer is not None else (0.0, 0.0)
         cut = len(grads)
-        columns = FoldedRow(1, cut, _unused).unfold(values)
+        columns = reduce_row(values, 1, cut, _unused)
         agreement = alone_agreement(
             columns,
             exhausted=False,

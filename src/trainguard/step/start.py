@@ -109,12 +109,13 @@ class StepStart:
         self._child_handles = [m.register_forward_pre_hook(Hook(self._pre_hook)) for m in children]
 
     def _pre_hook(self, module: nn.Module, args: Any) -> None:
-        if self.step == self._step_of():
+        step = self._step_of()
+        if self.step == step:
             return
         if not torch.is_grad_enabled() or not self._inner.training:
             return
         self.seen = True
-        self.begin()
+        self.begin(step)
         if self._child_handles and (module is self._model or module is self._inner):
             self._unhook_children()  # the loop calls the model itself: the roots suffice
 
