@@ -32,6 +32,10 @@ def test_fixed_cost_quick(tmp_path: Path) -> None:
     for name, entry in modes.items():
         assert len(entry["us_per_step"]) == 2 and entry["median_us"] > 0, name
     assert modes["guard_check"]["ratio"] > 0 and "fixed_cost_us" in modes["guard_step"]
+    target = report["target"]  # issue 26: <= 50 us, said met or not, the floor beside it
+    assert target["limit_us"] == 50.0 and isinstance(target["met"], bool)
+    assert target["minimal_us"] == modes["minimal"]["fixed_cost_us"]
+    assert "target: guard_check fixed cost" in proc.stdout
     parts = report["breakdown"]["parts"]
     assert parts["check()"]["calls_per_step"] == 1.0
     assert set(report["breakdown"]["loop_phases_us"]) == {"bare", "bare+python", "guard_check"}
