@@ -30,10 +30,10 @@ def _model() -> nn.Module:
     )
 
 
-def _batches() -> list[tuple[Tensor, Tensor]]:
+def _batches(count: int) -> list[tuple[Tensor, Tensor]]:
     gen = torch.Generator().manual_seed(1)
     return [
-        (torch.randn(8, 6, generator=gen), torch.randn(8, 1, generator=gen)) for _ in range(STEPS)
+        (torch.randn(8, 6, generator=gen), torch.randn(8, 1, generator=gen)) for _ in range(count)
     ]
 
 
@@ -51,17 +51,21 @@ class _FullPathCount:
         guard._measure = counted  # type: ignore[assignment]
 
 
-def _run(run_dir: Path, lone: bool, **options: Any) -> dict[str, Any]:
+def _run(run_dir: Path, lone: bool, shape: str = "plain", **options: Any) -> dict[str, Any]:
     """The same seeded loop (BatchNorm, dropout, clipping, spikes skipped, a bad input, loss
-    and gradient), with the usual-step path on or off."""
+    and gradient), with the usual-step path on or off. ``shape``: ``plain``, ``accumulate``
+    (two micro-batches a step, ``check()`` with the last loss, no ``record_loss``) or
+    ``autocast`` (the forward under CPU bfloat16 autocast)."""
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    k = 2 if shape == "accumulate" else 1
     config = tg.GuardConfig(
         run_dir=run_dir,
         hang_timeout=0,
         grad_clip=1.0,
         on_spike="skip",
         spike_warmup=5,
+        accumulation_steps=k,
         **options,
     )
     guard = tg.Guard(model, opt, config=config)
@@ -70,16 +74,20 @@ def _run(run_dir: Path, lone: bool, **options: Any) -> dict[str, Any]:
     full = _FullPathCount(guard)
     oks = []
     torch.manual_seed(2)  # dropout
-    for step, (x, y) in enumerate(guard.watch(_batches())):
-        if step == BAD_INPUT:
+    for index, (x, y) in enumerate(guard.watch(_batches(STEPS * k))):
+        step, micro = divmod(index, k)
+        if step == BAD_INPUT and micro == 0:
             x = x.clone()
             x[3, 1] = NAN
-        loss = nn.functional.mse_loss(model(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=shape == "autocast"):
+            loss = nn.functional.mse_loss(model(x).float(), y)
         if step == SPIKE:
             loss = loss * 1e4
-        if step == BAD_LOSS:
+        if step == BAD_LOSS and micro == k - 1:
             loss = poison_loss(loss)
-        loss.backward()  # type: ignore[no-untyped-call]
+        (loss / k).backward()  # type: ignore[no-untyped-call]
+        if micro < k - 1:
+            continue
         if step == BAD_GRAD:
             poison_grad(model, "0.weight")
         ok = guard.check(loss)
@@ -139,9 +147,10 @@ def _untimed(fields: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if k not in TIMING}
 
 
-def test_usual_steps_take_the_lone_path_and_change_nothing(tmp_path: Path) -> None:
-    lone = _run(tmp_path / "lone", lone=True)
-    full = _run(tmp_path / "full", lone=False)
+@pytest.mark.parametrize("shape", ["plain", "accumulate", "autocast"])
+def test_usual_steps_take_the_lone_path_and_change_nothing(tmp_path: Path, shape: str) -> None:
+    lone = _run(tmp_path / "lone", lone=True, shape=shape)
+    full = _run(tmp_path / "full", lone=False, shape=shape)
     assert full["full_path_steps"] == list(range(STEPS))
     # only the unusual steps took the full path: the bad ones and the last (the stream ran
     # out); the spike, finite for the measure and judged after it, took the lone path
