@@ -4,6 +4,8 @@
 ``watch()`` (data.BatchStream) -> user forward/backward -> ``check()``:
 detect (local flags, one fused gradient pass) -> consensus (one small all-reduce) ->
 policy (one decision, identical on every rank) -> apply (clear, clip, raise) + events.
+A world of one's usual step (every value finite, nothing special) is measured and agreed in
+few calls (``lone.LoneStep``), then recorded and applied by the same code.
 """
 
 from __future__ import annotations
