@@ -43,28 +43,20 @@ wrapped in a timer (inclusive times; the timer's own cost is measured and subtra
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
 import functools
 import gc
-import importlib
-import itertools
-import json
-import math
 import os
 import random
 import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
@@ -77,131 +69,10 @@ from _common import (
     quartiles,
     write_json,
 )
+from _fixed_cost_breakdown import breakdown, breakdown_table
+from _fixed_cost_loops import BATCH, DIM_IN, DIST_MODES, HIDDEN, MODES, Loop
 
-import trainguard as tg
-from trainguard.capture.rng import RngSnapshot
-
-MODES = ("bare", "naive_loss", "naive_norm", "minimal", "guard_check", "guard_step")
-GUARDED = ("guard_check", "guard_step")
-DIST_MODES = ("bare", "guard_check")
-BATCH, DIM_IN, HIDDEN = 32, 16, 32
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cpu" / "fixed_cost.json"
-
-Batch = tuple[Tensor, Tensor]
-
-
-def build_model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(DIM_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
-
-
-def make_batches(seed: int, count: int = 64) -> list[Batch]:
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        (torch.randn(BATCH, DIM_IN, generator=gen), torch.randn(BATCH, 1, generator=gen))
-        for _ in range(count)
-    ]
-
-
-class Loop:
-    """One mode's training loop; ``run(n)`` takes ``n`` steps."""
-
-    def __init__(self, mode: str, seed: int, run_dir: Path, ddp: bool = False) -> None:
-        self.mode = mode
-        model = build_model(seed)
-        self.model: nn.Module = nn.parallel.DistributedDataParallel(model) if ddp else model
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-3)
-        data = itertools.cycle(make_batches(seed + 1))
-        self.guard: tg.Guard | None = None
-        self.batches: Iterator[Batch] = data
-        if mode in GUARDED:
-            self.guard = tg.Guard(self.model, self.opt, run_dir=run_dir / mode)
-            self.batches = iter(self.guard.watch(data))
-        self.loss_fn = nn.MSELoss()
-        self._ring: collections.deque[tuple[int, float, float, bool]] = collections.deque(
-            maxlen=1000
-        )
-        self._step, self._started = 0, -1
-        self._snapshot: RngSnapshot | None = None
-        if mode == "minimal":
-            self.model.register_forward_pre_hook(self._minimal_start)
-
-    def _minimal_start(self, module: nn.Module, args: Any) -> None:
-        if self._started != self._step and torch.is_grad_enabled():
-            self._started, self._snapshot = self._step, RngSnapshot.take()
-
-    def run(self, steps: int) -> None:
-        run = getattr(self, f"_run_{self.mode}")
-        run(steps)
-
-    def _loss(self, batch: Batch) -> Tensor:
-        x, y = batch
-        loss: Tensor = self.loss_fn(self.model(x), y)
-        loss.backward()  # type: ignore[no-untyped-call]
-        return loss
-
-    def _update(self) -> None:
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-
-    def _run_bare(self, steps: int) -> None:
-        batches = self.batches
-        for _ in range(steps):
-            self._loss(next(batches))
-            self._update()
-
-    def _run_naive_loss(self, steps: int) -> None:
-        batches = self.batches
-        for _ in range(steps):
-            loss = self._loss(next(batches))
-            if torch.isfinite(loss).item():
-                self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-
-    def _run_naive_norm(self, steps: int) -> None:
-        batches, params = self.batches, list(self.model.parameters())
-        for _ in range(steps):
-            loss = self._loss(next(batches))
-            norm = nn.utils.clip_grad_norm_(params, max_norm=float("inf"))
-            if torch.isfinite(torch.stack([loss.detach(), norm])).all().item():
-                self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-
-    def _run_minimal(self, steps: int) -> None:
-        batches, params, ring = self.batches, list(self.model.parameters()), self._ring
-        for _ in range(steps):
-            batch = next(batches)
-            loss = self._loss(batch)
-            norms = torch._foreach_norm([p.grad for p in params if p.grad is not None])
-            ends = [end for tensor in batch for end in torch.aminmax(tensor)]
-            row = torch.stack([loss.detach(), *norms, *ends]).tolist()
-            ok = all(map(math.isfinite, row))
-            norm = math.sqrt(sum(v * v for v in row[1 : 1 + len(norms)]))
-            ring.append((self._step, row[0], norm, ok))
-            self._step += 1
-            if ok:
-                self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-
-    def _run_guard_check(self, steps: int) -> None:
-        guard, batches = self.guard, self.batches
-        assert guard is not None
-        for _ in range(steps):
-            loss = self._loss(next(batches))
-            if guard.check(loss):
-                self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-
-    def _run_guard_step(self, steps: int) -> None:
-        guard, batches = self.guard, self.batches
-        assert guard is not None
-        for _ in range(steps):
-            guard.step(self._loss(next(batches)))
-
-    def close(self) -> None:
-        if self.guard is not None:
-            self.guard.close()
-
 
 # -- interleaved rounds ----------------------------------------------------------------------
 
@@ -253,216 +124,6 @@ def summarize(per_step: dict[str, list[float]]) -> dict[str, Any]:
 
 def _median_of(values: list[float], indices: list[int]) -> float:
     return median([values[i] for i in indices])
-
-
-# -- breakdown --------------------------------------------------------------------------------
-
-_MEASURE = "trainguard.step.measure:StepMeasure"
-_LONE = "trainguard.step.lone:LoneStep"
-PARTS: tuple[tuple[str, str, str], ...] = (
-    # (label, owner: "guard.<attr path>", a module or "module:Class", attribute)
-    ("check()", "guard", "check"),
-    ("  _lone.measure: the usual step (world of one)", "guard._lone", "measure"),
-    ("    InputCheck.foldable", "guard._inputs", "foldable"),
-    ("    the fused pass and the row (_row)", _LONE, "_row"),
-    ("    buffers, timer, agreement (_commit)", _LONE, "_commit"),
-    ("  torch._foreach_norm (every caller)", "torch", "_foreach_norm"),
-    ("  torch.stack (every caller)", "torch", "stack"),
-    ("  _agree: the full path (other steps)", "guard", "_agree"),
-    ("    _measure: buffers, gradient pass, row", "guard", "_measure"),
-    ("      grad_stats (fused norm pass)", "trainguard.step.measure", "grad_stats"),
-    ("      losses and inputs for the folded row", _MEASURE, "_fold_pieces"),
-    ("      the folded row (world of one)", _MEASURE, "_folded"),
-    ("      the reduced row (other ranks)", _MEASURE, "_report"),
-    ("    consensus.agree (row, all-reduce, read)", "guard._consensus", "agree"),
-    ("  _agreed (stream)", "guard", "_agreed"),
-    ("  _decide", "guard", "_decide"),
-    ("  history.record (ring + metrics)", "guard.history", "record"),
-    ("    MetricsLog.add (incl. its flushes)", "guard.history._metrics", "add"),
-    ("  decision.apply (state, spikes)", "guard._decision", "apply"),
-    ("    spikes.judge", "guard.spikes", "judge"),
-    ("  _health (stragglers, replicas)", "guard", "_health"),
-    ("  evidence.taken", "guard._evidence", "taken"),
-    ("step start hook (StepStart.begin)", "guard._start", "begin"),
-    ("  RNG snapshot (RngSnapshot.take)", "trainguard.capture.rng:RngSnapshot", "take"),
-    ("  autocast_state", "trainguard.step.start", "autocast_state"),
-    ("  buffers.begin", "guard._start.buffers", "begin"),
-)
-"""Owners: ``guard.<attr path>``, a module, or ``module:Class`` (a class attribute)."""
-
-
-class Timers:
-    def __init__(self) -> None:
-        self.total: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-
-    def wrap(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        total, calls, clock = self.total, self.calls, time.perf_counter
-        total.setdefault(label, 0.0)
-        calls.setdefault(label, 0)
-
-        @functools.wraps(fn)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = clock()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                total[label] += clock() - start
-                calls[label] += 1
-
-        return timed
-
-
-def _owner(guard: tg.Guard, path: str) -> Any:
-    if not path.startswith("guard"):
-        module, _, name = path.partition(":")
-        found = importlib.import_module(module)
-        return getattr(found, name, None) if name else found
-    obj: Any = guard
-    for attr in path.split(".")[1:]:
-        obj = getattr(obj, attr, None)
-        if obj is None:
-            return None
-    return obj
-
-
-def _instrument(guard: tg.Guard, timers: Timers) -> tuple[list[str], Callable[[], None]]:
-    """Wrap the parts; returns the labels found and an undo."""
-    found, undo = [], []
-    for label, path, attr in PARTS:
-        owner = _owner(guard, path)
-        if owner is None or not hasattr(owner, attr):
-            continue
-        original = getattr(owner, attr)
-        raw = vars(owner).get(attr) if isinstance(owner, type) else None
-        setattr(owner, attr, timers.wrap(label, original))
-        found.append(label)
-        if isinstance(owner, type):  # a class: put its own attribute (a descriptor) back
-            undo.append(functools.partial(setattr, owner, attr, raw))
-        elif isinstance(owner, type(sys)):
-            undo.append(functools.partial(setattr, owner, attr, original))
-        else:  # an instance attribute shadowing the class's method
-            undo.append(functools.partial(_delattr, owner, attr))
-
-    def undo_all() -> None:
-        for step in reversed(undo):
-            step()
-
-    return found, undo_all
-
-
-def _delattr(obj: Any, attr: str) -> None:
-    with contextlib.suppress(AttributeError):
-        delattr(obj, attr)
-
-
-def _timer_cost() -> float:
-    """Seconds a wrapped no-op call costs beyond the call itself."""
-    timers = Timers()
-    noop = timers.wrap("noop", lambda: None)
-    n = 20000
-    start = time.perf_counter()
-    for _ in range(n):
-        noop()
-    wrapped = (time.perf_counter() - start) / n
-    plain: Callable[[], None] = lambda: None  # noqa: E731
-    start = time.perf_counter()
-    for _ in range(n):
-        plain()
-    return max(0.0, wrapped - (time.perf_counter() - start) / n)
-
-
-def unrelated_python() -> int:
-    """The control's work between backward and update: about 100 us of Python that touches
-    fresh objects (a dict of lists, its JSON text), unrelated to the training step."""
-    table = {f"k{i}": (i, float(i), str(i)) for i in range(60)}
-    return len(json.dumps(table)) + sum(len(text) for _, _, text in table.values())
-
-
-def phases(
-    loops: dict[str, tuple[Loop, Callable[[], object] | None]], steps: int, rounds: int
-) -> dict[str, dict[str, float]]:
-    """Per loop, the median over ``rounds`` of the microseconds per step in each phase of the
-    loop; the loops interleaved, in a freshly shuffled order each round. A loop's ``between``
-    (the guard's ``check()``, or the control's unrelated Python) runs where the guard would
-    check: whether the user's own phases slow down after it tells the guard's own cost from
-    what any Python between two steps does to the forward and the update."""
-    names = ("next batch", "forward+backward", "check", "update")
-    found: dict[str, dict[str, list[float]]] = {n: {k: [] for k in names} for n in loops}
-    order, rng, clock = list(loops), random.Random(0), time.perf_counter
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for name in order:
-            loop, between = loops[name]
-            acc = dict.fromkeys(names, 0.0)
-            batches, guard = loop.batches, loop.guard
-            for _ in range(steps):
-                t0 = clock()
-                batch = next(batches)
-                t1 = clock()
-                loss = loop._loss(batch)
-                t2 = clock()
-                ok = guard.check(loss) if guard is not None else True
-                if between is not None:
-                    between()
-                t3 = clock()
-                if ok:
-                    loop.opt.step()
-                loop.opt.zero_grad(set_to_none=True)
-                t4 = clock()
-                acc["next batch"] += t1 - t0
-                acc["forward+backward"] += t2 - t1
-                acc["check"] += t3 - t2
-                acc["update"] += t4 - t3
-            for key, value in acc.items():
-                found[name][key].append(1e6 * value / steps)
-    return {n: {k: median(v) for k, v in per.items()} for n, per in found.items()}
-
-
-def breakdown(seed: int, steps: int, rounds: int, run_dir: Path) -> dict[str, Any]:
-    bare, guarded = Loop("bare", seed, run_dir), Loop("guard_check", seed, run_dir / "bd")
-    control = Loop("bare", seed, run_dir)
-    for loop in (bare, guarded, control):
-        loop.run(steps)
-    loop_phases = phases(
-        {
-            "bare": (bare, None),
-            "bare+python": (control, unrelated_python),
-            "guard_check": (guarded, None),
-        },
-        steps,
-        rounds,
-    )
-    assert guarded.guard is not None
-    timers = Timers()
-    labels, undo = _instrument(guarded.guard, timers)
-    overhead = _timer_cost()
-    guarded.run(steps)  # warm the wrappers
-    for label in labels:
-        timers.total[label], timers.calls[label] = 0.0, 0
-    per_round: dict[str, list[float]] = {label: [] for label in labels}
-    for _ in range(rounds):
-        before = dict(timers.total)
-        guarded.run(steps)
-        for label in labels:
-            per_round[label].append(1e6 * (timers.total[label] - before[label]) / steps)
-    calls = {label: timers.calls[label] / (rounds * steps) for label in labels}
-    undo()
-    guarded.close()
-    parts = {
-        label: {
-            "us_per_step": max(0.0, median(per_round[label]) - 1e6 * overhead * calls[label]),
-            "calls_per_step": calls[label],
-        }
-        for label in labels
-    }
-    return {
-        "loop_phases_us": loop_phases,
-        "parts": parts,
-        "timer_overhead_us_per_call": 1e6 * overhead,
-        "steps": steps,
-        "rounds": rounds,
-    }
 
 
 # -- 2-rank gloo ------------------------------------------------------------------------------
@@ -546,30 +207,6 @@ def table(modes: dict[str, Any]) -> str:
         )
     headers = ["mode", "us/step", "q1", "q3", "fixed cost us", "95% CI", "ratio to bare"]
     return markdown_table(headers, rows)
-
-
-def breakdown_table(found: dict[str, Any]) -> str:
-    phase_rows = []
-    loops = found["loop_phases_us"]
-    bare, control, guard = loops["bare"], loops["bare+python"], loops["guard_check"]
-    for phase in bare:
-        phase_rows.append(
-            [
-                phase,
-                round(bare[phase], 1),
-                round(control[phase], 1),
-                round(guard[phase], 1),
-                round(guard[phase] - bare[phase], 1),
-            ]
-        )
-    headers = ["loop phase", "bare us", "bare + unrelated Python us", "guarded us", "guard adds us"]
-    text = markdown_table(headers, phase_rows)
-    part_rows = [
-        [f"`{label}`", round(entry["us_per_step"], 1), round(entry["calls_per_step"], 2)]
-        for label, entry in found["parts"].items()
-    ]
-    text += "\n\n" + markdown_table(["guard part (inclusive)", "us/step", "calls/step"], part_rows)
-    return text
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
