@@ -54,11 +54,12 @@ class _FullPathCount:
 def _run(run_dir: Path, lone: bool, shape: str = "plain", **options: Any) -> dict[str, Any]:
     """The same seeded loop (BatchNorm, dropout, clipping, spikes skipped, a bad input, loss
     and gradient), with the usual-step path on or off. ``shape``: ``plain``, ``accumulate``
-    (two micro-batches a step, ``check()`` with the last loss, no ``record_loss``) or
-    ``autocast`` (the forward under CPU bfloat16 autocast)."""
+    (two micro-batches a step, ``check()`` with the last loss, no ``record_loss``),
+    ``record`` (the same with ``record_loss`` on every micro-batch) or ``autocast`` (the
+    forward under CPU bfloat16 autocast)."""
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    k = 2 if shape == "accumulate" else 1
+    k = 2 if shape in ("accumulate", "record") else 1
     config = tg.GuardConfig(
         run_dir=run_dir,
         hang_timeout=0,
@@ -86,6 +87,8 @@ def _run(run_dir: Path, lone: bool, shape: str = "plain", **options: Any) -> dic
         if step == BAD_LOSS and micro == k - 1:
             loss = poison_loss(loss)
         (loss / k).backward()  # type: ignore[no-untyped-call]
+        if shape == "record":
+            guard.record_loss(loss)
         if micro < k - 1:
             continue
         if step == BAD_GRAD:
@@ -147,7 +150,7 @@ def _untimed(fields: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if k not in TIMING}
 
 
-@pytest.mark.parametrize("shape", ["plain", "accumulate", "autocast"])
+@pytest.mark.parametrize("shape", ["plain", "accumulate", "record", "autocast"])
 def test_usual_steps_take_the_lone_path_and_change_nothing(tmp_path: Path, shape: str) -> None:
     lone = _run(tmp_path / "lone", lone=True, shape=shape)
     full = _run(tmp_path / "full", lone=False, shape=shape)
@@ -200,17 +203,25 @@ def _plain(guard: tg.Guard, model: nn.Module, opt: Any, x: Tensor, y: Tensor) ->
     opt.zero_grad()
 
 
-def test_recorded_losses_take_the_full_path(tmp_path: Path) -> None:
+def test_recorded_losses_take_the_lone_path(tmp_path: Path) -> None:
+    recorded: list[int] = []
+
     def body(guard: tg.Guard, model: nn.Module, opt: Any, x: Tensor, y: Tensor) -> None:
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()  # type: ignore[no-untyped-call]
-        guard.record_loss(loss)
-        if guard.check(loss):
+        half = len(x) // 2
+        first = nn.functional.mse_loss(model(x[:half]), y[:half])
+        first.backward()  # type: ignore[no-untyped-call]
+        guard.record_loss(first)
+        last = nn.functional.mse_loss(model(x[half:]), y[half:])
+        last.backward()  # type: ignore[no-untyped-call]
+        guard.record_loss(last)
+        recorded.append(guard.state.step)
+        if guard.check(last):  # the loss last recorded: counted once
             opt.step()
         opt.zero_grad()
 
-    _, full = _loop(tmp_path, 4, body)
-    assert full == [0, 1, 2, 3]
+    guard, full = _loop(tmp_path, 4, body)
+    assert full == [3]  # the last step only (the end of the data)
+    assert recorded == [0, 1, 2, 3] and guard.state.last_good_step == 3
 
 
 def test_a_float_loss_takes_the_full_path(tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ code and data from the caches), so the count of distinct calls sets the fixed co
 (docs/benchmarks.md, "Round 6").
 
 ``LoneStep.measure(loss, step)`` takes such a step in one pass: the gradients' and the step
-inputs' norms in one fused ``_foreach_norm``, one ``stack`` with the loss, one read, the same
+inputs' norms in one fused ``_foreach_norm``, one ``stack`` with the step's losses (those
+recorded with ``record_loss`` and ``check()``'s, ``StepLosses.checked``), one read, the
 values the folded row of the full path holds (``local_row``), reduced by the same
 ``reduce_row`` (``FoldedRow.unfold``) into the same ``Agreement``
 (``consensus.alone_agreement``). The guard then decides and records the step exactly as
@@ -21,8 +22,8 @@ the usual one, having changed nothing the full path does not set again (the step
 
 - a value is not finite (the loss, a gradient norm or an input norm): the full path locates,
   confirms and captures it;
-- the loop recorded losses with ``record_loss`` (accumulation), or the loss is not a float32
-  0-d tensor on the guard's device;
+- a loss of the step is not a float32 0-d tensor on the guard's device
+  (``local_row.foldable_losses``, the full path's own test);
 - the step's start was not recorded by the forward hook (the full path looks for it);
 - the ``watch()`` stream ran out (the data state must be agreed);
 - an input the fused pass does not take (``InputCheck.foldable``);
@@ -48,7 +49,7 @@ from trainguard.step.data import BatchStream
 from trainguard.step.detect import GradStats, is_sharded, local_grads
 from trainguard.step.evidence import StepEvidence
 from trainguard.step.inputs import InputCheck
-from trainguard.step.local_row import reduce_row
+from trainguard.step.local_row import foldable_losses, reduce_row
 from trainguard.step.losses import StepLosses
 from trainguard.step.start import StepStart
 
@@ -85,10 +86,11 @@ class LoneStep:
         """The step's gradient stats and agreement when it is the usual step (every value
         finite, nothing special: the module docstring), else None (then the full path)."""
         parts = self._parts
-        if not self.active or parts.start.step != step or parts.losses.has_recorded:
+        if not self.active or parts.start.step != step:
             return None
         device = parts.device
-        if loss.dtype != torch.float32 or loss.dim() != 0 or loss.device != device:
+        losses = parts.losses.checked(loss)  # detached; the full path sets the same again
+        if not foldable_losses(losses, device):
             return None
         stream = parts.stream()
         if stream is not None and stream.exhausted:
@@ -100,12 +102,11 @@ class LoneStep:
         names, grads = local_grads(parts.params, sharded=False)
         if not grads:
             return None
-        (loss,) = parts.losses.checked(loss)  # detached; the full path sets the same again
-        row = self._row(loss, grads, inputs)
+        row = self._row(losses, grads, inputs)
         if row is None or not all(map(math.isfinite, row[0])):
             return None
         values, norms = row
-        return self._commit(step, stream, values, names, grads, norms)
+        return self._commit(step, stream, len(losses), values, names, grads, norms)
 
     def _plain_gradients(self) -> bool:
         """False (for good) when the gradients are FSDP2 shards: looked up once, at the first
@@ -119,13 +120,13 @@ class LoneStep:
         return self.active
 
     def _row(
-        self, loss: Tensor, grads: list[Tensor], inputs: list[Tensor]
+        self, losses: list[Tensor], grads: list[Tensor], inputs: list[Tensor]
     ) -> tuple[list[float], list[Tensor]] | None:
-        """``[loss, gradient norms..., input norms...]`` read on the host, and the norms
-        (``loss`` detached)."""
+        """The folded row ``[losses..., gradient norms..., input norms...]`` read on the host
+        (``local_row``), and the norms."""
         try:
             norms = torch._foreach_norm(grads + inputs, 2.0, dtype=torch.float32)
-            values: list[float] = torch.stack([loss, *norms]).tolist()
+            values: list[float] = torch.stack([*losses, *norms]).tolist()
         except (RuntimeError, TypeError):  # sparse/float64 gradients, several devices
             self.active = False  # the full path's mixed pass, from now on
             return None
@@ -135,6 +136,7 @@ class LoneStep:
         self,
         step: int,
         stream: BatchStream | None,
+        losses: int,
         values: list[float],
         names: list[str],
         grads: list[Tensor],
@@ -145,7 +147,7 @@ class LoneStep:
         parts.start.buffers.learn(step)
         data_time, compute_time = parts.timer.take() if parts.timer is not None else (0.0, 0.0)
         cut = len(grads)
-        columns = reduce_row(values, 1, cut, _unused)
+        columns = reduce_row(values, losses, cut, _unused)
         agreement = alone_agreement(
             columns,
             exhausted=False,

@@ -84,11 +84,6 @@ class StepLosses:
             return self._recorded[-1]
         return as_loss(loss, device)
 
-    @property
-    def has_recorded(self) -> bool:
-        """Whether ``record_loss`` recorded a loss in the step in progress."""
-        return bool(self._recorded)
-
     def record(self, loss: Any, device: torch.device) -> None:
         """A micro-batch's loss (``record_loss``); kept on its device, no sync."""
         self._recorded.append(as_loss(loss, device).detach())
