@@ -92,12 +92,15 @@ def _metrics(tmp_path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines]
 
 
-def test_a_world_of_one_checks_with_one_fused_pass_and_one_stack(tmp_path: Path) -> None:
+def test_a_world_of_one_checks_with_one_fused_pass_and_one_read(tmp_path: Path) -> None:
     oks, norms, ops = _guard_run(tmp_path, _batches())
     assert oks == [True] * 4
     for step_ops in ops:
         names = [name for name, _ in step_ops]
-        assert names.count("_foreach_norm") == 1 and names.count("stack") == 1, names
+        assert names.count("_foreach_norm") == 1, names
+        # one stack and one read, or on the CPU the few values read one by one (step/lone.py)
+        reads = names.count("_local_scalar_dense")
+        assert (names.count("stack"), reads) in ((1, 0), (0, 1 + 4 + 3)), names
         assert "aminmax" not in names and "linalg_vector_norm" not in names, names
         [(_, sizes)] = [op for op in step_ops if op[0] == "_foreach_norm"]
         assert len(sizes) == 4 + 3  # the 4 gradients and the 3 input tensors, one launch

@@ -303,3 +303,39 @@ def test_the_end_of_the_data_is_agreed_by_the_full_path(tmp_path: Path, last: in
     _, full = _loop(tmp_path, last, _plain)
     # the stream knows it ran out once its lookahead found no more batch: the last step
     assert full == [last - 1]
+
+
+def test_gradients_alone_take_the_lone_path_and_record_no_loss(tmp_path: Path) -> None:
+    """``check_gradients()`` (``trainguard run``): the usual step, with no made-up loss."""
+
+    def body(guard: tg.Guard, model: nn.Module, opt: Any, x: Tensor, y: Tensor) -> None:
+        nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
+        if guard.check_gradients():
+            opt.step()
+        opt.zero_grad()
+
+    guard, full = _loop(tmp_path, 4, body)
+    assert full == [3]  # the last step only (the end of the data)
+    assert [r.losses for r in guard.history.records()] == [[]] * 4
+    assert "trainguard/loss" not in guard.metrics()
+    assert all(r.grad_norm > 0 for r in guard.history.records())
+
+
+def test_a_skipped_spike_on_the_lone_path_is_not_checked_again(tmp_path: Path) -> None:
+    """The usual step hands a spike to the full path's apply; check() answers once."""
+    answers: list[bool] = []
+
+    def body(guard: tg.Guard, model: nn.Module, opt: Any, x: Tensor, y: Tensor) -> None:
+        loss = nn.functional.mse_loss(model(x), y)
+        if guard.state.step == 8:
+            loss = loss * 1e6
+        loss.backward()  # type: ignore[no-untyped-call]
+        answers.append(guard.check(loss))
+        opt.step()
+        opt.zero_grad()
+
+    config = tg.GuardConfig(run_dir=tmp_path, hang_timeout=0, on_spike="skip", spike_warmup=3)
+    guard, full = _loop(tmp_path, 10, body, config=config)
+    assert full == [9]  # the spike took the lone path; the last step the full one
+    assert answers == [True] * 8 + [False, True]
+    assert guard.state.step == 10 and guard.spikes.total == 1

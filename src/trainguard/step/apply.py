@@ -62,7 +62,7 @@ class DecisionApply:
             parts.state.record_good(step, agreement.mean_loss)
             spike = parts.spikes.judge(agreement, parts.optimizer, step)
             if spike is not None:
-                return self._apply_spike(spike, agreement, stats, step)
+                return self.apply_spike(spike, agreement, stats, step)
             if parts.recovery is not None:
                 parts.recovery.after_step(step, True, agreement.mean_loss)
             if parts.config.grad_clip is not None:
@@ -91,7 +91,7 @@ class DecisionApply:
             raise self.stop_error(decision, agreement, step, bundle)
         return False
 
-    def _apply_spike(
+    def apply_spike(
         self, decision: Decision, agreement: Agreement, stats: GradStats, step: int
     ) -> bool:
         """A spike skipped (``SPIKE``) or escalated: no update, as for a non-finite step."""

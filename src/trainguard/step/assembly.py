@@ -137,8 +137,6 @@ class GuardAssembly:
         self._transient: TransientFaults | None = None  # rerun=: step/transient.py
         self._evidence = StepEvidence(self._evidence_parts(rerun is not None))
         self._measure = StepMeasure(self._measure_parts())  # this rank's row: step/measure.py
-        # a world of one's usual step, in few calls (step/lone.py); the rest: _measure
-        self._lone = LoneStep(self._lone_parts()) if self.world_size == 1 else None
         self.recovery = build_recovery(
             self.config,
             TrainingObjects(model, optimizer, scheduler, scaler),
@@ -151,6 +149,8 @@ class GuardAssembly:
         if self.recovery is not None:  # snapshots at the step's first forward (step/start.py)
             self._start.on_begin = self.recovery.step_boundary
         self._decision = DecisionApply(self._apply_parts())  # acting on it: step/apply.py
+        # a world of one's usual step, in few calls (step/lone.py); the rest: the full path
+        self._lone = LoneStep(self._lone_parts()) if self.world_size == 1 else None
         # Recovery restores at step boundaries: it needs the decision before the update.
         sync_free = uses_fused(optimizer) and scaler is None
         sync_free = sync_free and not recovery_enabled(self.config) and rerun is None
@@ -236,12 +236,19 @@ class GuardAssembly:
         return LoneParts(
             params=self._params,
             device=self._consensus.device,
+            state=self.state,
+            progress=self.progress,
             start=self._start,
             losses=self._losses,
             inputs=self._inputs,
             evidence=self._evidence,
             timer=self._timer,
-            stream=lambda: self._stream,
+            history=self.history,
+            spikes=self.spikes,
+            recovery=self.recovery,
+            optimizer=self.optimizer,
+            grad_clip=self.config.grad_clip,
+            apply_spike=self._decision.apply_spike,
         )
 
     def _apply_parts(self) -> ApplyParts:

@@ -41,6 +41,12 @@ from trainguard.step.consensus import DEVICE_COLUMNS, Agreement, Consensus, Loca
 logger = logging.getLogger(__name__)
 
 
+_RUNNING = Agreement(
+    loss_ranks=[], grad_ranks=[], exhausted_ranks=[], batches=[0], losses=[0.0], global_grad_norm=0
+)
+"""What the stream reads of a world of one's usual step: no rank ran out (not changed)."""
+
+
 def iterable_length(iterable: Any) -> int:
     """``len(iterable)`` (batches, for a DataLoader), or -1 when it has none."""
     try:
@@ -139,6 +145,14 @@ class BatchStream:
     def agreed(self, agreement: Agreement, steps_ago: int = 0) -> None:
         """The guard hands over a step's agreement: the step in progress, or ``steps_ago``."""
         self._set_agreement(agreement, self._in_step - steps_ago)
+
+    def agreed_running(self) -> None:
+        """A world of one's usual step (``step/lone.py``): decided, and its own stream, the
+        only one, is not used up."""
+        step = self._in_step
+        if step >= self._agreement_step:
+            self._agreement = _RUNNING
+            self._agreement_step = step
 
     def _set_agreement(self, agreement: Agreement, step: int) -> None:
         if step >= self._agreement_step:

@@ -4,8 +4,8 @@
 ``watch()`` (data.BatchStream) -> user forward/backward -> ``check()``:
 detect (local flags, one fused gradient pass) -> consensus (one small all-reduce) ->
 policy (one decision, identical on every rank) -> apply (clear, clip, raise) + events.
-A world of one's usual step (every value finite, nothing special) is measured and agreed in
-few calls (``lone.LoneStep``), then recorded and applied by the same code.
+A world of one's usual step (every value finite, nothing special) is checked, recorded and
+applied in few calls (``lone.LoneStep``); every other step takes the full path.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from trainguard.step.data import BatchStream
 from trainguard.step.deferred import StepOutcome
 from trainguard.step.detect import GradStats
 from trainguard.step.losses import LossLike
-from trainguard.step.policy import Decision
 from trainguard.step.rerun import LossFn
 from trainguard.step.saved import guard_state_dict, load_guard_state
 
@@ -146,6 +145,8 @@ class Guard(GuardAssembly):
         )
         if recovery is not None and resumed is not None:
             recovery.watch(self._stream, iterable, resumed.epoch)
+        if self._lone is not None:
+            self._lone.stream = self._stream
         return self._watched(iter(self._stream))
 
     def _watched(self, batches: Iterator[Any]) -> Iterator[Any]:
@@ -182,17 +183,24 @@ class Guard(GuardAssembly):
         """After backward, before the optimizer step. True only when the loss and every
         gradient are finite on every rank; every rank gets the same answer. ``loss``: a
         tensor, or a Python float/int (``loss.item()``)."""
+        lone = self._lone
+        if lone is not None and self.scaler is None and isinstance(loss, Tensor):
+            if self._sync_free is not None:
+                self._sync_free.resolve()
+            usual = lone.take(loss, self._loss_known)  # a world of one's usual step
+            if usual is not None:
+                return usual
+        return self._check(loss)
+
+    def _check(self, loss: LossLike) -> bool:
+        """``check()``'s full path: every step of a world of ranks, and the steps of a world
+        of one that are not the usual one (``step/lone.py``)."""
         loss = self._losses.tensor(loss, self._consensus.device)
         self._resolve_pending()
         step = self.state.step
         self.progress.enter("check", step)
-        lone = self._lone if self.scaler is None else None
-        usual = lone.measure(loss, step) if lone is not None else None
-        if usual is not None:  # a world of one's usual step (step/lone.py): good
-            (stats, agreement), decision = usual, Decision.OK
-        else:
-            stats, agreement = self._agree(loss, step)
-            decision = self._decide(agreement)
+        stats, agreement = self._agree(loss, step)
+        decision = self._decide(agreement)
         self._agreed(agreement, 0)
         self.history.record(step, agreement, decision, self.optimizer, self._loss_known)
         self.state.step = step + 1

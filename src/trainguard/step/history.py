@@ -156,23 +156,45 @@ class StepHistory:
     ) -> StepRecord:
         """Record a step whose decision was just read (host values only). ``loss_known``
         False (``Guard.check_gradients``): the record holds no loss, rather than a made-up one."""
-        now = time.perf_counter()
-        last, self._last_clock = self._last_clock, now
-        rec = StepRecord(
+        return self.add(
             step,
             list(agreement.losses) if loss_known else [],
             agreement.grad_norm(),
             decision.value,
             learning_rate(optimizer),
-            None if last is None else now - last,
-            time.time(),
             agreement.data_times,
             agreement.compute_times,
+        )
+
+    def add(
+        self,
+        step: int,
+        losses: list[float],
+        grad_norm: float,
+        decision: str,
+        lr: float | None,
+        data_times: list[float],
+        compute_times: list[float],
+    ) -> StepRecord:
+        """``record`` from the values themselves (``step/lone.py``: a world of one's usual
+        step builds no ``Agreement``); a decision other than ``"ok"`` is written out at once."""
+        now = time.perf_counter()
+        last, self._last_clock = self._last_clock, now
+        rec = StepRecord(
+            step,
+            losses,
+            grad_norm,
+            decision,
+            lr,
+            None if last is None else now - last,
+            time.time(),
+            data_times,
+            compute_times,
         )
         self._ring.append(rec)
         metrics = self._metrics
         if metrics is not None:
-            metrics.add(rec, urgent=decision is not Decision.OK)  # fields built at the flush
+            metrics.add(rec, urgent=decision != "ok")  # fields built at the flush
         return rec
 
     def records(self) -> list[StepRecord]:

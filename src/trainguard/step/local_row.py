@@ -11,9 +11,10 @@ The host reduces them after the one read. Per step that is one fused pass and on
 ops are most of what a check costs.
 
 The folded values are the reduced ones: the check is the float64 sum of the micro-batch
-losses; the gradient norm the float64 root of the sum of squares of the float32 norms (NaN
-when any is NaN, else Inf when any is Inf). Only the input column's finiteness is read
-(``Agreement.input_ranks``): it is the largest input norm when every norm is finite; a
+losses; the gradient norm the float64 root of the sum of squares of the float32 norms
+(``total_norm``: NaN when any is NaN, else Inf when any is Inf). Only the input column's
+finiteness is read (``Agreement.input_ranks``): it is the largest input norm when every
+norm is finite; a
 non-finite norm (a NaN/Inf input, or a finite input whose float32 sum of squares overflows:
 values beyond about 1e19) is confirmed by the exact ``max |x|`` (``confirm``: a host read, on
 such steps only). Anything else (a loss that is not a float32 scalar on the device, float64
@@ -52,14 +53,20 @@ def reduce_row(
     split = losses + norms
     step_losses = values[:losses]
     check = step_losses[0] if losses == 1 else sum(step_losses)
-    squares = 0.0
-    for norm in values[losses:split]:
-        squares += norm * norm
     inputs = values[split:]
     top = max(inputs, default=0.0)
     if not math.isfinite(top) or not all(map(math.isfinite, inputs)):
         top = confirm()
-    return [step_losses[-1], check, math.sqrt(squares), top, 0.0]
+    return [step_losses[-1], check, total_norm(values[losses:split]), top, 0.0]
+
+
+def total_norm(norms: list[float]) -> float:
+    """The root of the sum of squares of per-tensor norms, in float64, in one C call
+    (``math.hypot``); NaN when any is NaN, else Inf when any is Inf, as on the device."""
+    norm = math.hypot(*norms)
+    if norm == math.inf and any(map(math.isnan, norms)):  # hypot: Inf wins over NaN
+        return math.nan
+    return norm
 
 
 def foldable_losses(losses: list[Tensor], device: torch.device) -> bool:

@@ -1,27 +1,35 @@
-"""The usual step of a process alone, measured and agreed in few calls.
+"""The usual step of a process alone, checked, recorded and applied in few calls.
 
-``check()``'s full path (``StepMeasure`` -> ``Consensus.agree`` -> ``policy.decide``) is
-built for every case: other ranks, a GradScaler, accumulated losses, sharded, sparse or
-float64 gradients, inputs on other devices, a non-finite value to locate. In a world of one
-most steps are none of these, and there the layers are what the guard costs: on a model
-whose step takes a few hundred microseconds, each Python call between two training steps
-costs several times what it costs in a loop of its own (the step's kernels evict the guard's
-code and data from the caches), so the count of distinct calls sets the fixed cost
-(docs/benchmarks.md, "Round 6").
+``check()``'s full path (``StepMeasure`` -> ``Consensus.agree`` -> ``policy.decide`` ->
+``StepHistory.record`` -> ``DecisionApply.apply``) is built for every case: other ranks, a
+GradScaler, accumulated losses, sharded, sparse or float64 gradients, inputs on other
+devices, a non-finite value to locate, a spike to skip. In a world of one most steps are
+none of these, and there the layers are what the guard costs: on a model whose step takes a
+few hundred microseconds, each Python call between two training steps costs several times
+what it costs in a loop of its own (the step's kernels evict the guard's code and data from
+the caches), so the count of distinct calls sets the fixed cost (docs/benchmarks.md,
+"Round 6" and "Round 7").
 
-``LoneStep.measure(loss, step)`` takes such a step in one pass: the gradients' and the step
-inputs' norms in one fused ``_foreach_norm``, one ``stack`` with the step's losses (those
-recorded with ``record_loss`` and ``check()``'s, ``StepLosses.checked``), one read, the
-values the folded row of the full path holds (``local_row``), reduced by the same
-``reduce_row`` (``FoldedRow.unfold``) into the same ``Agreement``
-(``consensus.alone_agreement``). The guard then decides and records the step exactly as
-after the full path (``Guard.check``): the history, the metrics line, the counters, the
-spike rule, recovery and clipping are the same code. It returns None when the step is not
-the usual one, having changed nothing the full path does not set again (the step's losses,
-``StepLosses.checked``), and the full path measures it as always:
+``LoneStep.take(loss, loss_known)`` takes such a step whole:
 
-- a value is not finite (the loss, a gradient norm or an input norm): the full path locates,
-  confirms and captures it;
+- the measure: the gradients' and the step inputs' norms in one fused ``_foreach_norm``,
+  read with the step's losses (those recorded with ``record_loss`` and ``check()``'s,
+  ``StepLosses.checked``) in one go: on the CPU, where a read is no device sync, value by
+  value (``Tensor.item``: a ``stack`` costs more than a few reads), elsewhere one ``stack``
+  and one read. These are the values the folded row of the full path holds
+  (``local_row``), reduced by the same ``reduce_row``;
+- the outcome, as the full path records and applies a good step (the same calls, without
+  the ``Agreement`` the full path builds for the ranks): the buffers learned, the stream
+  told that no rank ran out, the step's record (ring and metrics log), the counters, the
+  spike rule, recovery's note of a good step, clipping, the step's batches released.
+
+It returns what ``check()`` returns (True; False when a spike is skipped), or None when the
+step is not the usual one, having changed nothing the full path does not set again (the
+step's losses, ``StepLosses.checked``); the full path then measures and decides it as
+always:
+
+- a value is not finite (a loss, a gradient norm or an input norm; or their sum
+  overflows): the full path locates, confirms and captures it;
 - a loss of the step is not a float32 0-d tensor on the guard's device
   (``local_row.foldable_losses``, the full path's own test);
 - the step's start was not recorded by the forward hook (the full path looks for it);
@@ -30,8 +38,10 @@ the usual one, having changed nothing the full path does not set again (the step
 - no gradient at all (the full path warns), or gradients the fused pass refuses (sparse,
   float64, on several devices) or FSDP2 shards: then it stops trying for the run.
 
-The guard builds it for a world of one only, and uses it without a GradScaler (``check()``
-tests that each step).
+A spike the rule skips (``on_spike="skip"``/``"rollback"``) is handed to the full path's
+``DecisionApply.apply_spike`` with the agreement and gradient stats the full path would
+have built. The guard builds ``LoneStep`` for a world of one only, and uses it without a
+GradScaler (``Guard.check``).
 """
 
 from __future__ import annotations
@@ -44,29 +54,49 @@ import torch
 from torch import Tensor, nn
 
 from trainguard.health.timing import StepTimer
+from trainguard.progress import Progress
+from trainguard.recovery import Recovery
 from trainguard.step.consensus import Agreement, alone_agreement
 from trainguard.step.data import BatchStream
-from trainguard.step.detect import GradStats, is_sharded, local_grads
+from trainguard.step.detect import GradStats, clip_, is_sharded, local_grads
 from trainguard.step.evidence import StepEvidence
+from trainguard.step.history import StepHistory, learning_rate
 from trainguard.step.inputs import InputCheck
-from trainguard.step.local_row import foldable_losses, reduce_row
+from trainguard.step.local_row import foldable_losses, reduce_row, total_norm
 from trainguard.step.losses import StepLosses
+from trainguard.step.policy import Decision
+from trainguard.step.spikes import host_lr
+from trainguard.step.spikewatch import SpikeWatch
 from trainguard.step.start import StepStart
+from trainguard.step.state import GuardState
+
+ITEM_READS = 24
+"""On the CPU a value is read without a device sync: up to this many values are read one by
+one (``Tensor.item``, about 0.3 us each), which costs less than ``stack`` and one read; past
+it, and on every other device, one ``stack`` and one read."""
 
 
 @dataclass
 class LoneParts:
-    """What the usual step reads of the guard (handed over explicitly, as ``MeasureParts``)."""
+    """What the usual step uses of the guard (handed over explicitly, as ``ApplyParts``)."""
 
     params: list[tuple[str, nn.Parameter]]
     device: torch.device
-    """Where the loss must be (``Consensus.device``)."""
+    """Where the losses must be (``Consensus.device``)."""
+    state: GuardState
+    progress: Progress
     start: StepStart
     losses: StepLosses
     inputs: InputCheck
     evidence: StepEvidence
     timer: StepTimer | None
-    stream: Callable[[], BatchStream | None]
+    history: StepHistory
+    spikes: SpikeWatch
+    recovery: Recovery | None
+    optimizer: torch.optim.Optimizer
+    grad_clip: float | None
+    apply_spike: Callable[[Decision, Agreement, GradStats, int], bool]
+    """``DecisionApply.apply_spike``: a spike the rule skips or escalates."""
 
 
 def _unused() -> float:
@@ -74,59 +104,71 @@ def _unused() -> float:
 
 
 class LoneStep:
-    """``measure(loss, step)``: the usual step's gradient stats and agreement, or None."""
+    """``take(loss, loss_known)``: ``check()``'s answer when the step is the usual one (then
+    it is decided, recorded and applied), else None (the full path takes it)."""
 
     def __init__(self, parts: LoneParts) -> None:
         self._parts = parts
+        self._params = [p for _, p in parts.params]
+        self._reads_items = parts.device.type == "cpu"
+        self.stream: BatchStream | None = None
+        """The ``watch()`` stream of the loop (``Guard.watch`` sets it), None without one."""
         self.active = True
         """False once the gradients were found to be shards or refused by the fused pass."""
         self._sharded_checked = False
 
-    def measure(self, loss: Tensor, step: int) -> tuple[GradStats, Agreement] | None:
-        """The step's gradient stats and agreement when it is the usual step (every value
-        finite, nothing special: the module docstring), else None (then the full path)."""
+    def take(self, loss: Tensor, loss_known: bool = True) -> bool | None:
+        """Decide, record and apply the step when it is the usual one (the module
+        docstring) and return ``check()``'s answer, else None. ``loss_known`` False: the
+        record holds no loss (``Guard.check_gradients``)."""
         parts = self._parts
+        step = parts.state.step
         if not self.active or parts.start.step != step:
             return None
-        device = parts.device
         losses = parts.losses.checked(loss)  # detached; the full path sets the same again
-        if not foldable_losses(losses, device):
+        if not foldable_losses(losses, parts.device):
             return None
-        stream = parts.stream()
+        stream = self.stream
         if stream is not None and stream.exhausted:
             return None
         batches = parts.evidence.batches_of(step) if stream is not None else []
-        inputs = parts.inputs.foldable(step, batches, device, keep=False)
+        inputs = parts.inputs.foldable(step, batches, parts.device, keep=False)
         if inputs is None or not self._plain_gradients():
             return None
-        names, grads = local_grads(parts.params, sharded=False)
+        grads = [grad for p in self._params if (grad := p.grad) is not None]
         if not grads:
             return None
-        row = self._row(losses, grads, inputs)
-        if row is None or not all(map(math.isfinite, row[0])):
+        read = self._read(losses, grads, inputs)
+        if read is None or not math.isfinite(sum(read[0])):  # NaN/Inf anywhere, or overflow
             return None
-        values, norms = row
-        return self._commit(step, stream, len(losses), values, names, grads, norms)
+        values, norms = read
+        count, cut = len(losses), len(losses) + len(grads)
+        norm = total_norm(values[count:cut])
+        return self._commit(step, values[count - 1], norm, loss_known, (values, norms, grads))
 
     def _plain_gradients(self) -> bool:
         """False (for good) when the gradients are FSDP2 shards: looked up once, at the first
         gradients."""
         if not self._sharded_checked:
-            params = [p for _, p in self._parts.params]
+            params = self._params
             if not any(p.grad is not None for p in params):
                 return True
             self._sharded_checked = True
             self.active = not is_sharded(params)
         return self.active
 
-    def _row(
+    def _read(
         self, losses: list[Tensor], grads: list[Tensor], inputs: list[Tensor]
     ) -> tuple[list[float], list[Tensor]] | None:
         """The folded row ``[losses..., gradient norms..., input norms...]`` read on the host
         (``local_row``), and the norms."""
         try:
             norms = torch._foreach_norm(grads + inputs, 2.0, dtype=torch.float32)
-            values: list[float] = torch.stack([*losses, *norms]).tolist()
+            pieces = [*losses, *norms]
+            if self._reads_items and len(pieces) <= ITEM_READS:
+                values: list[float] = list(map(Tensor.item, pieces))
+            else:
+                values = torch.stack(pieces).tolist()
         except (RuntimeError, TypeError):  # sparse/float64 gradients, several devices
             self.active = False  # the full path's mixed pass, from now on
             return None
@@ -135,25 +177,60 @@ class LoneStep:
     def _commit(
         self,
         step: int,
-        stream: BatchStream | None,
-        losses: int,
-        values: list[float],
-        names: list[str],
-        grads: list[Tensor],
-        norms: list[Tensor],
-    ) -> tuple[GradStats, Agreement]:
-        """The step is the usual one: what the full path's measure leaves, and the agreement."""
+        loss: float,
+        norm: float,
+        loss_known: bool,
+        measured: tuple[list[float], list[Tensor], list[Tensor]],
+    ) -> bool:
+        """The usual step is good: what ``check()`` does after the full path's measure and
+        agreement, for a good step, in the same order."""
         parts = self._parts
         parts.start.buffers.learn(step)
         data_time, compute_time = parts.timer.take() if parts.timer is not None else (0.0, 0.0)
-        cut = len(grads)
-        columns = reduce_row(values, losses, cut, _unused)
+        stream = self.stream
+        if stream is not None:
+            stream.agreed_running()
+        optimizer = parts.optimizer
+        lr = learning_rate(optimizer)
+        losses = [loss] if loss_known else []
+        parts.history.add(step, losses, norm, "ok", lr, [data_time], [compute_time])
+        state = parts.state
+        state.step = step + 1
+        try:
+            state.record_good(step, loss)
+            spike = parts.spikes.judge_values(loss, norm, host_lr(optimizer), step)
+            if spike is not None:
+                return self._spiked(spike, step, measured, (data_time, compute_time))
+            if parts.recovery is not None:
+                parts.recovery.after_step(step, True, loss)
+            if parts.grad_clip is not None:
+                clip_(measured[2], norm, parts.grad_clip)
+            return True
+        finally:
+            parts.losses.clear()
+            parts.evidence.taken(step)
+            parts.progress.enter("step", step + 1)
+
+    def _spiked(
+        self,
+        spike: Decision,
+        step: int,
+        measured: tuple[list[float], list[Tensor], list[Tensor]],
+        times: tuple[float, float],
+    ) -> bool:
+        """A spike the rule skips or escalates: the full path's ``apply_spike``, with the
+        agreement and gradient stats the full path would have built."""
+        parts = self._parts
+        values, norms, grads = measured
+        names, _ = local_grads(parts.params, sharded=False)
+        count, cut = len(values) - len(norms), len(grads)
+        stream = self.stream
         agreement = alone_agreement(
-            columns,
+            reduce_row(values, count, cut, _unused),
             exhausted=False,
             batches=stream.batches_seen if stream is not None else 0,
-            data_time=data_time,
-            compute_time=compute_time,
+            data_time=times[0],
+            compute_time=times[1],
         )
         stats = GradStats(names, norms[:cut], grads, parts.device, input_norms=norms[cut:])
-        return stats, agreement
+        return parts.apply_spike(spike, agreement, stats, step)

@@ -88,10 +88,20 @@ class SpikeWatch:
         """A finite, agreed step: None (go on), ``SPIKE`` (skip it) or ``ESCALATE``."""
         if not self.enabled:
             return None
+        lr = host_lr(optimizer)
+        return self.judge_values(agreement.mean_loss, agreement.grad_norm(), lr, step)
+
+    def judge_values(
+        self, loss_value: float, grad_norm: float, lr: float | None, step: int
+    ) -> Decision | None:
+        """``judge`` from the values themselves: the agreed mean loss and global gradient
+        norm, and ``host_lr``'s learning rate (``step/lone.py``)."""
+        if self.action == "off":
+            return None
         detector = self.detector
-        judging = detector.grace.judging(host_lr(optimizer))
-        loss = detector.observe_one("loss", agreement.mean_loss, judging)
-        norm = detector.observe_one("grad_norm", agreement.grad_norm(), judging)
+        judging = detector.grace.judging(lr)
+        loss = detector.observe_one("loss", loss_value, judging)
+        norm = detector.observe_one("grad_norm", grad_norm, judging)
         if loss is None and norm is None:  # the usual case
             self.consecutive = 0
             return None
