@@ -129,6 +129,9 @@ class _Line:
     def log_fields(self) -> dict[str, Any]:
         return {"step": self.step}
 
+    def log_line(self) -> str | None:
+        return None
+
 
 def test_metrics_batching_and_thinning(tmp_path: Path) -> None:
     log = MetricsLog(tmp_path / "m.jsonl", flush_every=3, flush_seconds=1e9, dense_steps=10)
@@ -213,3 +216,60 @@ def test_log_fields_are_bundle_fields_then_timing_in_order() -> None:
         assert json.dumps(found) == json.dumps(expected(rec))
         if found["losses"] is not None:
             assert found["losses"] is not rec.losses  # a copy, as bundle_fields gives
+
+
+def test_a_one_rank_line_is_the_text_json_gives() -> None:
+    """``StepRecord.log_line`` (a world of one's every step) writes exactly what the encoder
+    writes for ``log_fields()``, or declines (None) and the encoder writes it."""
+    import random
+
+    from trainguard.step.history import StepRecord
+    from trainguard.step.metrics import _line, _text_of
+
+    rng = random.Random(7)
+
+    def number() -> float:
+        kind = rng.randrange(5)
+        if kind == 0:
+            return rng.uniform(-1e3, 1e3)
+        if kind == 1:
+            return 10.0 ** rng.uniform(-12, 18) * rng.choice((1.0, -1.0))
+        if kind == 2:
+            return float(rng.randrange(-5, 5))  # integral floats: "1.0", never "1"
+        if kind == 3:
+            return rng.choice((0.0, -0.0, 1e16, 1e-7, 5e-324, 1.7976931348623157e308))
+        return rng.random()
+
+    fast = 0
+    for index in range(3000):
+        timed = rng.random() < 0.7
+        losses = [number()] if rng.random() < 0.9 else []
+        rec = StepRecord(
+            step=rng.randrange(10**7),
+            losses=losses,
+            grad_norm=abs(number()),
+            decision=rng.choice(["ok", "ok", "skip", "escalate"]),
+            lr=rng.choice([number(), 0.001, None, 1]) if index % 7 == 0 else 1e-3 * rng.random(),
+            step_seconds=None if index == 0 else abs(number()) * 1e-3,
+            time=1.7e9 + rng.random() * 1e8,
+            data_times=[rng.choice([0.0, rng.random() * 1e-3])] if timed else [],
+            compute_times=[rng.choice([0.0, rng.random() * 1e-2])] if timed else [],
+        )
+        expected = _line(rec.log_fields())
+        line = rec.log_line()
+        if line is not None:
+            fast += 1
+            assert line == expected, rec
+        assert _text_of(rec) == expected
+        json.loads(expected)
+    assert fast > 2000  # the usual record takes the direct format
+
+    declined = [
+        StepRecord(1, [math.nan], 1.0, "skip", 0.1, 0.01, 17.0, [], []),  # NaN: "nan"
+        StepRecord(1, [0.5], math.inf, "skip", 0.1, 0.01, 17.0, [], []),
+        StepRecord(1, [0.5, 0.25], 1.0, "ok", 0.1, 0.01, 17.0, [], []),  # two ranks
+        StepRecord(1, [0.5], 1.0, "ok", None, 0.01, 17.0, [], []),  # null
+        StepRecord(1, [0.5], 1.0, "ok", 0.1, 0.01, 17.0, [1e-5, 2e-5], [1e-5, 2e-5]),
+    ]
+    for rec in declined:
+        assert rec.log_line() is None and _text_of(rec) == _line(rec.log_fields())
