@@ -39,3 +39,21 @@ def test_fixed_cost_quick(tmp_path: Path) -> None:
     parts = report["breakdown"]["parts"]
     assert parts["check()"]["calls_per_step"] == 1.0
     assert set(report["breakdown"]["loop_phases_us"]) == {"bare", "bare+python", "guard_check"}
+
+
+def test_fixed_cost_ab_runs_alternating_processes(tmp_path: Path) -> None:
+    """benchmarks/fixed_cost_ab.py: one pair (the same tree twice), its table and JSON."""
+    out = tmp_path / "ab.json"
+    src = ROOT / "src"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "fixed_cost_ab.py"), "--before", str(src)]
+    cmd += ["--after", str(src), "--pairs", "1", "--rounds", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| tree | guard_check us |" in proc.stdout
+    report = json.loads(out.read_text(encoding="utf-8"))
+    assert [len(report["runs"][t]) for t in ("before", "after")] == [1, 1]
+    assert report["summary"]["after"]["guard_check"]["ratio"] > 0
+    bad = subprocess.run(
+        [*cmd[:3], str(tmp_path), *cmd[4:]], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "holds no trainguard package" in bad.stderr

@@ -52,3 +52,23 @@ def test_a_loop_calling_children_keeps_their_hooks_or_gets_them_back(tmp_path: P
                 assert torch.equal(guard._start.rng["torch"], rng)
             guard.step(out.detach().pow(2).mean())
             assert _hooked(model) == (["<root>"] if step == 0 else ["<root>", "0", "1", "2"])
+
+
+def test_the_autocast_state_is_read_at_each_step_start(tmp_path: Path) -> None:
+    """Off, then on (CPU bfloat16), then off again: each step start records what is in force
+    (the "off" dict is shared between steps, never built anew)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0)
+    seen = []
+    for step in range(4):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step in (1, 2)):
+            loss = model(torch.randn(8, 4)).float().pow(2).mean()
+        seen.append(dict(guard._start.autocast or {}))
+        loss.backward()
+        guard.check(loss)
+        opt.zero_grad()
+    guard.close()
+    off = {"enabled": False, "device_type": "cpu", "dtype": None}
+    on = {"enabled": True, "device_type": "cpu", "dtype": "bfloat16"}
+    assert seen == [off, on, on, off]

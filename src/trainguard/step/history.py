@@ -74,9 +74,9 @@ class StepRecord:
         decision = self.decision
         if len(losses) > 1 or not (decision.isascii() and decision.isalpha()):
             return None
-        if type(self.step) is not int:
+        if type(self.step) is not int:  # a bool or an int subclass: the encoder's way
             return None
-        numbers = (*losses, self.grad_norm, self.lr, self.step_seconds, self.time)
+        numbers: tuple[Any, ...] = (*losses, self.grad_norm, self.lr, self.step_seconds, self.time)
         if set(map(type, numbers)) != {float} or not math.isfinite(sum(numbers)):
             return None  # None (lr, step_seconds), an int, NaN/Inf: the encoder's way
         timing = _one_rank_timing(self.data_times, self.compute_times)

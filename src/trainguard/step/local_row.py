@@ -72,9 +72,10 @@ def total_norm(norms: list[float]) -> float:
 def foldable_losses(losses: list[Tensor], device: torch.device) -> bool:
     """Whether every loss is a float32 0-d tensor on ``device`` (a ``stack`` that must convert
     costs more than folding saves)."""
-    return all(
-        loss.dtype == torch.float32 and loss.dim() == 0 and loss.device == device for loss in losses
-    )
+    for loss in losses:  # a loop, not all(...): no generator per step
+        if loss.dtype != torch.float32 or loss.dim() != 0 or loss.device != device:
+            return False
+    return True
 
 
 def fold(

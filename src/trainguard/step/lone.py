@@ -133,7 +133,7 @@ class LoneStep:
             return None
         batches = parts.evidence.batches_of(step) if stream is not None else []
         inputs = parts.inputs.foldable(step, batches, parts.device, keep=False)
-        if inputs is None or not self._plain_gradients():
+        if inputs is None or not (self._sharded_checked or self._plain_gradients()):
             return None
         grads = [grad for p in self._params if (grad := p.grad) is not None]
         if not grads:
@@ -198,7 +198,9 @@ class LoneStep:
         state.step = step + 1
         try:
             state.record_good(step, loss)
-            spike = parts.spikes.judge_values(loss, norm, host_lr(optimizer), step)
+            one_lr = type(lr) is float and len(optimizer.param_groups) == 1
+            spike_lr = lr if one_lr else host_lr(optimizer)  # the same number for one group
+            spike = parts.spikes.judge_values(loss, norm, spike_lr, step)
             if spike is not None:
                 return self._spiked(spike, step, measured, (data_time, compute_time))
             if parts.recovery is not None:

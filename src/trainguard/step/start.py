@@ -73,6 +73,12 @@ class StepStart:
         self._step_of = step_of
         self.buffers = BufferKeeper(model if restore_buffers else nn.Module())
         self._device_type = _device_type(model)
+        self._autocast_off: dict[str, Any] = {
+            "enabled": False,
+            "device_type": self._device_type,
+            "dtype": None,
+        }
+        """What ``autocast_state`` gives with autocast off (handed out as is: not changed)."""
         self.step = -1
         """The step whose start was recorded last (-1: none yet)."""
         self.seen = False
@@ -141,7 +147,18 @@ class StepStart:
             self.on_begin()
         self.buffers.begin(step)
         self._rng = RngSnapshot.take()
-        self.autocast = autocast_state(self._device_type)
+        self.autocast = self._autocast_now()
+
+    def _autocast_now(self) -> dict[str, Any]:
+        """``autocast_state`` of the model's device type; the same dict at every step that
+        runs without autocast (the usual one), so that step builds none."""
+        try:
+            off = not torch.is_autocast_enabled(self._device_type)
+            if off and not torch.is_autocast_enabled("cpu"):
+                return self._autocast_off
+        except TypeError:  # torch < 2.4: no device argument
+            pass
+        return autocast_state(self._device_type)
 
     def started(self, step: int) -> bool:
         return self.step == step
