@@ -50,7 +50,7 @@ PARTS: tuple[tuple[str, str, str], ...] = (
     ("    decision.apply (state, spikes)", "guard._decision", "apply"),
     ("step start hook (StepStart.begin)", "guard._start", "begin"),
     ("  RNG snapshot (RngSnapshot.take)", "trainguard.capture.rng:RngSnapshot", "take"),
-    ("  autocast_state", "trainguard.step.start", "autocast_state"),
+    ("  autocast probe (_autocast_now)", "guard._start", "_autocast_now"),
     ("  buffers.begin", "guard._start.buffers", "begin"),
 )
 """Owners: ``guard.<attr path>``, a module, or ``module:Class`` (a class attribute)."""
