@@ -339,3 +339,32 @@ def test_a_skipped_spike_on_the_lone_path_is_not_checked_again(tmp_path: Path) -
     assert full == [9]  # the spike took the lone path; the last step the full one
     assert answers == [True] * 8 + [False, True]
     assert guard.state.step == 10 and guard.spikes.total == 1
+
+
+def test_a_tensor_learning_rate_is_judged_as_on_the_full_path(tmp_path: Path) -> None:
+    """The spike rule's LR grace reads ``host_lr`` (None for a tensor LR); the usual step
+    hands it the same number as the full path, also when the LR is a tensor that jumps."""
+
+    def run(lone: bool) -> list[Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.01))
+        config = tg.GuardConfig(run_dir=tmp_path / str(lone), hang_timeout=0, spike_warmup=2)
+        guard = tg.Guard(model, opt, config=config)
+        if not lone:
+            guard._lone = None
+        gen = torch.Generator().manual_seed(0)
+        data = [(torch.randn(4, 4, generator=gen), torch.randn(4, 1, generator=gen))] * 8
+        for step, (x, y) in enumerate(guard.watch(data)):
+            if step == 4:
+                opt.param_groups[0]["lr"].fill_(1.0)  # a warm restart: x100
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()  # type: ignore[no-untyped-call]
+            if guard.check(loss):
+                opt.step()
+            opt.zero_grad()
+        grace = guard.spikes.detector.grace
+        guard.close()
+        return [grace.lr, grace.left, guard.spikes.detector.state_dict()]
+
+    assert run(lone=True) == run(lone=False)

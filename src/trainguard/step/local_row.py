@@ -14,11 +14,11 @@ The folded values are the reduced ones: the check is the float64 sum of the micr
 losses; the gradient norm the float64 root of the sum of squares of the float32 norms
 (``total_norm``: NaN when any is NaN, else Inf when any is Inf). Only the input column's
 finiteness is read (``Agreement.input_ranks``): it is the largest input norm when every
-norm is finite; a
-non-finite norm (a NaN/Inf input, or a finite input whose float32 sum of squares overflows:
-values beyond about 1e19) is confirmed by the exact ``max |x|`` (``confirm``: a host read, on
-such steps only). Anything else (a loss that is not a float32 scalar on the device, float64
-inputs, sharded gradients) keeps the reduced row (``foldable_losses``, ``InputCheck.foldable``).
+norm is finite; a non-finite norm (a NaN/Inf input, or a finite input whose float32 sum of
+squares overflows: values beyond about 1e19) is confirmed by the exact ``max |x|``
+(``confirm``: a host read, on such steps only). Anything else (a loss that is not a float32
+scalar on the device, float64 inputs, sharded gradients) keeps the reduced row
+(``foldable_losses``, ``InputCheck.foldable``).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ devices, a non-finite value to locate, a spike to skip. In a world of one most s
 none of these, and there the layers are what the guard costs: on a model whose step takes a
 few hundred microseconds, each Python call between two training steps costs several times
 what it costs in a loop of its own (the step's kernels evict the guard's code and data from
-the caches), so the count of distinct calls sets the fixed cost (docs/benchmarks.md,
-"Round 6" and "Round 7").
+the caches), so the count of distinct calls set the fixed cost (docs/benchmarks.md,
+"Round 6"; "Round 7" counts what is left: the default features' own work).
 
 ``LoneStep.take(loss, loss_known)`` takes such a step whole:
 
@@ -17,7 +17,7 @@ the caches), so the count of distinct calls sets the fixed cost (docs/benchmarks
   ``StepLosses.checked``) in one go: on the CPU, where a read is no device sync, value by
   value (``Tensor.item``: a ``stack`` costs more than a few reads), elsewhere one ``stack``
   and one read. These are the values the folded row of the full path holds
-  (``local_row``), reduced by the same ``reduce_row``;
+  (``local_row``), the gradient norm taken by the same ``total_norm``;
 - the outcome, as the full path records and applies a good step (the same calls, without
   the ``Agreement`` the full path builds for the ranks): the buffers learned, the stream
   told that no rank ran out, the step's record (ring and metrics log), the counters, the
@@ -198,8 +198,9 @@ class LoneStep:
         state.step = step + 1
         try:
             state.record_good(step, loss)
-            one_lr = type(lr) is float and len(optimizer.param_groups) == 1
-            spike_lr = lr if one_lr else host_lr(optimizer)  # the same number for one group
+            groups = optimizer.param_groups
+            plain = len(groups) == 1 and type(groups[0].get("lr")) is float
+            spike_lr = lr if plain else host_lr(optimizer)  # one float: the same number
             spike = parts.spikes.judge_values(loss, norm, spike_lr, step)
             if spike is not None:
                 return self._spiked(spike, step, measured, (data_time, compute_time))
