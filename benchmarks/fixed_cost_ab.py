@@ -34,6 +34,8 @@ def run_once(tree: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One ``fixed_cost.py`` process on ``tree``; its modes' summary."""
     command = [sys.executable, str(HERE / "fixed_cost.py"), "--no-breakdown", "--out", str(out)]
     command += ["--rounds", str(args.rounds)]
+    if args.steps is not None:
+        command += ["--steps", str(args.steps), "--warmup", "1"]
     if args.pin is not None:
         command += ["--pin", str(args.pin)]
     env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=4, help="alternating pairs (default 4)")
     parser.add_argument("--rounds", type=int, default=16, help="rounds per process")
     parser.add_argument("--pin", type=int, metavar="CPU", help="pin each process to this CPU")
+    parser.add_argument("--steps", type=int, help="steps per block (default: fixed_cost.py's)")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
@@ -93,7 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "fixed_cost_ab",
         "label": args.label,
         "date": now_iso(),
-        "settings": {"pairs": args.pairs, "rounds": args.rounds, "pinned_cpu": args.pin},
+        "settings": {
+            "pairs": args.pairs,
+            "rounds": args.rounds,
+            "steps_per_block": args.steps,
+            "pinned_cpu": args.pin,
+        },
         "trees": {label: str(tree) for label, tree in trees.items()},
         "machine": machine_info(),
         "runs": runs,

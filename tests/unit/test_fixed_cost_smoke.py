@@ -46,7 +46,7 @@ def test_fixed_cost_ab_runs_alternating_processes(tmp_path: Path) -> None:
     out = tmp_path / "ab.json"
     src = ROOT / "src"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "fixed_cost_ab.py"), "--before", str(src)]
-    cmd += ["--after", str(src), "--pairs", "1", "--rounds", "1", "--out", str(out)]
+    cmd += ["--after", str(src), "--pairs", "1", "--rounds", "1", "--steps", "5", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| tree | guard_check us |" in proc.stdout
