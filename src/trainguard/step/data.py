@@ -149,10 +149,7 @@ class BatchStream:
     def agreed_running(self) -> None:
         """A world of one's usual step (``step/lone.py``): decided, and its own stream, the
         only one, is not used up."""
-        step = self._in_step
-        if step >= self._agreement_step:
-            self._agreement = _RUNNING
-            self._agreement_step = step
+        self._set_agreement(_RUNNING, self._in_step)
 
     def _set_agreement(self, agreement: Agreement, step: int) -> None:
         if step >= self._agreement_step:

@@ -198,10 +198,7 @@ class LoneStep:
         state.step = step + 1
         try:
             state.record_good(step, loss)
-            groups = optimizer.param_groups
-            plain = len(groups) == 1 and type(groups[0].get("lr")) is float
-            spike_lr = lr if plain else host_lr(optimizer)  # one float: the same number
-            spike = parts.spikes.judge_values(loss, norm, spike_lr, step)
+            spike = parts.spikes.judge_values(loss, norm, host_lr(optimizer), step)
             if spike is not None:
                 return self._spiked(spike, step, measured, (data_time, compute_time))
             if parts.recovery is not None:

@@ -86,8 +86,6 @@ class SpikeWatch:
         self, agreement: Agreement, optimizer: torch.optim.Optimizer, step: int
     ) -> Decision | None:
         """A finite, agreed step: None (go on), ``SPIKE`` (skip it) or ``ESCALATE``."""
-        if not self.enabled:
-            return None
         lr = host_lr(optimizer)
         return self.judge_values(agreement.mean_loss, agreement.grad_norm(), lr, step)
 
@@ -96,7 +94,7 @@ class SpikeWatch:
     ) -> Decision | None:
         """``judge`` from the values themselves: the agreed mean loss and global gradient
         norm, and ``host_lr``'s learning rate (``step/lone.py``)."""
-        if self.action == "off":
+        if not self.enabled:
             return None
         detector = self.detector
         judging = detector.grace.judging(lr)

@@ -41,6 +41,11 @@ def autocast_state(device_type: str) -> dict[str, Any]:
         if _autocast_enabled(kind):
             dtype = _autocast_dtype(kind)
             return {"enabled": True, "device_type": kind, "dtype": str(dtype).split(".")[-1]}
+    return autocast_off(device_type)
+
+
+def autocast_off(device_type: str) -> dict[str, Any]:
+    """``autocast_state`` when no autocast is in force."""
     return {"enabled": False, "device_type": device_type, "dtype": None}
 
 
@@ -73,12 +78,8 @@ class StepStart:
         self._step_of = step_of
         self.buffers = BufferKeeper(model if restore_buffers else nn.Module())
         self._device_type = _device_type(model)
-        self._autocast_off: dict[str, Any] = {
-            "enabled": False,
-            "device_type": self._device_type,
-            "dtype": None,
-        }
-        """What ``autocast_state`` gives with autocast off (handed out as is: not changed)."""
+        self._autocast_off = autocast_off(self._device_type)
+        """Handed out at every step without autocast, as is (nobody changes it)."""
         self.step = -1
         """The step whose start was recorded last (-1: none yet)."""
         self.seen = False
