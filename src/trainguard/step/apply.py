@@ -11,11 +11,13 @@ gradients cleared, buffers put back); ``RAISE``/``ESCALATE`` raise the stop erro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from trainguard.config import GuardConfig
 from trainguard.errors import NonFiniteError
@@ -29,6 +31,7 @@ from trainguard.step.evidence import StepEvidence
 from trainguard.step.inputs import InputCheck
 from trainguard.step.nonfinite import log_nonfinite, stop_error
 from trainguard.step.policy import Decision
+from trainguard.step.spikes import host_lr
 from trainguard.step.spikewatch import SpikeWatch
 from trainguard.step.state import GuardState
 
@@ -59,15 +62,13 @@ class DecisionApply:
     def apply(self, decision: Decision, agreement: Agreement, stats: GradStats, step: int) -> bool:
         parts = self._parts
         if decision is Decision.OK:
-            parts.state.record_good(step, agreement.mean_loss)
-            spike = parts.spikes.judge(agreement, parts.optimizer, step)
-            if spike is not None:
-                return self.apply_spike(spike, agreement, stats, step)
-            if parts.recovery is not None:
-                parts.recovery.after_step(step, True, agreement.mean_loss)
-            if parts.config.grad_clip is not None:
-                clip_(stats.grads, agreement.grad_norm(), parts.config.grad_clip)
-            return True
+            return self.apply_good(
+                step,
+                agreement.mean_loss,
+                agreement.grad_norm(),
+                stats.grads,
+                lambda spike: self.apply_spike(spike, agreement, stats, step),
+            )
         if parts.scaler is not None:
             amp.mark_overflow(parts.scaler, parts.optimizer)
         if decision is Decision.OVERFLOW:
@@ -90,6 +91,29 @@ class DecisionApply:
             parts.drop(step)
             raise self.stop_error(decision, agreement, step, bundle)
         return False
+
+    def apply_good(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        grads: list[Tensor],
+        spiked: Callable[[Decision], bool],
+    ) -> bool:
+        """A finite, agreed step (the full path's and a world of one's usual step,
+        ``step/lone.py``): counted, judged by the spike rule (a spike it skips or escalates
+        goes to ``spiked``, which builds what ``apply_spike`` needs), noted by recovery,
+        clipped. ``loss``/``grad_norm``: the agreed mean loss and global gradient norm."""
+        parts = self._parts
+        parts.state.record_good(step, loss)
+        spike = parts.spikes.judge_values(loss, grad_norm, host_lr(parts.optimizer), step)
+        if spike is not None:
+            return spiked(spike)
+        if parts.recovery is not None:
+            parts.recovery.after_step(step, True, loss)
+        if parts.config.grad_clip is not None:
+            clip_(grads, grad_norm, parts.config.grad_clip)
+        return True
 
     def apply_spike(
         self, decision: Decision, agreement: Agreement, stats: GradStats, step: int

@@ -244,10 +244,8 @@ class GuardAssembly:
             evidence=self._evidence,
             timer=self._timer,
             history=self.history,
-            spikes=self.spikes,
-            recovery=self.recovery,
             optimizer=self.optimizer,
-            grad_clip=self.config.grad_clip,
+            apply_good=self._decision.apply_good,
             apply_spike=self._decision.apply_spike,
         )
 

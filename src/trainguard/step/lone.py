@@ -20,8 +20,9 @@ the caches), so the count of distinct calls set the fixed cost (docs/benchmarks.
   (``local_row``), the gradient norm taken by the same ``total_norm``;
 - the outcome, as the full path records and applies a good step (the same calls, without
   the ``Agreement`` the full path builds for the ranks): the buffers learned, the stream
-  told that no rank ran out, the step's record (ring and metrics log), the counters, the
-  spike rule, recovery's note of a good step, clipping, the step's batches released.
+  told that no rank ran out, the step's record (ring and metrics log), then the full
+  path's own ``DecisionApply.apply_good`` (the counters, the spike rule, recovery's note of
+  a good step, clipping), the step's batches released.
 
 It returns what ``check()`` returns (True; False when a spike is skipped), or None when the
 step is not the usual one, having changed nothing the full path does not set again (the
@@ -55,18 +56,15 @@ from torch import Tensor, nn
 
 from trainguard.health.timing import StepTimer
 from trainguard.progress import Progress
-from trainguard.recovery import Recovery
 from trainguard.step.consensus import Agreement, alone_agreement
 from trainguard.step.data import BatchStream
-from trainguard.step.detect import GradStats, clip_, is_sharded, local_grads
+from trainguard.step.detect import GradStats, is_sharded, local_grads
 from trainguard.step.evidence import StepEvidence
 from trainguard.step.history import StepHistory, learning_rate
 from trainguard.step.inputs import InputCheck
 from trainguard.step.local_row import foldable_losses, reduce_row, total_norm
 from trainguard.step.losses import StepLosses
 from trainguard.step.policy import Decision
-from trainguard.step.spikes import host_lr
-from trainguard.step.spikewatch import SpikeWatch
 from trainguard.step.start import StepStart
 from trainguard.step.state import GuardState
 
@@ -91,10 +89,10 @@ class LoneParts:
     evidence: StepEvidence
     timer: StepTimer | None
     history: StepHistory
-    spikes: SpikeWatch
-    recovery: Recovery | None
     optimizer: torch.optim.Optimizer
-    grad_clip: float | None
+    apply_good: Callable[[int, float, float, list[Tensor], Callable[[Decision], bool]], bool]
+    """``DecisionApply.apply_good``: what a good step does (counters, spike rule, recovery,
+    clipping), as on the full path."""
     apply_spike: Callable[[Decision, Agreement, GradStats, int], bool]
     """``DecisionApply.apply_spike``: a spike the rule skips or escalates."""
 
@@ -194,18 +192,15 @@ class LoneStep:
         lr = learning_rate(optimizer)
         losses = [loss] if loss_known else []
         parts.history.add(step, losses, norm, "ok", lr, [data_time], [compute_time])
-        state = parts.state
-        state.step = step + 1
+        parts.state.step = step + 1
         try:
-            state.record_good(step, loss)
-            spike = parts.spikes.judge_values(loss, norm, host_lr(optimizer), step)
-            if spike is not None:
-                return self._spiked(spike, step, measured, (data_time, compute_time))
-            if parts.recovery is not None:
-                parts.recovery.after_step(step, True, loss)
-            if parts.grad_clip is not None:
-                clip_(measured[2], norm, parts.grad_clip)
-            return True
+            return parts.apply_good(
+                step,
+                loss,
+                norm,
+                measured[2],
+                lambda spike: self._spiked(spike, step, measured, (data_time, compute_time)),
+            )
         finally:
             parts.losses.clear()
             parts.evidence.taken(step)

@@ -37,11 +37,16 @@ logger = logging.getLogger(__name__)
 def autocast_state(device_type: str) -> dict[str, Any]:
     """The autocast state in force now: ``{"enabled", "device_type", "dtype"}``, the first
     enabled of ``device_type`` and the CPU; disabled: ``dtype`` None."""
-    for kind in dict.fromkeys((device_type, "cpu")):
+    for kind in autocast_kinds(device_type):
         if _autocast_enabled(kind):
             dtype = _autocast_dtype(kind)
             return {"enabled": True, "device_type": kind, "dtype": str(dtype).split(".")[-1]}
     return autocast_off(device_type)
+
+
+def autocast_kinds(device_type: str) -> tuple[str, ...]:
+    """The autocast kinds ``autocast_state`` looks at, in order: the model's, then the CPU."""
+    return tuple(dict.fromkeys((device_type, "cpu")))
 
 
 def autocast_off(device_type: str) -> dict[str, Any]:
@@ -78,6 +83,7 @@ class StepStart:
         self._step_of = step_of
         self.buffers = BufferKeeper(model if restore_buffers else nn.Module())
         self._device_type = _device_type(model)
+        self._autocast_kinds = autocast_kinds(self._device_type)
         self._autocast_off = autocast_off(self._device_type)
         """Handed out at every step without autocast, as is (nobody changes it)."""
         self.step = -1
@@ -154,12 +160,12 @@ class StepStart:
         """``autocast_state`` of the model's device type; the same dict at every step that
         runs without autocast (the usual one), so that step builds none."""
         try:
-            off = not torch.is_autocast_enabled(self._device_type)
-            if off and not torch.is_autocast_enabled("cpu"):
-                return self._autocast_off
+            for kind in self._autocast_kinds:
+                if torch.is_autocast_enabled(kind):
+                    return autocast_state(self._device_type)
+            return self._autocast_off
         except TypeError:  # torch < 2.4: no device argument
-            pass
-        return autocast_state(self._device_type)
+            return autocast_state(self._device_type)
 
     def started(self, step: int) -> bool:
         return self.step == step
