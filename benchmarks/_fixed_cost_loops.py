@@ -15,8 +15,13 @@ from torch import Tensor, nn
 import trainguard as tg
 from trainguard.capture.rng import RngSnapshot
 
-MODES = ("bare", "naive_loss", "naive_norm", "minimal", "guard_check", "guard_step")
-GUARDED = ("guard_check", "guard_step")
+EVERY_LINE = "metrics_lines_per_second" in tg.GuardConfig.__dataclass_fields__
+"""Whether the trainguard imported has the option (``fixed_cost_ab.py`` runs older trees)."""
+MODES = ("bare", "naive_loss", "naive_norm", "minimal", "guard_check", "guard_step") + (
+    ("guard_every_line",) if EVERY_LINE else ()
+)
+GUARDED = ("guard_check", "guard_step", "guard_every_line")
+
 DIST_MODES = ("bare", "guard_check")
 BATCH, DIM_IN, HIDDEN = 32, 16, 32
 
@@ -48,7 +53,9 @@ class Loop:
         self.guard: tg.Guard | None = None
         self.batches: Iterator[Batch] = data
         if mode in GUARDED:
-            self.guard = tg.Guard(self.model, self.opt, run_dir=run_dir / mode)
+            every = {"metrics_lines_per_second": math.inf} if mode == "guard_every_line" else {}
+            config = tg.GuardConfig(run_dir=run_dir / mode, **every)  # type: ignore[arg-type]
+            self.guard = tg.Guard(self.model, self.opt, config=config)
             self.batches = iter(self.guard.watch(data))
         self.loss_fn = nn.MSELoss()
         self._ring: collections.deque[tuple[int, float, float, bool]] = collections.deque(
@@ -124,6 +131,9 @@ class Loop:
             if guard.check(loss):
                 self.opt.step()
             self.opt.zero_grad(set_to_none=True)
+
+    def _run_guard_every_line(self, steps: int) -> None:
+        self._run_guard_check(steps)  # the guard's metrics log keeps every step
 
     def _run_guard_step(self, steps: int) -> None:
         guard, batches = self.guard, self.batches

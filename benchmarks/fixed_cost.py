@@ -18,7 +18,12 @@ model (same initial weights), optimizer and endless batch stream, built up front
   structure;
 - ``guard_check``: a default ``Guard(model, opt, run_dir=...)`` (every default feature on),
   ``for batch in guard.watch(...)`` and ``if guard.check(loss): optimizer.step()``;
-- ``guard_step``: the same guard with ``guard.step(loss)``.
+- ``guard_step``: the same guard with ``guard.step(loss)``;
+- ``guard_every_line``: ``guard_check`` with ``metrics_lines_per_second=math.inf``: the
+  metrics log keeps a line per step, as before the log was thinned by the loop's rate
+  (round 8). The guards' first 1,000 steps (3 warm-up rounds and the first 2 timed ones at
+  the default 200 steps) keep every line in every mode; the median of the rounds is the
+  steady state of a longer run.
 
 Round after round, every mode runs a block of ``--steps`` steps, in a freshly shuffled order,
 so drift of the (shared) machine hits every mode alike. Per mode: the median microseconds

@@ -55,6 +55,12 @@ class GuardConfig:
     """How many recent step records (losses, gradient norm, decision, lr) the guard keeps in
     memory and writes into a capture bundle as ``history.json``."""
 
+    metrics_lines_per_second: float = 100.0
+    """The most lines a second the metrics log (``metrics/rank-0.jsonl``) takes of a fast
+    loop, past its first 1,000 steps: a loop faster than this writes every 2nd, 5th, 10th,
+    20th... step, whichever keeps it under (every step that is not ``ok`` still). A step of
+    10 ms or more keeps every line; ``math.inf``: every step (``step/metrics.py``)."""
+
     on_escalation: EscalationAction = "raise"
     """When the guard escalates: ``"raise"`` stops every rank with NonFiniteError;
     ``"rollback"`` restores the newest good snapshot on every rank, skips the batches that led
@@ -203,6 +209,11 @@ class GuardConfig:
             raise ConfigError("max_recorded_steps", "use an integer >= 1")
         if not isinstance(self.history_steps, int) or self.history_steps < 1:
             raise ConfigError("history_steps", f"got {self.history_steps!r}; use an integer >= 1")
+        if not self.metrics_lines_per_second > 0:
+            raise ConfigError(
+                "metrics_lines_per_second",
+                f"got {self.metrics_lines_per_second!r}; use a number > 0 (math.inf: every step)",
+            )
         try:
             check_run_option(self.run)
         except ValueError as exc:

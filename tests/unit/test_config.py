@@ -15,6 +15,7 @@ import trainguard as tg
         ("hang_timeout", -5),
         ("accumulation_steps", 0),
         ("min_loss_scale", 0.0),
+        ("metrics_lines_per_second", 0.0),
     ],
 )
 def test_invalid_option_names_the_option(option: str, value: object) -> None:

@@ -28,6 +28,7 @@ def test_fixed_cost_quick(tmp_path: Path) -> None:
         "minimal",
         "guard_check",
         "guard_step",
+        "guard_every_line",
     }
     for name, entry in modes.items():
         assert len(entry["us_per_step"]) == 2 and entry["median_us"] > 0, name

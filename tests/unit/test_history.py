@@ -15,7 +15,7 @@ from tg_models import TinyNet, loss_fn, make_batches
 import trainguard as tg
 from trainguard.step.consensus import Agreement
 from trainguard.step.history import StepHistory, learning_rate
-from trainguard.step.metrics import MetricsLog, metrics_path, stride_at
+from trainguard.step.metrics import MetricsLog, metrics_path, rate_stride, stride_at
 from trainguard.step.policy import Decision
 from trainguard.testing import Fault, FaultPlan
 
@@ -147,6 +147,81 @@ def test_metrics_batching_and_thinning(tmp_path: Path) -> None:
     log.close()
     steps = [json.loads(line)["step"] for line in log.path.read_text().splitlines()]
     assert steps == [*range(10), 10, 20, 30, 33]
+
+
+class _Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _offer(log: MetricsLog, clock: _Clock, steps: range, seconds: float, bad: int = -1) -> None:
+    for step in steps:
+        clock.now += seconds
+        log.add(_Line(step), urgent=step == bad)
+
+
+def _logged(log: MetricsLog) -> list[int]:
+    log.close()
+    return [json.loads(line)["step"] for line in log.path.read_text().splitlines()]
+
+
+def test_rate_stride_takes_the_smallest_of_one_two_five() -> None:
+    rates = (0.5, 100.0, 100.5, 250.0, 3333.0, 9000.0, 1e6)
+    assert [rate_stride(r, 100.0) for r in rates] == [1, 1, 2, 5, 50, 100, 10_000]
+
+
+def test_a_fast_loop_is_thinned_by_its_rate_past_its_first_steps(tmp_path: Path) -> None:
+    clock = _Clock()
+    log = MetricsLog(tmp_path / "m.jsonl", clock=clock)  # 100 lines/s past 1,000 steps
+    _offer(log, clock, range(3000), 0.0003, bad=2017)  # 3,333 steps a second
+    assert log.stride_by_rate == 50
+    _offer(log, clock, range(3000, 3400), 0.02)  # the loop slows down: 50 steps a second
+    assert log.stride_by_rate == 1
+    steps = _logged(log)
+    assert steps[:1100] == list(range(1100))  # rate-free, then measured at the 11th flush
+    fast = [s for s in steps if 1100 <= s < 3000]
+    assert 2017 in fast  # a step that is not ok is written whatever the stride
+    assert [s for s in fast if s != 2017] == list(range(1100, 3000, 50))
+    slow = [s for s in steps if s >= 3000]
+    assert set(range(3100, 3400)) <= set(slow)  # every step again, a measure later
+    assert len(slow) < 400  # thinned until that measure
+
+
+def test_a_slow_loop_and_an_unlimited_log_keep_every_step(tmp_path: Path) -> None:
+    clock = _Clock()
+    slow = MetricsLog(tmp_path / "slow.jsonl", clock=clock)
+    _offer(slow, clock, range(1500), 0.011)  # 91 steps a second
+    assert _logged(slow) == list(range(1500))
+    every = MetricsLog(tmp_path / "every.jsonl", clock=clock, max_lines_per_second=math.inf)
+    _offer(every, clock, range(1500), 1e-6)
+    assert _logged(every) == list(range(1500))
+    with pytest.raises(ValueError, match="max_lines_per_second"):
+        MetricsLog(tmp_path / "m.jsonl", max_lines_per_second=0.0)
+
+
+@pytest.mark.parametrize("lines_per_second", [50.0, math.inf])
+def test_the_guard_thins_its_metrics_log_by_the_option(
+    tmp_path: Path, lines_per_second: float
+) -> None:
+    """A real loop of 1,300 steps: past the first 1,000, at most 50 lines a second (a stride
+    of 2 to 200 for any step from 20 ms down to 100 us), every step with math.inf; the bad
+    step is written either way, and the ring keeps every step."""
+    plan = FaultPlan([Fault(step=1250)])
+    guard = _run(tmp_path, plan, 1300, metrics_lines_per_second=lines_per_second)
+    steps = [line["step"] for line in _metrics(tmp_path)]
+    assert steps[:1000] == list(range(1000)) and 1250 in steps
+    assert [r.step for r in guard.history.records()][-256:] == list(range(1044, 1300))
+    if math.isinf(lines_per_second):
+        assert steps == list(range(1300))
+    else:
+        late = [s for s in steps if s >= 1100 and s != 1250]
+        assert 1200 in late and len(late) <= 100
+        assert math.gcd(*late) >= 2  # multiples of one stride
 
 
 def test_a_large_world_logs_a_loss_summary(tmp_path: Path) -> None:

@@ -97,7 +97,14 @@ class GuardAssembly:
         self.state.spikes = self.spikes  # saved and restored with the counters
         self._inputs = InputCheck(self.config.check_inputs, self.events, self.rank)
         self._sampler_epochs = SamplerEpochs(self.events, self.rank)
-        metrics = MetricsLog(metrics_path(self.run_dir)) if self.rank == 0 else None
+        metrics = (
+            MetricsLog(
+                metrics_path(self.run_dir),
+                max_lines_per_second=self.config.metrics_lines_per_second,
+            )
+            if self.rank == 0
+            else None
+        )
         self.history = StepHistory(self.config.history_steps, metrics)
         self._dashboard = Dashboard(self)  # metrics(): reads the parts when called
         self._timer = (
