@@ -92,7 +92,13 @@ def test_fingerprint_follows_the_training_not_the_bookkeeping(tmp_path: Path) ->
     data = stop.data_identity(_loader())
     base = stop.fingerprint_inputs(_config(tmp_path), "checkpoints/step-00000004", data)
     same = stop.fingerprint_inputs(
-        _config(tmp_path / "elsewhere", hang_timeout=30, keep_checkpoints=9, capture=False),
+        _config(
+            tmp_path / "elsewhere",
+            hang_timeout=30,
+            keep_checkpoints=9,
+            capture=False,
+            metrics_lines_per_second=5.0,
+        ),
         "checkpoints/step-00000004",
         data,
     )

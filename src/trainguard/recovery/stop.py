@@ -53,6 +53,7 @@ NOT_FINGERPRINTED = frozenset(
         "hang_timeout",
         "max_recorded_steps",
         "history_steps",
+        "metrics_lines_per_second",
         "keep_checkpoints",
         "loss_tolerance",
         "detect_stragglers",
