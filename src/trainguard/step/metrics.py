@@ -23,7 +23,7 @@ The size is bounded by thinning: every step is written up to ``dense_steps``, th
 ``ok``. With the default 10,000, a run of a million steps writes about 30,000 lines.
 
 A loop faster than ``max_lines_per_second`` steps a second is thinned by its rate as well,
-past its first ``rate_free_steps`` steps: at each flush the rate of the steps offered since
+past the first ``rate_free_steps`` steps the process records (a resumed run counts anew): at each flush the rate of the steps offered since
 the previous measure sets a stride from 1, 2, 5, 10, 20, 50, ... (the smallest that keeps
 the lines under ``max_lines_per_second``), and an ``ok`` step is written when its number is
 a multiple of the larger of that stride and the decade's. A model whose step takes more
