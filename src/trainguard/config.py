@@ -57,9 +57,10 @@ class GuardConfig:
 
     metrics_lines_per_second: float = 100.0
     """The most lines a second the metrics log (``metrics/rank-0.jsonl``) takes of a fast
-    loop, past the first 1,000 steps the process records: a loop faster than this writes every 2nd, 5th, 10th,
-    20th... step, whichever keeps it under (every step that is not ``ok`` still). A step of
-    10 ms or more keeps every line; ``math.inf``: every step (``step/metrics.py``)."""
+    loop, past the first 1,000 steps the process records: a loop faster than this writes
+    every 2nd, 5th, 10th, 20th... step, whichever keeps it under (every step that is not
+    ``ok`` still). A step of 10 ms or more keeps every line; ``math.inf``: every step
+    (``step/metrics.py``)."""
 
     on_escalation: EscalationAction = "raise"
     """When the guard escalates: ``"raise"`` stops every rank with NonFiniteError;

@@ -23,15 +23,16 @@ The size is bounded by thinning: every step is written up to ``dense_steps``, th
 ``ok``. With the default 10,000, a run of a million steps writes about 30,000 lines.
 
 A loop faster than ``max_lines_per_second`` steps a second is thinned by its rate as well,
-past the first ``rate_free_steps`` steps the process records (a resumed run counts anew): at each flush the rate of the steps offered since
-the previous measure sets a stride from 1, 2, 5, 10, 20, 50, ... (the smallest that keeps
-the lines under ``max_lines_per_second``), and an ``ok`` step is written when its number is
-a multiple of the larger of that stride and the decade's. A model whose step takes more
-than 10 ms (the default 100 lines a second) keeps every step; a small MLP at 3,000 steps a
-second writes every 50th, which spares it the cost of formatting a line per step (some 4 us
-of host time, more than a tenth of what the guard costs such a step: docs/benchmarks.md).
-Every step not ``ok`` is written whatever the stride, and the in-memory ring (a bundle's
-``history.json``) keeps every step.
+past the first ``rate_free_steps`` steps the process records (a resumed run counts anew):
+at each flush the rate of the steps offered since the previous measure sets a stride of 1,
+2, 5, 10, 20, 50, ... (the smallest that keeps the lines under ``max_lines_per_second``),
+and an ``ok`` step is written when its number is a multiple of the larger of that stride
+and the decade's. A model whose step takes 10 ms or more (at the default 100 lines a
+second) keeps every step; a small MLP at 3,000 steps a second writes every 50th, which
+spares it formatting a line per step (some 4 us of host time hot, 5-8 us in the loop, where
+the whole guard costs about 90 us: docs/benchmarks.md, "Round 8"). Every step not ``ok`` is
+written whatever the stride, and the in-memory ring (a bundle's ``history.json``) keeps
+every step.
 """
 
 from __future__ import annotations
