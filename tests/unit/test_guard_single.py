@@ -215,3 +215,22 @@ def test_amp_collapsing_scale_escalates(tmp_path: Path) -> None:
             opt.zero_grad()
     assert info.value.step == 4  # scale 8, 4, 2, 1 overflow; then 0.5 < 1.0
     assert any(e["kind"] == "escalate" for e in tg.read_events(tmp_path))
+
+
+def test_the_loop_is_done_once_watch_ends_or_is_left(tmp_path: Path) -> None:
+    """The watchdog's phase: "step" while batches are handed out, "done" once the loop ran
+    out, and once it was left early (a ``break``: the generator is closed)."""
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tg.Guard(model, opt, run_dir=tmp_path) as guard:
+        phases = []
+        for batch in guard.watch(make_batches(3, seed=0)):
+            phases.append(guard.progress.phase)
+            loss = loss_fn(model, batch)
+            loss.backward()
+            guard.step(loss)
+        assert phases == ["step"] * 3 and guard.progress.phase == "done"
+        for _ in guard.watch(make_batches(5, seed=1)):
+            assert guard.progress.phase == "step"
+            break
+        assert guard.progress.phase == "done"
