@@ -368,3 +368,40 @@ def test_a_tensor_learning_rate_is_judged_as_on_the_full_path(tmp_path: Path) ->
         return [grace.lr, grace.left, guard.spikes.detector.state_dict()]
 
     assert run(lone=True) == run(lone=False)
+
+
+def test_fsdp2_shards_turn_the_lone_path_off_for_the_run(tmp_path: Path) -> None:
+    """A world of one under FSDP2 (gloo, one rank): the gradients are DTensor shards, found at
+    the first step with gradients, before the fused pass is tried; from then on every step
+    takes the full path, which sums shard norms and still skips a NaN step."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        guard = tg.Guard(model, opt, run_dir=tmp_path / "run", hang_timeout=0)
+        lone = guard._lone
+        assert lone is not None and lone.active  # built: a world of one
+        full = _FullPathCount(guard)
+        tried: list[int] = []  # the fused pass (it would refuse DTensors too: found before)
+        read = lone._read
+        lone._read = lambda *a: tried.append(1) or read(*a)  # type: ignore[method-assign]
+        decisions = []
+        for step, (x, y) in enumerate(guard.watch(_batches(4))):
+            loss = nn.functional.mse_loss(model(x), y)
+            loss = poison_loss(loss) if step == 2 else loss
+            loss.backward()  # type: ignore[no-untyped-call]
+            decisions.append(guard.check(loss))
+            if decisions[-1]:
+                opt.step()
+            opt.zero_grad()
+        guard.close()
+        assert full.steps == [0, 1, 2, 3]
+        assert not lone.active and not tried and decisions == [True, True, False, True]
+    finally:
+        dist.destroy_process_group()

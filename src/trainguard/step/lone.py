@@ -131,7 +131,7 @@ class LoneStep:
             return None
         batches = parts.evidence.batches_of(step) if stream is not None else []
         inputs = parts.inputs.foldable(step, batches, parts.device, keep=False)
-        if inputs is None or not (self._sharded_checked or self._plain_gradients()):
+        if inputs is None or not (self._sharded_checked or self._first_gradients_plain()):
             return None
         grads = [grad for p in self._params if (grad := p.grad) is not None]
         if not grads:
@@ -144,15 +144,14 @@ class LoneStep:
         norm = total_norm(values[count:cut])
         return self._commit(step, values[count - 1], norm, loss_known, (values, norms, grads))
 
-    def _plain_gradients(self) -> bool:
+    def _first_gradients_plain(self) -> bool:
         """False (for good) when the gradients are FSDP2 shards: looked up once, at the first
-        gradients."""
-        if not self._sharded_checked:
-            params = self._params
-            if not any(p.grad is not None for p in params):
-                return True
-            self._sharded_checked = True
-            self.active = not is_sharded(params)
+        step with gradients (``take`` skips it from then on)."""
+        params = self._params
+        if not any(p.grad is not None for p in params):
+            return True
+        self._sharded_checked = True
+        self.active = not is_sharded(params)
         return self.active
 
     def _read(

@@ -69,12 +69,10 @@ def stride_at(step: int, dense_steps: int) -> int:
 def rate_stride(steps_per_second: float, max_lines_per_second: float) -> int:
     """The smallest stride of 1, 2, 5, 10, 20, 50, ... that keeps a loop of
     ``steps_per_second`` under ``max_lines_per_second`` lines a second."""
-    stride = 1
-    for factor in itertools.cycle((2, 5 / 2, 2)):  # 1 -> 2 -> 5 -> 10 -> 20 ...
-        if steps_per_second <= max_lines_per_second * stride:
-            return stride
-        stride = round(stride * factor)
-    raise AssertionError("unreachable")  # pragma: no cover
+    stride, factors = 1, itertools.cycle((2.0, 2.5, 2.0))  # 1 -> 2 -> 5 -> 10 -> 20 ...
+    while steps_per_second > max_lines_per_second * stride:
+        stride = round(stride * next(factors))
+    return stride
 
 
 _ENCODER = json.JSONEncoder(allow_nan=False)
@@ -148,12 +146,10 @@ class MetricsLog:
 
     def wants(self, step: int, urgent: bool = False) -> bool:
         """Whether ``add`` would keep ``step`` (lets the caller skip building a thinned line)."""
-        if urgent:
-            return True
         stride = self.stride_by_rate
-        if step < self.dense_steps:
-            return stride == 1 or step % stride == 0
-        return step % max(stride, stride_at(step, self.dense_steps)) == 0
+        if step >= self.dense_steps:
+            stride = max(stride, stride_at(step, self.dense_steps))
+        return urgent or step % stride == 0
 
     def add(self, record: LogRecord, urgent: bool = False) -> None:
         """Buffer one step's record (``urgent``: a bad step, written out at once). The

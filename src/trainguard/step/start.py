@@ -159,13 +159,10 @@ class StepStart:
     def _autocast_now(self) -> dict[str, Any]:
         """``autocast_state`` of the model's device type; the same dict at every step that
         runs without autocast (the usual one), so that step builds none."""
-        try:
-            for kind in self._autocast_kinds:
-                if torch.is_autocast_enabled(kind):
-                    return autocast_state(self._device_type)
-            return self._autocast_off
-        except TypeError:  # torch < 2.4: no device argument
-            return autocast_state(self._device_type)
+        for kind in self._autocast_kinds:
+            if _autocast_enabled(kind):
+                return autocast_state(self._device_type)
+        return self._autocast_off
 
     def started(self, step: int) -> bool:
         return self.step == step
