@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Any
 
@@ -70,7 +71,7 @@ def test_numpy_state_is_read_raw_and_exact() -> None:
     raw = rng_module._NumpyRaw(np.random)
     assert raw.offset is not None  # CPython with the GIL, MT19937: the fast path is taken
     for draw in (np.random.randn, np.random.random_sample, lambda: np.random.randn(3)):
-        np.random.seed(5)
+        np.random.seed(next(_SEEDS))
         draw()
         taken = raw.take()
         assert isinstance(taken[0], bytes)
@@ -134,3 +135,111 @@ def test_numpy_raw_read_waits_for_a_draw_in_another_thread() -> None:
         assert not done  # blocked while the lock is held
     thread.join(timeout=10)
     assert done and isinstance(done[0], tuple)
+
+
+# -- lazy snapshots: the last one again while no generator moved (rng_fingerprint.py) ------
+
+
+def _same_states(found: dict[str, Any], expected: dict[str, Any]) -> bool:
+    return (
+        found["python"] == expected["python"]
+        and torch.equal(found["torch"], expected["torch"])
+        and str(found["numpy"]) == str(expected["numpy"])
+    )
+
+
+def test_a_step_that_draws_nothing_gets_the_last_snapshot_again() -> None:
+    np.random.seed(1)
+    first = RngSnapshot.take()
+    again = RngSnapshot.take()
+    assert again is first
+    assert _same_states(again.state(), rng_state())
+
+
+def _wrap_python() -> None:
+    for _ in range(624):  # one 32-bit word each: the same index, every word regenerated
+        random.getrandbits(32)
+
+
+def _wrap_torch() -> None:
+    torch.randint(0, 2**16, (624,))
+
+
+_SEEDS = itertools.count(100)  # a new seed each time: the same seed again is no move
+
+_MOVES = {
+    "torch draw": lambda: torch.rand(1),
+    "torch normal cache set": lambda: torch.randn(1),
+    "torch seed": lambda: torch.manual_seed(next(_SEEDS)),
+    "torch 624 words": _wrap_torch,
+    "python draw": random.random,
+    "python gauss": lambda: random.gauss(0.0, 1.0),
+    "python seed": lambda: random.seed(next(_SEEDS)),
+    "python 624 words": _wrap_python,
+    "numpy draw": np.random.random_sample,
+    "numpy gauss": np.random.randn,
+    "numpy seed": lambda: np.random.seed(next(_SEEDS)),
+}
+
+
+@pytest.mark.parametrize("move", sorted(_MOVES))
+def test_any_move_of_a_generator_gives_a_new_exact_snapshot(move: str) -> None:
+    random.seed(3)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    for _ in range(2):  # twice: a cached normal sample is set, then consumed
+        before = RngSnapshot.take()
+        _MOVES[move]()
+        after = RngSnapshot.take()
+        assert after is not before
+        assert _same_states(after.state(), rng_state())
+
+
+def test_a_full_cycle_of_draws_keeps_the_position_and_is_still_seen() -> None:
+    """The case the sampled words are there for: 624 words drawn, the position unchanged."""
+    torch.manual_seed(4)
+    random.seed(4)
+    python_index, torch_left = random.getstate()[1][-1], _torch_left()
+    before = RngSnapshot.take()
+    _wrap_python()
+    _wrap_torch()
+    assert random.getstate()[1][-1] == python_index
+    assert _torch_left() == torch_left
+    assert RngSnapshot.take() is not before
+
+
+def _torch_left() -> int:
+    return int.from_bytes(bytes(torch.get_rng_state()[8:12].tolist()), "little")
+
+
+def test_torch_generator_layout_is_found_and_validated() -> None:
+    from trainguard.capture import rng_fingerprint
+
+    raw = rng_fingerprint._TorchRaw()
+    assert raw.view is not None  # this torch build: the fingerprint is read raw
+    offset = rng_fingerprint._engine_offset(torch.default_generator)
+    assert offset is not None
+    private = torch.Generator().manual_seed(1)
+    assert rng_fingerprint._tells_states_apart(private, offset)
+    assert not rng_fingerprint._tells_states_apart(private, offset + 4)  # a wrong layout
+
+
+@pytest.mark.parametrize("cannot", ["torch", "python", "cuda"])
+def test_without_a_fingerprint_every_snapshot_is_new(
+    cannot: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainguard.capture import rng_fingerprint
+
+    if cannot == "torch":
+        raw = rng_fingerprint._TorchRaw()
+        raw.view = None
+        monkeypatch.setattr(rng_fingerprint, "_TORCH", raw)
+    elif cannot == "python":
+        monkeypatch.setattr(rng_module, "_PYTHON", _PythonRaw())
+        monkeypatch.setattr(rng_module._PYTHON, "_view", None)
+    else:
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    first = RngSnapshot.take()
+    assert RngSnapshot.take() is not first
+    assert _same_states(RngSnapshot.take().state(), rng_state())

@@ -72,3 +72,39 @@ def test_the_autocast_state_is_read_at_each_step_start(tmp_path: Path) -> None:
     off = {"enabled": False, "device_type": "cpu", "dtype": None}
     on = {"enabled": True, "device_type": "cpu", "dtype": "bfloat16"}
     assert seen == [off, on, on, off]
+
+
+def test_each_step_start_holds_that_moment_s_rng_states_drawn_or_not(tmp_path: Path) -> None:
+    """Lazy snapshots (capture/rng_fingerprint.py) in a guarded loop: steps that draw nothing
+    share one snapshot; a draw anywhere (the data pipeline between steps, the step itself)
+    gives the next step a new one; each equals ``rng_state()`` at the step's forward."""
+    import random
+
+    import numpy as np
+
+    from trainguard.capture.rng import rng_state
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))  # no dropout
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    draws = {3: random.random, 5: np.random.random_sample, 7: lambda: torch.rand(1)}
+    noisy = {9}  # this step's own loss draws (after its start)
+    snapshots = []
+    with tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0) as guard:
+        for step, batch in enumerate(guard.watch([torch.randn(3, 4) for _ in range(12)])):
+            if step in draws:
+                draws[step]()
+            expected = rng_state()
+            loss = model(batch).pow(2).mean()
+            if step in noisy:
+                loss = loss + 0.0 * torch.rand(()).item()
+            loss.backward()
+            found = guard._start.rng
+            assert found is not None
+            assert found["python"] == expected["python"]
+            assert torch.equal(found["torch"], expected["torch"])
+            assert str(found["numpy"]) == str(expected["numpy"])
+            snapshots.append(guard._start.rng_snapshot)
+            guard.step(loss)
+    distinct = [i for i in range(1, 12) if snapshots[i] is not snapshots[i - 1]]
+    assert distinct == [3, 5, 7, 10]  # a new snapshot only after a generator moved

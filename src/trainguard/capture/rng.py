@@ -19,6 +19,9 @@ as exactness allows, turned into ``rng_state()``'s dict only when read (``state(
   about 45-75 us); CPython only, and only after the layout was checked against
   ``get_state()`` (``_NumpyRaw``), else ``get_state()``;
 - CUDA: ``torch.cuda.get_rng_state_all()`` once CUDA is initialized.
+
+A step that draws nothing leaves every generator as it was: then ``take()`` hands out the
+last snapshot again, after reading a few words of each generator (``rng_fingerprint.py``).
 """
 
 from __future__ import annotations
@@ -30,9 +33,16 @@ import random
 import struct
 import sys
 import sysconfig
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+
+from trainguard.capture.rng_fingerprint import (
+    NUMPY_FINGERPRINT,
+    PYTHON_FINGERPRINT,
+    torch_fingerprint,
+    view_at,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +100,7 @@ class _PythonRaw:
             logger.debug("trainguard: random's state is read with getstate(): %s", exc)
             self.offset = None
         if self.offset is not None:  # the generator is held: its memory stays where it is
-            self._view = _view_at(id(self.generator) + self.offset, _MT_BYTES)
+            self._view = view_at(id(self.generator) + self.offset, _MT_BYTES)
 
     def _find(self) -> int | None:
         if sys.implementation.name != "cpython" or sysconfig.get_config_var("Py_GIL_DISABLED"):
@@ -126,6 +136,14 @@ class _PythonRaw:
             return random.getstate()  # the module's generator was replaced
         return (self._view.tobytes(), getattr(generator, "gauss_next", None))
 
+    def fingerprint(self) -> tuple[Any, ...] | None:
+        """The position, sampled words and ``gauss_next`` (``rng_fingerprint.py``); None
+        when not read raw or the module's generator was replaced."""
+        view, generator = self._view, self.generator
+        if view is None or getattr(random.getstate, "__self__", None) is not generator:
+            return None
+        return (PYTHON_FINGERPRINT.unpack_from(view), getattr(generator, "gauss_next", None))
+
     def state(self, taken: Any) -> Any:
         if self.offset is None or not isinstance(taken[0], bytes):
             return taken
@@ -134,13 +152,6 @@ class _PythonRaw:
 
 def _read(generator: object, offset: int) -> bytes:
     return ctypes.string_at(id(generator) + offset, _MT_BYTES)
-
-
-def _view_at(address: int, size: int) -> memoryview:
-    """A view of ``size`` bytes of memory at ``address``, made once: each ``tobytes()`` is a
-    plain copy (``ctypes.string_at`` is a foreign call, several times slower at every step).
-    The caller holds the object that owns the memory for as long as it uses the view."""
-    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
 
 
 def _python_state(raw: bytes, gauss_next: Any, version: int) -> tuple[Any, ...]:
@@ -215,8 +226,8 @@ class _NumpyRaw:
         self.lock = self.bit_generator.lock
         # Both held (self.generator, self.bit_generator): their memory stays where it is
         self._views = (
-            _view_at(self.address, _NP_STATE_BYTES),
-            _view_at(id(generator) + offset, _NP_GAUSS_BYTES),
+            view_at(self.address, _NP_STATE_BYTES),
+            view_at(id(generator) + offset, _NP_GAUSS_BYTES),
         )
         return offset
 
@@ -234,6 +245,19 @@ class _NumpyRaw:
             return module.get_state()
         with self.lock:  # as get_state(): a draw in another thread holds it (without the GIL)
             return (views[0].tobytes(), views[1].tobytes())
+
+    def fingerprint(self) -> tuple[Any, ...] | None:
+        """The position, sampled key words and gaussian cache (``rng_fingerprint.py``);
+        None when not read raw or the module's generator was replaced."""
+        views, generator = self._views, self.generator
+        if (
+            views is None
+            or getattr(self.module.get_state, "__self__", None) is not generator
+            or getattr(generator, "_bit_generator", None) is not self.bit_generator
+        ):
+            return None
+        with self.lock:
+            return (NUMPY_FINGERPRINT.unpack_from(views[0]), views[1].tobytes())
 
 
 def _numpy_value(taken: Any) -> Any:
@@ -301,6 +325,23 @@ def _numpy_raw(module: Any) -> _NumpyRaw:
     return _NUMPY
 
 
+def _fingerprint() -> tuple[Any, ...] | None:
+    """Every generator's fingerprint now (``rng_fingerprint.py``); None when one cannot be
+    read raw or CUDA is initialized (its generators are copied at every step)."""
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return None
+    torch_mark = torch_fingerprint()
+    python_mark = (_PYTHON or _python_raw()).fingerprint()
+    if torch_mark is None or python_mark is None:
+        return None
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is None:  # no global NumPy generator yet
+        return (torch_mark, python_mark, None)
+    numpy_raw = _NUMPY if _NUMPY is not None and _NUMPY.module is numpy_random else None
+    numpy_mark = (numpy_raw or _numpy_raw(numpy_random)).fingerprint()
+    return None if numpy_mark is None else (torch_mark, python_mark, numpy_mark)
+
+
 def states_of(found: RngSnapshot | dict[str, Any] | None) -> dict[str, Any] | None:
     """``rng_state()``'s dict from a snapshot (built when first read), a dict or None."""
     return found.state() if isinstance(found, RngSnapshot) else found
@@ -310,7 +351,10 @@ class RngSnapshot:
     """The states of every generator at one moment, copied cheaply; ``state()`` gives them as
     ``rng_state()`` does (built on the first call, then kept)."""
 
-    __slots__ = ("_cuda", "_numpy", "_python", "_state", "_torch")
+    __slots__ = ("_cuda", "_mark", "_numpy", "_python", "_state", "_torch")
+
+    _last: ClassVar[RngSnapshot | None] = None
+    """The last snapshot taken with a fingerprint (``take`` may hand it out again)."""
 
     def __init__(self) -> None:
         self._torch = torch.default_generator.get_state()
@@ -325,10 +369,20 @@ class RngSnapshot:
         cuda = torch.cuda.is_initialized() and torch.cuda.is_available()  # type: ignore[no-untyped-call]
         self._cuda = torch.cuda.get_rng_state_all() if cuda else None
         self._state: dict[str, Any] | None = None
+        self._mark: tuple[Any, ...] | None = None
 
     @classmethod
     def take(cls) -> RngSnapshot:
-        return cls()
+        """The states now: the last snapshot again when no generator moved since it was
+        taken (their fingerprints are the same), else a new one."""
+        mark = _fingerprint()
+        last = cls._last
+        if mark is not None and last is not None and last._mark == mark:
+            return last
+        snapshot = cls()
+        snapshot._mark = mark
+        cls._last = snapshot if mark is not None else None
+        return snapshot
 
     def state(self) -> dict[str, Any]:
         """``rng_state()``'s dict of the moment the snapshot was taken."""
