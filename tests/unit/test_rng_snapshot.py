@@ -230,6 +230,7 @@ def test_without_a_fingerprint_every_snapshot_is_new(
 ) -> None:
     from trainguard.capture import rng_fingerprint
 
+    monkeypatch.setattr(rng_module, "_MARKS", None)  # the reads are bound anew
     if cannot == "torch":
         raw = rng_fingerprint._TorchRaw()
         raw.view = None
@@ -238,7 +239,8 @@ def test_without_a_fingerprint_every_snapshot_is_new(
         monkeypatch.setattr(rng_module, "_PYTHON", _PythonRaw())
         monkeypatch.setattr(rng_module._PYTHON, "_view", None)
     else:
-        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        # CUDA initialized (its generators made); the copies themselves need no device here
+        monkeypatch.setattr(torch.cuda, "default_generators", (torch.Generator(),))
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     first = RngSnapshot.take()
     assert RngSnapshot.take() is not first

@@ -33,6 +33,8 @@ import random
 import struct
 import sys
 import sysconfig
+from collections.abc import Callable
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -40,7 +42,8 @@ import torch
 from trainguard.capture.rng_fingerprint import (
     NUMPY_FINGERPRINT,
     PYTHON_FINGERPRINT,
-    torch_fingerprint,
+    TORCH_FINGERPRINT,
+    torch_view,
     view_at,
 )
 
@@ -135,14 +138,6 @@ class _PythonRaw:
         if getattr(random.getstate, "__self__", None) is not generator or self._view is None:
             return random.getstate()  # the module's generator was replaced
         return (self._view.tobytes(), getattr(generator, "gauss_next", None))
-
-    def fingerprint(self) -> tuple[Any, ...] | None:
-        """The position, sampled words and ``gauss_next`` (``rng_fingerprint.py``); None
-        when not read raw or the module's generator was replaced."""
-        view, generator = self._view, self.generator
-        if view is None or getattr(random.getstate, "__self__", None) is not generator:
-            return None
-        return (PYTHON_FINGERPRINT.unpack_from(view), getattr(generator, "gauss_next", None))
 
     def state(self, taken: Any) -> Any:
         if self.offset is None or not isinstance(taken[0], bytes):
@@ -246,19 +241,6 @@ class _NumpyRaw:
         with self.lock:  # as get_state(): a draw in another thread holds it (without the GIL)
             return (views[0].tobytes(), views[1].tobytes())
 
-    def fingerprint(self) -> tuple[Any, ...] | None:
-        """The position, sampled key words and gaussian cache (``rng_fingerprint.py``);
-        None when not read raw or the module's generator was replaced."""
-        views, generator = self._views, self.generator
-        if (
-            views is None
-            or getattr(self.module.get_state, "__self__", None) is not generator
-            or getattr(generator, "_bit_generator", None) is not self.bit_generator
-        ):
-            return None
-        with self.lock:
-            return (NUMPY_FINGERPRINT.unpack_from(views[0]), views[1].tobytes())
-
 
 def _numpy_value(taken: Any) -> Any:
     """A ``_NumpyRaw.take()`` as ``get_state()`` gives it."""
@@ -325,21 +307,68 @@ def _numpy_raw(module: Any) -> _NumpyRaw:
     return _NUMPY
 
 
+class _Marks:
+    """What ``_fingerprint`` reads, bound once for the ``numpy.random`` module of the moment
+    (None: not imported): each generator's raw read (``reads`` None when one of them is not
+    read raw), and the generator objects, to tell that the modules still use them."""
+
+    __slots__ = ("numpy_bits", "numpy_gauss", "numpy_generator", "numpy_random", "python", "reads")
+
+    def __init__(self, numpy_random: Any) -> None:
+        self.numpy_random = numpy_random
+        self.reads: tuple[Callable[[], tuple[Any, ...]], ...] | None = None
+        python = _python_raw()
+        self.python: Any = python.generator
+        self.numpy_generator: Any = None
+        self.numpy_bits: Any = None
+        self.numpy_gauss: memoryview | None = None
+        torch_raw = torch_view()
+        if torch_raw is None or python._view is None:
+            return
+        reads: tuple[Callable[[], tuple[Any, ...]], ...] = (
+            partial(TORCH_FINGERPRINT.unpack_from, torch_raw),
+            partial(PYTHON_FINGERPRINT.unpack_from, python._view),
+        )
+        if numpy_random is not None:
+            numpy = _numpy_raw(numpy_random)
+            if numpy._views is None:
+                return
+            self.numpy_generator, self.numpy_bits = numpy.generator, numpy.bit_generator
+            self.numpy_gauss = numpy._views[1]
+            reads += (partial(NUMPY_FINGERPRINT.unpack_from, numpy._views[0]),)
+        self.reads = reads
+
+
+_MARKS: _Marks | None = None
+
+
 def _fingerprint() -> tuple[Any, ...] | None:
-    """Every generator's fingerprint now (``rng_fingerprint.py``); None when one cannot be
-    read raw or CUDA is initialized (its generators are copied at every step)."""
-    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    """Every generator's fingerprint now (``rng_fingerprint.py``); None when one is not read
+    raw, a module's generator was replaced, or CUDA is initialized (its generators, made by
+    its initialization, are copied at every step). NumPy's is read without its lock: a draw
+    in another thread at that moment is seen either before or after it (a torn read
+    differs from the last fingerprint, and the snapshot is then taken under the lock)."""
+    global _MARKS
+    marks = _MARKS
+    numpy_random: Any = sys.modules.get("numpy.random")
+    if marks is None or marks.numpy_random is not numpy_random:
+        marks = _MARKS = _Marks(numpy_random)
+    reads = marks.reads
+    if reads is None or torch.cuda.default_generators:  # CUDA initialized: no fingerprint
         return None
-    torch_mark = torch_fingerprint()
-    python_mark = (_PYTHON or _python_raw()).fingerprint()
-    if torch_mark is None or python_mark is None:
+    if getattr(random.getstate, "__self__", None) is not marks.python:
         return None
-    numpy_random = sys.modules.get("numpy.random")
-    if numpy_random is None:  # no global NumPy generator yet
-        return (torch_mark, python_mark, None)
-    numpy_raw = _NUMPY if _NUMPY is not None and _NUMPY.module is numpy_random else None
-    numpy_mark = (numpy_raw or _numpy_raw(numpy_random)).fingerprint()
-    return None if numpy_mark is None else (torch_mark, python_mark, numpy_mark)
+    gauss = marks.numpy_gauss
+    if gauss is None:
+        return (reads[0](), reads[1](), getattr(marks.python, "gauss_next", None))
+    numpy = marks.numpy_generator
+    if (
+        getattr(numpy_random.get_state, "__self__", None) is not numpy
+        or getattr(numpy, "_bit_generator", None) is not marks.numpy_bits
+    ):
+        return None
+    gauss_next = getattr(marks.python, "gauss_next", None)
+    return (reads[0](), reads[1](), gauss_next, reads[2](), gauss.tobytes())
 
 
 def states_of(found: RngSnapshot | dict[str, Any] | None) -> dict[str, Any] | None:

@@ -23,10 +23,11 @@ Each read is a ``struct`` unpack at a fixed offset of the generator's own memory
 and validated against the generator's official state (``_TorchRaw``; Python's and NumPy's
 raw readers in ``rng.py``). Without a validated layout (another interpreter or torch build,
 a replaced or non-MT19937 generator) or with CUDA initialized (its generators are copied at
-every step, as before), ``fingerprint`` returns None and every snapshot is taken afresh.
-Torch's engine is read without its mutex (a draw in another thread at that moment is seen
-either before or after, as a locked read would order it); NumPy's under its lock, as
-``get_state()``.
+every step, as before), ``rng._fingerprint`` gives None and every snapshot is taken afresh.
+The reads take no lock (torch's engine has a mutex, NumPy's generator a lock): a draw in
+another thread at that moment is seen either before or after it, as a locked read would
+order it; a torn read differs from the last fingerprint, and the copy is then made as
+before (``get_state()``, NumPy's under its lock).
 """
 
 from __future__ import annotations
@@ -60,11 +61,15 @@ def _sampled_words(head: str, tail: str = "") -> struct.Struct:
 _TORCH_HEADER = struct.Struct("=QiBxxxI")
 """at::mt19937's data before its state: ``uint64 seed_; int left_; bool seeded_; uint32
 next_``."""
-_TORCH_FINGERPRINT = _sampled_words("QiB3xI", "4xf?3xd?")
-"""The engine's header and sampled words, then what follows its state: the engine's padding
-to 8 bytes, ``std::optional<float>`` and ``std::optional<double>`` (the cached normal samples,
-each a value and a flag). Padding is skipped, and a cache's value is read only when its flag
-is set: both hold whatever was copied there."""
+_TORCH_CACHES = "4xf?3xd?"
+"""What follows the engine's state: its padding to 8 bytes, then ``std::optional<float>`` and
+``std::optional<double>`` (the cached normal samples, each a value and a flag)."""
+_TORCH_FIELDS = _sampled_words("QiB3xI", _TORCH_CACHES)
+"""The fingerprint's fields one by one (the layout's validation)."""
+TORCH_FINGERPRINT = _sampled_words("QiB3xI", f"4x{struct.calcsize('=' + _TORCH_CACHES) - 4}s")
+"""The per-step read: ``_TORCH_FIELDS`` with the caches as raw bytes. A cache's value bytes
+hold whatever was copied there while its flag is clear, but they change only when the
+optional is written (a draw or ``set_state``): at worst a snapshot taken afresh."""
 PYTHON_FINGERPRINT = _sampled_words("i")
 """CPython's ``RandomObject`` raw (``rng._PythonRaw``): ``int index`` then the state."""
 NUMPY_FINGERPRINT = _sampled_words("", "i")
@@ -100,11 +105,7 @@ class _TorchRaw:
         private = torch.Generator().manual_seed(20260)
         if _engine_offset(private) != offset or not _tells_states_apart(private, offset):
             return None
-        return view_at(_address(generator) + offset, _TORCH_FINGERPRINT.size)
-
-    def fingerprint(self) -> tuple[Any, ...] | None:
-        view = self.view
-        return None if view is None else _torch_values(_TORCH_FINGERPRINT.unpack_from(view))
+        return view_at(_address(generator) + offset, TORCH_FINGERPRINT.size)
 
 
 def _torch_values(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -142,8 +143,8 @@ def _tells_states_apart(generator: torch.Generator, offset: int) -> bool:
     base = generator.get_state()
 
     def read() -> tuple[Any, ...]:
-        raw = ctypes.string_at(_address(generator) + offset, _TORCH_FINGERPRINT.size)
-        return _torch_values(_TORCH_FINGERPRINT.unpack(raw))
+        raw = ctypes.string_at(_address(generator) + offset, _TORCH_FIELDS.size)
+        return _torch_values(_TORCH_FIELDS.unpack(raw))
 
     first = read()
     for changed in _changed_states(base):
@@ -196,9 +197,10 @@ def view_at(address: int, size: int) -> memoryview:
 _TORCH: _TorchRaw | None = None
 
 
-def torch_fingerprint() -> tuple[Any, ...] | None:
-    """The fingerprint of torch's default CPU generator (None: not fingerprinted)."""
+def torch_view() -> memoryview | None:
+    """The validated view of torch's default CPU generator that ``TORCH_FINGERPRINT`` reads
+    (None: not fingerprinted); validated on the first call."""
     global _TORCH
     if _TORCH is None:
         _TORCH = _TorchRaw()
-    return _TORCH.fingerprint()
+    return _TORCH.view
