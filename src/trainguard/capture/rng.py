@@ -401,6 +401,13 @@ class RngSnapshot:
         self._mark: tuple[Any, ...] | None = None
 
     @classmethod
+    def prepare(cls) -> None:
+        """Find and validate the raw layouts now (when the guard is built), not inside the
+        first step: the torch generator's validation makes a few state tensors and takes a
+        few milliseconds once."""
+        _fingerprint()
+
+    @classmethod
     def take(cls) -> RngSnapshot:
         """The states now: the last snapshot again when no generator moved since it was
         taken (their fingerprints are the same), else a new one."""

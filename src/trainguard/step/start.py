@@ -91,6 +91,7 @@ class StepStart:
         self.seen = False
         """Whether a hook has fired at all (then the stream need not take RNG states)."""
         self._rng: RngSnapshot | dict[str, Any] | None = None
+        RngSnapshot.prepare()
         self.autocast: dict[str, Any] | None = None
         self.on_begin: Callable[[], None] | None = None
         """Runs at each recorded start, before the states are taken: recovery's step boundary
