@@ -71,7 +71,7 @@ def test_numpy_state_is_read_raw_and_exact() -> None:
     raw = rng_module._NumpyRaw(np.random)
     assert raw.offset is not None  # CPython with the GIL, MT19937: the fast path is taken
     for draw in (np.random.randn, np.random.random_sample, lambda: np.random.randn(3)):
-        np.random.seed(next(_SEEDS))
+        np.random.seed(5)
         draw()
         taken = raw.take()
         assert isinstance(taken[0], bytes)
