@@ -130,14 +130,21 @@ class _PythonRaw:
                 return None
         return offset
 
+    def readable(self) -> bool:
+        """Whether the state is read raw: the layout was found and the module still uses
+        the generator it was found in (not replaced)."""
+        return (
+            self.offset is not None
+            and self._view is not None
+            and getattr(random.getstate, "__self__", None) is self.generator
+        )
+
     def take(self) -> Any:
         """The raw state (materialized by ``state``); ``getstate()``'s tuple on fallback."""
-        generator = self.generator
-        if self.offset is None or generator is None:
+        if not self.readable():
             return random.getstate()
-        if getattr(random.getstate, "__self__", None) is not generator or self._view is None:
-            return random.getstate()  # the module's generator was replaced
-        return (self._view.tobytes(), getattr(generator, "gauss_next", None))
+        view: Any = self._view
+        return (view.tobytes(), getattr(self.generator, "gauss_next", None))
 
     def state(self, taken: Any) -> Any:
         if self.offset is None or not isinstance(taken[0], bytes):
@@ -226,18 +233,22 @@ class _NumpyRaw:
         )
         return offset
 
+    def readable(self) -> bool:
+        """Whether the state is read raw: the layout was found and the module still uses
+        the generator and bit generator it was found in."""
+        generator = self.generator
+        return (
+            self.offset is not None
+            and self._views is not None
+            and getattr(self.module.get_state, "__self__", None) is generator
+            and getattr(generator, "_bit_generator", None) is self.bit_generator
+        )
+
     def take(self) -> Any:
         """The raw state (``_numpy_value`` materializes it); ``get_state()``'s on fallback."""
-        generator: Any = self.generator
-        module = self.module
-        views = self._views
-        if (
-            views is None
-            or self.offset is None
-            or getattr(module.get_state, "__self__", None) is not generator
-            or getattr(generator, "_bit_generator", None) is not self.bit_generator
-        ):
-            return module.get_state()
+        if not self.readable():
+            return self.module.get_state()
+        views: Any = self._views
         with self.lock:  # as get_state(): a draw in another thread holds it (without the GIL)
             return (views[0].tobytes(), views[1].tobytes())
 
@@ -309,33 +320,27 @@ def _numpy_raw(module: Any) -> _NumpyRaw:
 
 class _Marks:
     """What ``_fingerprint`` reads, bound once for the ``numpy.random`` module of the moment
-    (None: not imported): each generator's raw read (``reads`` None when one of them is not
-    read raw), and the generator objects, to tell that the modules still use them."""
+    (None: not imported): the raw readers and each generator's ``struct`` read (``reads``
+    None when one of them is not read raw)."""
 
-    __slots__ = ("numpy_bits", "numpy_gauss", "numpy_generator", "numpy_random", "python", "reads")
+    __slots__ = ("numpy", "numpy_random", "python", "reads")
 
     def __init__(self, numpy_random: Any) -> None:
         self.numpy_random = numpy_random
+        self.python = _python_raw()
+        self.numpy = _numpy_raw(numpy_random) if numpy_random is not None else None
         self.reads: tuple[Callable[[], tuple[Any, ...]], ...] | None = None
-        python = _python_raw()
-        self.python: Any = python.generator
-        self.numpy_generator: Any = None
-        self.numpy_bits: Any = None
-        self.numpy_gauss: memoryview | None = None
-        torch_raw = torch_view()
-        if torch_raw is None or python._view is None:
+        torch_raw, python_raw = torch_view(), self.python._view
+        if torch_raw is None or python_raw is None:
             return
         reads: tuple[Callable[[], tuple[Any, ...]], ...] = (
             partial(TORCH_FINGERPRINT.unpack_from, torch_raw),
-            partial(PYTHON_FINGERPRINT.unpack_from, python._view),
+            partial(PYTHON_FINGERPRINT.unpack_from, python_raw),
         )
-        if numpy_random is not None:
-            numpy = _numpy_raw(numpy_random)
-            if numpy._views is None:
+        if self.numpy is not None:
+            if self.numpy._views is None:
                 return
-            self.numpy_generator, self.numpy_bits = numpy.generator, numpy.bit_generator
-            self.numpy_gauss = numpy._views[1]
-            reads += (partial(NUMPY_FINGERPRINT.unpack_from, numpy._views[0]),)
+            reads += (partial(NUMPY_FINGERPRINT.unpack_from, self.numpy._views[0]),)
         self.reads = reads
 
 
@@ -344,31 +349,27 @@ _MARKS: _Marks | None = None
 
 def _fingerprint() -> tuple[Any, ...] | None:
     """Every generator's fingerprint now (``rng_fingerprint.py``); None when one is not read
-    raw, a module's generator was replaced, or CUDA is initialized (its generators, made by
-    its initialization, are copied at every step). NumPy's is read without its lock: a draw
-    in another thread at that moment is seen either before or after it (a torn read
-    differs from the last fingerprint, and the snapshot is then taken under the lock)."""
+    raw (``readable``: the layout, the module's generator), or CUDA is initialized (its
+    generators, made by its initialization, are copied at every step). NumPy's is read
+    without its lock: a draw in another thread at that moment is seen either before or
+    after it (a torn read differs from the last fingerprint, and the snapshot is then taken
+    under the lock)."""
     global _MARKS
     marks = _MARKS
     numpy_random: Any = sys.modules.get("numpy.random")
     if marks is None or marks.numpy_random is not numpy_random:
         marks = _MARKS = _Marks(numpy_random)
-    reads = marks.reads
-    if reads is None or torch.cuda.default_generators:  # CUDA initialized: no fingerprint
+    reads, python = marks.reads, marks.python
+    if reads is None or torch.cuda.default_generators or not python.readable():
+        return None  # CUDA initialized (its generators filled), or not read raw
+    gauss_next = getattr(python.generator, "gauss_next", None)
+    numpy = marks.numpy
+    if numpy is None:
+        return (reads[0](), reads[1](), gauss_next)
+    if not numpy.readable():
         return None
-    if getattr(random.getstate, "__self__", None) is not marks.python:
-        return None
-    gauss = marks.numpy_gauss
-    if gauss is None:
-        return (reads[0](), reads[1](), getattr(marks.python, "gauss_next", None))
-    numpy = marks.numpy_generator
-    if (
-        getattr(numpy_random.get_state, "__self__", None) is not numpy
-        or getattr(numpy, "_bit_generator", None) is not marks.numpy_bits
-    ):
-        return None
-    gauss_next = getattr(marks.python, "gauss_next", None)
-    return (reads[0](), reads[1](), gauss_next, reads[2](), gauss.tobytes())
+    views: Any = numpy._views
+    return (reads[0](), reads[1](), gauss_next, reads[2](), views[1].tobytes())
 
 
 def states_of(found: RngSnapshot | dict[str, Any] | None) -> dict[str, Any] | None:

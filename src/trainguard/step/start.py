@@ -91,7 +91,6 @@ class StepStart:
         self.seen = False
         """Whether a hook has fired at all (then the stream need not take RNG states)."""
         self._rng: RngSnapshot | dict[str, Any] | None = None
-        RngSnapshot.prepare()
         self.autocast: dict[str, Any] | None = None
         self.on_begin: Callable[[], None] | None = None
         """Runs at each recorded start, before the states are taken: recovery's step boundary
@@ -101,6 +100,7 @@ class StepStart:
         self._handles = [m.register_forward_pre_hook(Hook(self._pre_hook)) for m in self._roots]
         self._child_handles: list[Any] = []
         self._hook_children()
+        RngSnapshot.prepare()  # the raw layouts validated now, not inside the first step
 
     @property
     def rng(self) -> dict[str, Any] | None:
