@@ -140,7 +140,7 @@ def hook_costs(repeats: int = 20000) -> dict[str, float]:
         start_part.begin(guard.state.step)
         t0 = time.perf_counter()
         for _ in range(repeats):
-            start_part._pre_hook(model, ())
+            start_part._pre_hook(model, (), {})
         hook = (time.perf_counter() - t0) / repeats * 1e6
         t0 = time.perf_counter()
         for _ in range(repeats):

@@ -7,15 +7,21 @@
   says that rank 0 received it instead of "not reproduced, suspect the GPU".
 - Rank 1 nudges one weight after DDP's start-up broadcast: the bundle's replicas differ and
   the replay's verdict is ``replica_mismatch``, naming the parameter and both ranks.
+- Rank 1's loop makes a NaN in the model's input from a finite batch (a normalization by a
+  zero std): both ranks skip the step and keep equal weights; only rank 1's meta names the
+  forward input, and the replay's verdict is ``input_made_in_loop`` on rank 1, "received"
+  on rank 0.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tg_capture_models as models
 import tg_replay_cases as cases
+import torch
 from tg_dist import run_ranks, values
 
 import trainguard as tg
@@ -26,14 +32,43 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-def run_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
-    """The three 2-rank DDP runs (one spawn): the origin, replica and loss-only runs' dirs."""
-    dirs = tuple(tmp_path_factory.mktemp(name) for name in ("origin", "replica", "loss"))
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[tuple[Path, ...], list[Any]]:
+    """The four 2-rank DDP runs (one spawn): their dirs and the ranks' results."""
+    names = ("origin", "replica", "loss", "loop")
+    dirs = tuple(tmp_path_factory.mktemp(name) for name in names)
     ranks = values(run_ranks(cases.ddp_worker, 2, *map(str, dirs), timeout=100))
+    return dirs, ranks
+
+
+@pytest.fixture(scope="module")
+def run_dirs(spawned: tuple[tuple[Path, ...], list[Any]]) -> tuple[Path, Path, Path]:
+    """The origin, replica and loss-only runs' dirs."""
+    dirs, ranks = spawned
     assert [r["origin"]["nonfinite_steps"] for r in ranks] == [[2], [2]]
     assert [r["replica"]["nonfinite_steps"] for r in ranks] == [[1], [1]]
     assert [r["loss"]["nonfinite_steps"] for r in ranks] == [[1], [1]]
-    return dirs  # type: ignore[return-value]
+    return dirs[:3]  # type: ignore[return-value]
+
+
+def test_a_nan_made_in_rank_1s_loop_is_skipped_everywhere_and_named_on_rank_1(
+    spawned: tuple[tuple[Path, ...], list[Any]],
+) -> None:
+    dirs, ranks = spawned
+    assert [r["loop"]["decisions"] for r in ranks] == [[True, False, True]] * 2
+    for mine, theirs in zip(ranks[0]["loop"]["weights"], ranks[1]["loop"]["weights"], strict=True):
+        assert torch.equal(mine, theirs)
+    bundle_dir = dirs[3] / "captures" / "step-00000001"
+    bundle = tg.load_bundle(bundle_dir)
+    assert "forward_inputs" not in bundle.meta(0)  # rank 0's own input was finite
+    assert bundle.meta(1)["forward_inputs"] == {
+        "nonfinite": [{"forward": 0, "path": "args[0]", "positions": list(range(6))}],
+        "in_fetched_batch": False,
+    }
+    r = tg.replay(bundle_dir, cases.made_in_loop_factory, repeats=1).to_dict()
+    assert (r["rank"], r["reproduced"], r["verdict"]) == (1, False, "input_made_in_loop")
+    assert r["advice"] == ADVICE["input_made_in_loop"] and "suspect" not in r["summary"]
+    r0 = tg.replay(bundle_dir, cases.made_in_loop_factory, rank=0, repeats=1).to_dict()
+    assert (r0["verdict"], r0["advice"]) == ("not_reproduced", RECEIVED_ADVICE)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,8 @@
   start-up broadcast (a rank-local write); a loss fault on rank 1 triggers the capture.
 - ``loss_only_worker``: a 2-rank DDP run whose rank 1's loss is 0/0 (an empty class) while
   every gradient stays finite.
+- ``made_in_loop_worker``: a 2-rank DDP run whose loop normalizes each batch by its std;
+  rank 1's batch at step 1 has a constant feature: 0/0 in the model's input, not in the batch.
 - ``ddp_worker``: these, one after the other, in one spawn.
 - ``set_meta``: rewrite keys of a rank's ``meta.json`` (and its manifest checksum), e.g. the
   ``autocast`` key the guard records.
@@ -138,8 +140,50 @@ def loss_only_worker(rank: int, world: int, run_dir: str) -> dict[str, Any]:
     return {"nonfinite_steps": list(guard.state.nonfinite_steps)}
 
 
+def made_in_loop_worker(rank: int, world: int, run_dir: str) -> dict[str, Any]:
+    """The loop normalizes each fetched batch by its own std; rank 1's batch at step 1 has a
+    constant feature, so the normalized input holds 0/0 = NaN that the fetched batch does
+    not. Returns the decisions and the final weights."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import trainguard as tg
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    data = [(torch.randn(6, 4, generator=gen), torch.randn(6, 1, generator=gen)) for _ in range(3)]
+    if rank == 1:
+        data[1][0][:, 3] = 0.25
+    decisions = []
+    with tg.Guard(model, opt, run_dir=run_dir) as guard:
+        for x, y in guard.watch(data):
+            x = (x - x.mean(0)) / x.std(0)
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            ok = guard.check(loss)
+            decisions.append(ok)
+            if ok:
+                opt.step()
+            opt.zero_grad()
+    return {"decisions": decisions, "weights": [p.detach().clone() for p in model.parameters()]}
+
+
+def made_in_loop_factory() -> tuple[nn.Module, Any]:
+    """The replay factory of ``made_in_loop_worker``: its model, the loss of a fetched batch
+    (without the loop's normalization)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    return model, lambda m, batch: F.mse_loss(m(batch[0]), batch[1])
+
+
 def ddp_worker(
-    rank: int, world: int, origin_dir: str, replica_dir: str, loss_dir: str | None = None
+    rank: int,
+    world: int,
+    origin_dir: str,
+    replica_dir: str,
+    loss_dir: str | None = None,
+    loop_dir: str | None = None,
 ) -> dict[str, Any]:
     """The runs above in one spawn (the process start-up is most of a test's time)."""
     out = {
@@ -148,4 +192,6 @@ def ddp_worker(
     }
     if loss_dir is not None:
         out["loss"] = loss_only_worker(rank, world, loss_dir)
+    if loop_dir is not None:
+        out["loop"] = made_in_loop_worker(rank, world, loop_dir)
     return out

@@ -10,7 +10,8 @@ import torch
 from tg_models import TinyNet
 
 import trainguard as tg
-from trainguard.step.inputs import bad_tensors, max_abs
+from trainguard.capture.batchtree import nonfinite_tensors as bad_tensors
+from trainguard.step.inputs import max_abs
 
 NAN = float("nan")
 

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trainguard.numerics import is_sparse, stored_values
+
 TAG = "__trainguard__"
 INDEX_KEYS = ("index", "indices")
 _PRIMITIVES = (str, int, float, bool, type(None))
@@ -333,3 +335,36 @@ def nonfinite_samples(obj: Any, size: int) -> list[int]:
             rows = ~torch.isfinite(tensor.detach().reshape(size, -1)).all(dim=1)
             bad.update(int(i) for i in rows.nonzero().flatten().tolist())
     return sorted(bad)
+
+
+def nonfinite_tensors(batches: Sequence[Any]) -> list[dict[str, Any]]:
+    """Where the non-finite values are (host reads: bad steps only): per tensor, the
+    micro-batch, the path in the batch, the sample positions and the dataset indices."""
+    found: list[dict[str, Any]] = []
+    for micro, batch in enumerate(batches):
+        size = batch_size(batch)
+        indices = dataset_indices(batch)
+        for path, leaf in leaves(batch):
+            if not isinstance(leaf, Tensor) or not leaf.is_floating_point():
+                continue
+            if bool(torch.isfinite(stored_values(leaf.detach())).all()):
+                continue
+            rows = _nonfinite_rows(leaf, size) if size is not None else []
+            entry: dict[str, Any] = {"micro_batch": micro, "path": path, "positions": rows}
+            if indices is not None and rows and max(rows) < len(indices):
+                entry["dataset_indices"] = [indices[i] for i in rows]
+            found.append(entry)
+    return found
+
+
+def _nonfinite_rows(leaf: Tensor, size: int) -> list[int]:
+    """Sample positions of a tensor's non-finite values; of a sparse tensor from its indices
+    (never densified: a sparse feature matrix can be far larger dense)."""
+    if not is_sparse(leaf):
+        return nonfinite_samples(leaf, size)
+    if leaf.dim() < 1 or leaf.shape[0] != size:
+        return []
+    coo = (leaf if leaf.layout == torch.sparse_coo else leaf.to_sparse()).detach().coalesce()
+    values = coo.values()
+    bad = ~torch.isfinite(values.reshape(values.shape[0], -1)).all(dim=1)
+    return sorted(set(coo.indices()[0][bad].tolist()))

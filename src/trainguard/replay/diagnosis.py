@@ -11,6 +11,7 @@ from typing import Any
 from torch import Tensor
 
 from trainguard.capture import batchtree
+from trainguard.capture.forward_inputs import describe as describe_forward
 from trainguard.replay.localize import Hop, NonFiniteTracer, Origin
 from trainguard.replay.seeds import seed_inputs, seed_parameters
 from trainguard.replay.sites import ModuleStack, OpSite
@@ -246,6 +247,20 @@ def _nan_text(maker: Origin | None) -> str:
     if site.phase == "backward" and site.grad_fn:
         where = f"{site.grad_fn}, {where}"
     return f", and {site.op} ({where}) then turned that into NaN"
+
+
+def made_in_loop_summary(runs: list[RunResult], device: str, meta: dict[str, Any]) -> str:
+    """The summary of a step that replays finite from its fetched batch while the model's
+    forward had got a non-finite input (``step/forward_inputs.py``)."""
+    found = meta["forward_inputs"]
+    loss = runs[0].losses[0] if runs and runs[0].losses else math.nan
+    return (
+        f"The step did not reproduce from the batch as fetched ({len(runs)} replays on "
+        f"{device}, finite loss {loss:.6g}), but on rank {meta.get('rank')} the model's "
+        f"forward got non-finite input at {describe_forward(found)} that the fetched batch "
+        "did not hold: the loop made it between the fetch and the forward, code the replay "
+        "does not run. No transient fault is needed to explain this step."
+    )
 
 
 def not_reproduced_summary(

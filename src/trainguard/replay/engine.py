@@ -13,10 +13,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.capture import batchtree
+from trainguard.capture.forward_inputs import made_in_loop
 from trainguard.replay.autocast import OFF
 from trainguard.replay.bisect import find_culprits
 from trainguard.replay.chain import path_of, roots_of
-from trainguard.replay.diagnosis import Finding, locate, not_reproduced_summary, summarize
+from trainguard.replay.diagnosis import (
+    Finding,
+    locate,
+    made_in_loop_summary,
+    not_reproduced_summary,
+    summarize,
+)
 from trainguard.replay.report import ReplayReport
 from trainguard.replay.stepper import RunResult, StepRunner
 from trainguard.replay.verdicts import ADVICE, Growth, classify, growth, verdict_sentence
@@ -55,11 +62,13 @@ def diagnose_runs(
         },
     }
     if not bad:
-        summary = not_reproduced_summary(runs, deterministic, device, meta)
-        report = ReplayReport(
-            False, deterministic, None, None, None, None, [], "not_reproduced", summary
-        )
-        report.advice = ADVICE["not_reproduced"]
+        verdict = "not_reproduced"
+        if deterministic and made_in_loop(meta.get("forward_inputs")):
+            verdict, summary = "input_made_in_loop", made_in_loop_summary(runs, device, meta)
+        else:
+            summary = not_reproduced_summary(runs, deterministic, device, meta)
+        report = ReplayReport(False, deterministic, None, None, None, None, [], verdict, summary)
+        report.advice = ADVICE[verdict]
         report.details.update(replayed, **finding_details(None), bisection_runs=0)
         return report
     micro = bad[0].first_bad_micro or 0

@@ -4,6 +4,8 @@ a replay that stayed finite did.
 - reproduced: the origin rank made it, and which ranks only received it (origin.py);
 - finite on a ``--rank`` that received it from another rank, or was fine while another went
   bad: that, not "suspect its device";
+- finite, and the rank's forward had got a non-finite input its fetched batch did not hold
+  (verdict ``input_made_in_loop``): the loop's code, so no device is suspected;
 - finite under another ``--autocast`` than the step ran under: that (autocast.py);
 - finite on every rank: none of them made it in its own forward and backward;
 - otherwise a transient fault, with how often the rank and its host went bad in the run's
@@ -43,6 +45,8 @@ def explain(
         losses = report.details.get("replayed", {}).get("losses") or []
         report.summary = origin.elsewhere_summary(found, losses[0] if losses else None)
         report.advice = RECEIVED_ADVICE if found.received else ELSEWHERE_ADVICE
+        return
+    if report.verdict == "input_made_in_loop":  # the loop's own code, not the device
         return
     otherwise = precision.otherwise_summary(autocast)
     note = precision.unrecorded_note(autocast)

@@ -19,6 +19,9 @@ The classes, checked in this order:
   no per-sample value: a statistic over a batch too small for it (an empty class, the
   variance of one sample).
 - ``numerical``: an op at a domain edge (log, div, sqrt, acos, pow, std...).
+- ``input_made_in_loop``: the replay was finite, and the model's forward had got a
+  non-finite input that the fetched batch did not hold: the loop made it between the fetch
+  and the forward, which the replay does not run (``capture/forward_inputs.py``).
 - ``not_reproduced``: the replay was finite: a transient fault.
 """
 
@@ -40,6 +43,7 @@ VERDICTS = (
     "overflow_bf16",
     "batch_statistics",
     "numerical",
+    "input_made_in_loop",
     "not_reproduced",
 )
 
@@ -73,6 +77,11 @@ ADVICE = {
     "numerical": "An op was evaluated at the edge of its domain: clamp its input (log(x + "
     "eps), x.clamp_min(eps) before sqrt/div/pow, acos of clamp(-1 + eps, 1 - eps)) or use "
     "the stable form (log_softmax, logsumexp, softplus).",
+    "input_made_in_loop": "The loop turned a finite batch into a non-finite model input "
+    "between the fetch and the forward (a normalization by a zero std, a log or division in a "
+    "transform, a cast): fix that code, or move it into the dataset / collate_fn (then the "
+    "guard's input check names the sample) or into the replay factory's loss_fn (then the "
+    "replay runs it and locates the op).",
     "not_reproduced": "The step is finite when re-run: a transient fault. If it keeps "
     "happening on the same rank or host, test that GPU or node (memory test, DCGM "
     "diagnostics) and take it out of the pool.",

@@ -49,6 +49,8 @@ class PendingStep:
     """The spike verdict staged to the host (``SpikeWatch.on_device``), or None."""
     autocast: dict[str, Any] | None = None
     """The autocast state the step's forward ran under (``start.autocast_state``)."""
+    forward_inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] | None = None
+    """The inputs of the step's training forwards (``StepStart.forward_inputs``)."""
 
     def values(self) -> list[float]:
         if self.ready is not None:

@@ -6,7 +6,8 @@ states from the step's first forward (``start.StepStart``), else from when its f
 was handed out. On the first non-finite step, the first spike and on escalation every rank
 writes its part of the replay bundle (``capturer.Capturer``, collectively, before the
 gradients are cleared), starting from the step's real start: its buffers as before its
-first forward, the RNG and autocast state of that forward.
+first forward, the RNG and autocast state of that forward, and whether that forward got a
+non-finite input the batches did not hold (``capture/forward_inputs.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainguard.capture.forward_inputs import forward_findings, warn_made_in_loop
 from trainguard.capture.rng import RngSnapshot, states_of
 from trainguard.config import GuardConfig
 from trainguard.health.replicas import ReplicaWatch
@@ -120,12 +122,17 @@ class StepEvidence:
             return None
         if pending is not None:
             batches, rng, losses = pending.batches, states_of(pending.rng), pending.losses
-            autocast = pending.autocast
+            autocast, forward_args = pending.autocast, pending.forward_inputs
         else:
             batches, rng = self.step_batches(step)
             losses = parts.losses.step_losses()
             autocast = parts.start.autocast if parts.start.started(step) else None
+            forward_args = parts.start.forward_inputs(step)
+        forward = forward_findings(forward_args, batches)
         evidence = step_evidence(step, decision, agreement, stats, batches, rng, losses)
+        if forward is not None:
+            evidence.extra["forward_inputs"] = forward
+            warn_made_in_loop(forward, step, parts.capturer.rank)
         evidence.history = parts.history.bundle_history()
         evidence.buffers = parts.start.buffers.pre_step(step)
         evidence.extra["autocast"] = autocast

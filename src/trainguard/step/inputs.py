@@ -23,7 +23,7 @@ from torch import Tensor
 
 from trainguard.capture import batchtree
 from trainguard.events import EventLog
-from trainguard.numerics import is_sparse, stored_values
+from trainguard.numerics import stored_values
 from trainguard.step.consensus import Agreement
 from trainguard.step.detect import fused_takes
 
@@ -102,39 +102,6 @@ def _cpu_max_abs(group: list[Tensor]) -> Tensor:
     return maxima[0] if len(maxima) == 1 else torch.stack(maxima).amax()
 
 
-def bad_tensors(batches: Sequence[Any]) -> list[dict[str, Any]]:
-    """Where the non-finite values are (host reads: bad steps only): per tensor, the
-    micro-batch, the path in the batch, the sample positions and the dataset indices."""
-    found: list[dict[str, Any]] = []
-    for micro, batch in enumerate(batches):
-        size = batchtree.batch_size(batch)
-        indices = batchtree.dataset_indices(batch)
-        for path, leaf in batchtree.leaves(batch):
-            if not isinstance(leaf, Tensor) or not leaf.is_floating_point():
-                continue
-            if bool(torch.isfinite(stored_values(leaf.detach())).all()):
-                continue
-            rows = _nonfinite_rows(leaf, size) if size is not None else []
-            entry: dict[str, Any] = {"micro_batch": micro, "path": path, "positions": rows}
-            if indices is not None and rows and max(rows) < len(indices):
-                entry["dataset_indices"] = [indices[i] for i in rows]
-            found.append(entry)
-    return found
-
-
-def _nonfinite_rows(leaf: Tensor, size: int) -> list[int]:
-    """Sample positions of a tensor's non-finite values; of a sparse tensor from its indices
-    (never densified: a sparse feature matrix can be far larger dense)."""
-    if not is_sparse(leaf):
-        return batchtree.nonfinite_samples(leaf, size)
-    if leaf.dim() < 1 or leaf.shape[0] != size:
-        return []
-    coo = (leaf if leaf.layout == torch.sparse_coo else leaf.to_sparse()).detach().coalesce()
-    values = coo.values()
-    bad = ~torch.isfinite(values.reshape(values.shape[0], -1)).all(dim=1)
-    return sorted(set(coo.indices()[0][bad].tolist()))
-
-
 class InputCheck:
     """The guard's input check: a device value per step, a report on a bad step."""
 
@@ -179,7 +146,7 @@ class InputCheck:
         if not agreement.input_ranks:
             return
         batches = next((b for s, b in self._checked if s == step), [])
-        here = bad_tensors(batches) if self._rank in agreement.input_ranks else []
+        here = batchtree.nonfinite_tensors(batches) if self._rank in agreement.input_ranks else []
         self._events.write("bad_input", step, ranks=agreement.input_ranks, tensors=here)
         for entry in here:
             logger.warning(

@@ -15,6 +15,15 @@ hooks are removed: a hook sends every call of its module down PyTorch's slow cal
 cost a small model pays at every step. A later step that starts in a child only (the loop
 changed how it calls the model) puts them back for the steps after it. Loops that hand
 batches to ``guard.record_batch`` start the step there too (before the forward).
+
+The hook also keeps references to the inputs of the step's training forwards of the
+guarded module (one per micro-batch; not of a child, whose inputs may be activations),
+until the next step starts: the loop's batch tensors stay alive that much longer (through
+the optimizer step, when the loop already dropped them). A loop often changes a batch
+between the fetch and the forward (a normalization, a transform, a device copy); a bad
+step's capture compares these inputs with the batch ``watch()`` handed out, so that a NaN
+made there is named as such (``step/evidence.py``), not taken for a transient fault when
+the replay, which starts from the batch as fetched, comes out finite.
 """
 
 from __future__ import annotations
@@ -32,6 +41,9 @@ from trainguard.step.capturer import unwrap
 from trainguard.user_hooks import Hook
 
 logger = logging.getLogger(__name__)
+
+ForwardInputs = tuple[tuple[Any, ...], dict[str, Any]]
+"""A forward's positional and keyword inputs (references)."""
 
 
 def autocast_state(device_type: str) -> dict[str, Any]:
@@ -92,12 +104,17 @@ class StepStart:
         """Whether a hook has fired at all (then the stream need not take RNG states)."""
         self._rng: RngSnapshot | dict[str, Any] | None = None
         self.autocast: dict[str, Any] | None = None
+        self._forward_args: list[ForwardInputs] = []
+        """The inputs of the recorded step's training forwards (references)."""
+        self._args_module: nn.Module | None = None
+        """The root module whose forwards ``_forward_args`` holds: the one that started the
+        step (None: a child or no hook started it)."""
         self.on_begin: Callable[[], None] | None = None
         """Runs at each recorded start, before the states are taken: recovery's step boundary
         (snapshots and checkpoints at the true start of the step, also where the loop
         fetched the step's first batch during the step before)."""
         self._roots = [model] if self._inner is model else [model, self._inner]
-        self._handles = [m.register_forward_pre_hook(Hook(self._pre_hook)) for m in self._roots]
+        self._handles = [self._hook(m) for m in self._roots]
         self._child_handles: list[Any] = []
         self._hook_children()
         RngSnapshot.prepare()  # the raw layouts validated now, not inside the first step
@@ -120,23 +137,42 @@ class StepStart:
     def _hook_children(self) -> None:
         roots = {id(m) for m in self._roots}
         children = [m for m in self._inner.children() if id(m) not in roots]
-        self._child_handles = [m.register_forward_pre_hook(Hook(self._pre_hook)) for m in children]
+        self._child_handles = [self._hook(m) for m in children]
 
-    def _pre_hook(self, module: nn.Module, args: Any) -> None:
+    def _hook(self, module: nn.Module) -> Any:
+        return module.register_forward_pre_hook(Hook(self._pre_hook), with_kwargs=True)
+
+    def _pre_hook(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         step = self._step_of()
         if self.step == step:
+            if module is self._args_module:  # a later micro-batch of the step
+                self._later_forward(args, kwargs)
             return
         if not torch.is_grad_enabled() or not self._inner.training:
             return
         self.seen = True
         self.begin(step)
-        if self._child_handles and (module is self._model or module is self._inner):
-            self._unhook_children()  # the loop calls the model itself: the roots suffice
+        if module is self._model or module is self._inner:
+            self._forward_args, self._args_module = [(args, kwargs)], module
+            if self._child_handles:
+                self._unhook_children()  # the loop calls the model itself: the roots suffice
 
     def _unhook_children(self) -> None:
         for handle in self._child_handles:
             handle.remove()
         self._child_handles = []
+
+    def _later_forward(self, args: Any, kwargs: dict[str, Any]) -> None:
+        if torch.is_grad_enabled() and self._inner.training:  # not an evaluation pass
+            self._forward_args.append((args, kwargs))
+
+    def forward_inputs(self, step: int) -> list[ForwardInputs] | None:
+        """The inputs of ``step``'s training forwards, ``(args, kwargs)`` per forward of the
+        module that started it; None when no forward hook started ``step`` (it began at a
+        ``record_batch`` or a fetch)."""
+        if self.step != step or self._args_module is None:
+            return None
+        return list(self._forward_args)
 
     def missed(self, step: int) -> None:
         """``step`` is being checked and no hook started it: with the children unhooked, the
@@ -151,6 +187,7 @@ class StepStart:
         if self.step == step:
             return
         self.step = step
+        self._forward_args, self._args_module = [], None  # the hook sets them for its forward
         if self.on_begin is not None:
             self.on_begin()
         self.buffers.begin(step)
@@ -173,6 +210,7 @@ class StepStart:
             handle.remove()
         self._handles = []
         self._unhook_children()
+        self._forward_args, self._args_module = [], None
 
 
 def _device_type(model: nn.Module) -> str:

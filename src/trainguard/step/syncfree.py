@@ -128,6 +128,7 @@ class SyncFreeStep:
             losses=parts.take_losses(),
             spike=spike,
             autocast=parts.start.autocast if parts.start.started(step) else None,
+            forward_inputs=parts.start.forward_inputs(step),
         )
 
     def _optimizer_device(self, stats: GradStats) -> torch.device:
