@@ -178,17 +178,24 @@ def test_findings_rules() -> None:
     assert unknown is not None and unknown["in_fetched_batch"] is None and not made_in_loop(unknown)
 
 
-def test_a_step_started_by_record_batch_has_no_forward_inputs(tmp_path: Path) -> None:
+def test_a_loop_handing_batches_to_record_batch_is_covered_too(tmp_path: Path) -> None:
+    """A loop without ``watch()`` hands each batch to ``record_batch`` (the step starts
+    there, before the forward); the forward's inputs are still the step's."""
     model, _ = factory()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with tg.Guard(model, opt, run_dir=tmp_path) as guard:
-        x, y = next(batches(None))
-        guard.record_batch((x, y))
-        F.mse_loss(model(x), y).backward()
-        assert guard._start.forward_inputs(0) is None
-        assert guard.check(torch.tensor(0.5))
+        for x, y in batches(constant_at=BAD_STEP):
+            guard.record_batch((x, y))
+            loss = F.mse_loss(model(normalize(x)), y)
+            loss.backward()
+            assert len(guard._start.forward_inputs(guard.state.step) or []) == 1
+            if guard.check(loss):
+                opt.step()
+            opt.zero_grad()
         guard.close()
-        assert guard._start.forward_inputs(0) is None
+        assert guard._start.forward_inputs(guard.state.step - 1) is None  # released
+    meta = tg.load_bundle(tmp_path / "captures" / f"step-{BAD_STEP:08d}").meta(0)
+    assert made_in_loop(meta["forward_inputs"])
 
 
 def test_a_step_started_in_a_child_keeps_no_inputs(tmp_path: Path) -> None:
@@ -203,3 +210,20 @@ def test_a_step_started_in_a_child_keeps_no_inputs(tmp_path: Path) -> None:
             assert guard._start.forward_inputs(guard.state.step) is None
             assert guard.check(torch.tensor(0.5))
             opt.zero_grad()
+
+
+def test_the_sync_free_step_carries_the_forward_inputs_to_its_late_capture(
+    tmp_path: Path,
+) -> None:
+    """``guard.step()`` with a fused optimizer reads a step's outcome a step late, after the
+    next step's forward replaced the hook's inputs: the pending step holds its own."""
+    model, _ = factory()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    with tg.Guard(model, opt, run_dir=tmp_path) as guard:
+        assert guard._sync_free is not None
+        for x, y in guard.watch(batches(constant_at=BAD_STEP)):
+            guard.step(F.mse_loss(model(normalize(x)), y))
+    assert list(guard.state.nonfinite_steps) == [BAD_STEP]
+    meta = tg.load_bundle(tmp_path / "captures" / f"step-{BAD_STEP:08d}").meta(0)
+    assert made_in_loop(meta["forward_inputs"])
+    assert meta["forward_inputs"]["nonfinite"][0]["path"] == "args[0]"

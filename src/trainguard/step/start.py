@@ -107,8 +107,8 @@ class StepStart:
         self._forward_args: list[ForwardInputs] = []
         """The inputs of the recorded step's training forwards (references)."""
         self._args_module: nn.Module | None = None
-        """The root module whose forwards ``_forward_args`` holds: the one that started the
-        step (None: a child or no hook started it)."""
+        """The root module whose forwards ``_forward_args`` holds: the first of the step's
+        training forwards (None: none yet, or the loop called a child)."""
         self.on_begin: Callable[[], None] | None = None
         """Runs at each recorded start, before the states are taken: recovery's step boundary
         (snapshots and checkpoints at the true start of the step, also where the loop
@@ -145,8 +145,12 @@ class StepStart:
     def _pre_hook(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         step = self._step_of()
         if self.step == step:
-            if module is self._args_module:  # a later micro-batch of the step
-                self._later_forward(args, kwargs)
+            # A later micro-batch's forward, or the first forward of a step that started at a
+            # record_batch or a fetch: its inputs are the step's too.
+            if module is self._args_module or (
+                self._args_module is None and (module is self._model or module is self._inner)
+            ):
+                self._keep_inputs(module, args, kwargs)
             return
         if not torch.is_grad_enabled() or not self._inner.training:
             return
@@ -162,14 +166,14 @@ class StepStart:
             handle.remove()
         self._child_handles = []
 
-    def _later_forward(self, args: Any, kwargs: dict[str, Any]) -> None:
+    def _keep_inputs(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if torch.is_grad_enabled() and self._inner.training:  # not an evaluation pass
             self._forward_args.append((args, kwargs))
+            self._args_module = module
 
     def forward_inputs(self, step: int) -> list[ForwardInputs] | None:
         """The inputs of ``step``'s training forwards, ``(args, kwargs)`` per forward of the
-        module that started it; None when no forward hook started ``step`` (it began at a
-        ``record_batch`` or a fetch)."""
+        guarded module; None when ``step`` saw no such forward (the loop called a child)."""
         if self.step != step or self._args_module is None:
             return None
         return list(self._forward_args)
