@@ -121,3 +121,37 @@ def test_batchtree_tensors_walks_as_leaves_does() -> None:
     expected = [leaf for _, leaf in batchtree.leaves(batch) if isinstance(leaf, torch.Tensor)]
     found = batchtree.tensors(batch)
     assert len(found) == 7 and all(a is b for a, b in zip(found, expected, strict=True))
+
+
+def test_a_dtensor_leaf_is_read_from_this_ranks_shard_without_a_collective(
+    tmp_path: Path,
+) -> None:
+    """``nonfinite_tensors`` runs on one rank only (the bad one): no DTensor op may run there
+    (an op on a sharded DTensor, such as ``.all()``, can need a collective the other ranks
+    never join); it reads this rank's shard (``to_local``)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        x = torch.randn(4, 3)
+        x[2, 1] = float("nan")
+        sharded = distribute_tensor(x, init_device_mesh("cpu", (1,)), [Shard(0)])
+        ops: list[str] = []
+
+        class DTensorOps(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if any(isinstance(a, DTensor) for a in tree_flatten((args, kwargs))[0]):
+                    ops.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        with DTensorOps():
+            found = bad_tensors([{"x": sharded}])
+        assert found == [{"micro_batch": 0, "path": "['x']", "positions": [2]}]
+        assert ops == []
+    finally:
+        dist.destroy_process_group()

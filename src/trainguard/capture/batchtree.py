@@ -339,7 +339,8 @@ def nonfinite_samples(obj: Any, size: int) -> list[int]:
 
 def nonfinite_tensors(batches: Sequence[Any]) -> list[dict[str, Any]]:
     """Where the non-finite values are (host reads: bad steps only): per tensor, the
-    micro-batch, the path in the batch, the sample positions and the dataset indices."""
+    micro-batch, the path in the batch, the sample positions and the dataset indices (of a
+    DTensor, in this rank's shard)."""
     found: list[dict[str, Any]] = []
     for micro, batch in enumerate(batches):
         size = batch_size(batch)
@@ -347,6 +348,9 @@ def nonfinite_tensors(batches: Sequence[Any]) -> list[dict[str, Any]]:
         for path, leaf in leaves(batch):
             if not isinstance(leaf, Tensor) or not leaf.is_floating_point():
                 continue
+            to_local = getattr(leaf, "to_local", None)
+            if to_local is not None:  # a DTensor: this rank's shard (a read, no collective)
+                leaf = to_local()
             if bool(torch.isfinite(stored_values(leaf.detach())).all()):
                 continue
             rows = _nonfinite_rows(leaf, size) if size is not None else []
