@@ -8,6 +8,7 @@ a transient fault. With them:
 
 - the bundle's meta holds ``forward_inputs`` (path, sample positions, the fetched batch
   finite) and the rank logs it at the capture;
+- ``trainguard report`` says so under the capture, before any replay;
 - the replay's verdict is ``input_made_in_loop`` with its advice, and no device is blamed;
 - a NaN already in the fetched batch is the input check's (``in_fetched_batch`` true,
   verdict ``bad_input``); keyword inputs, later micro-batches and evaluation forwards inside
@@ -29,6 +30,8 @@ from torch import Tensor, nn
 import trainguard as tg
 from trainguard.capture.forward_inputs import describe, forward_findings, made_in_loop
 from trainguard.replay.verdicts import ADVICE
+from trainguard.report.summary import summarize
+from trainguard.report.text import report_text
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -103,6 +106,11 @@ def test_a_nan_made_by_the_loops_transform_is_recorded_logged_and_diagnosed(
         and "made in the loop between the fetch and the forward" in r.message
         for r in caplog.records
     )
+    summary = summarize(tmp_path)  # trainguard report, before any replay
+    assert summary.captures[0]["made_in_loop"] == [
+        {"rank": 0, "where": f"args[0] (samples {list(range(8))})"}
+    ]
+    assert "rank 0's forward got non-finite input at args[0]" in report_text(summary)
     report = tg.replay(bundle, factory, repeats=2).to_dict()
     assert (report["reproduced"], report["verdict"]) == (False, "input_made_in_loop")
     assert report["advice"] == ADVICE["input_made_in_loop"]

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainguard.capture.forward_inputs import describe, made_in_loop
+
 REPLAY_RESULT = "replay.json"
 """A bundle's replay result, written by ``trainguard replay`` next to the manifest."""
 
@@ -108,9 +110,22 @@ def read_captures(root: Path, skipped: Skipped) -> list[dict[str, Any]]:
                 "history": (folder / "history.json").is_file(),
                 "diagnosis": result.get("summary") if result else None,
                 "reproduced": result.get("reproduced") if result else None,
+                "made_in_loop": _made_in_loop(folder, manifest.get("ranks"), root, skipped),
             }
         )
     return captures
+
+
+def _made_in_loop(folder: Path, ranks: Any, root: Path, skipped: Skipped) -> list[dict[str, Any]]:
+    """The ranks whose forward got a non-finite input their fetched batch did not hold
+    (``meta.json`` ``forward_inputs``, ``capture/forward_inputs.py``), and where."""
+    found = []
+    for rank in ranks if isinstance(ranks, list) else []:
+        meta = read_json(folder / f"rank-{rank}" / "meta.json", root, skipped)
+        inputs = meta.get("forward_inputs") if meta else None
+        if isinstance(inputs, dict) and made_in_loop(inputs):
+            found.append({"rank": rank, "where": describe(inputs)})
+    return found
 
 
 def read_hangs(root: Path, skipped: Skipped) -> list[dict[str, Any]]:

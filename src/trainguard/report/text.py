@@ -107,6 +107,11 @@ def _captures(captures: list[dict[str, Any]], run_dir: str) -> list[str]:
     lines = []
     for c in captures:
         lines.append(f"step {c.get('step')} ({c.get('reason')}): {c.get('path')}")
+        for made in c.get("made_in_loop") or []:
+            lines.append(
+                f"  rank {made['rank']}'s forward got non-finite input at {made['where']} "
+                "that its fetched batch did not hold: made in the loop before the forward"
+            )
         if c.get("diagnosis"):
             lines.append(f"  diagnosis: {c['diagnosis']}")
         else:
