@@ -251,7 +251,7 @@ def _nan_text(maker: Origin | None) -> str:
 
 def made_in_loop_summary(runs: list[RunResult], device: str, meta: dict[str, Any]) -> str:
     """The summary of a step that replays finite from its fetched batch while the model's
-    forward had got a non-finite input (``step/forward_inputs.py``)."""
+    forward had got a non-finite input (``capture/forward_inputs.py``)."""
     found = meta["forward_inputs"]
     loss = runs[0].losses[0] if runs and runs[0].losses else math.nan
     return (
