@@ -235,3 +235,24 @@ def test_the_sync_free_step_carries_the_forward_inputs_to_its_late_capture(
     meta = tg.load_bundle(tmp_path / "captures" / f"step-{BAD_STEP:08d}").meta(0)
     assert made_in_loop(meta["forward_inputs"])
     assert meta["forward_inputs"]["nonfinite"][0]["path"] == "args[0]"
+
+
+def test_a_compiled_model_keeps_its_inputs_from_the_wrappers_eager_hook(tmp_path: Path) -> None:
+    """``torch.compile(model)``: dynamo traces the inner module's hook (the step already
+    started in the wrapper's); the hook must not compare modules there (dynamo's mutation
+    tracking failed on it), and the wrapper's hook, run eagerly, keeps the inputs."""
+    model, _ = factory()
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    decisions = []
+    with tg.Guard(compiled, opt, run_dir=tmp_path) as guard:
+        for x, y in guard.watch(batches(constant_at=BAD_STEP)):
+            loss = F.mse_loss(compiled(normalize(x)), y)
+            loss.backward()
+            decisions.append(guard.check(loss))
+            if decisions[-1]:
+                opt.step()
+            opt.zero_grad()
+    assert decisions == [step != BAD_STEP for step in range(STEPS)]
+    meta = tg.load_bundle(tmp_path / "captures" / f"step-{BAD_STEP:08d}").meta(0)
+    assert made_in_loop(meta["forward_inputs"])

@@ -146,9 +146,12 @@ class StepStart:
         step = self._step_of()
         if self.step == step:
             # A later micro-batch's forward, or the first forward of a step that started at a
-            # record_batch or a fetch: its inputs are the step's too.
-            if module is self._args_module or (
-                self._args_module is None and (module is self._model or module is self._inner)
+            # record_batch or a fetch: its inputs are the step's too. Not while dynamo traces
+            # the module inside a torch.compile wrapper (the wrapper's own hook, run eagerly,
+            # keeps them; comparing modules in a trace trips dynamo's mutation tracking).
+            if not torch.compiler.is_compiling() and (
+                module is self._args_module
+                or (self._args_module is None and (module is self._model or module is self._inner))
             ):
                 self._keep_inputs(module, args, kwargs)
             return
