@@ -8,6 +8,8 @@
   start-up broadcast (a rank-local write); a loss fault on rank 1 triggers the capture.
 - ``loss_only_worker``: a 2-rank DDP run whose rank 1's loss is 0/0 (an empty class) while
   every gradient stays finite.
+- ``guarded_loop``: a plain guarded loop with the loop's own ``forward(x)`` (``normalize``
+  before it, for the cases below and ``tests/unit/test_forward_inputs.py``).
 - ``made_in_loop_worker``: a 2-rank DDP run whose loop normalizes each batch by its std;
   rank 1's batch at step 1 has a constant feature: 0/0 in the model's input, not in the batch.
 - ``ddp_worker``: these, one after the other, in one spawn.
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import trainguard as tg
 from trainguard.capture.bundle import MANIFEST, write_json
 
 D = 4
@@ -70,8 +73,6 @@ def overflow_batches(steps: int = 3, bad_step: int = 1, bad_pos: int = 5) -> lis
 
 def train_under_autocast(run_dir: Path, dtype: torch.dtype = torch.float16) -> Path:
     """A guarded SGD loop whose forward and loss run under CPU autocast; the bundle."""
-    import trainguard as tg
-
     model = Overflow()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with tg.Guard(model, optimizer, run_dir=run_dir, hang_timeout=0) as guard:
@@ -140,13 +141,38 @@ def loss_only_worker(rank: int, world: int, run_dir: str) -> dict[str, Any]:
     return {"nonfinite_steps": list(guard.state.nonfinite_steps)}
 
 
+def normalize(x: Tensor) -> Tensor:
+    """A loop's own transform between the fetch and the forward: per-feature standardization
+    (0/0 = NaN for a constant feature)."""
+    return (x - x.mean(0)) / x.std(0)
+
+
+def guarded_loop(
+    module: nn.Module,
+    opt: torch.optim.Optimizer,
+    run_dir: str | Path,
+    data: Any,
+    forward: Any,
+) -> list[bool]:
+    """A plain guarded loop over ``watch(data)`` of ``(x, y)`` batches: ``forward(x)`` (the
+    loop's own code before and in the forward), MSE, ``check()``; the decisions."""
+    decisions = []
+    with tg.Guard(module, opt, run_dir=run_dir) as guard:
+        for x, y in guard.watch(data):
+            loss = F.mse_loss(forward(x), y)
+            loss.backward()
+            decisions.append(guard.check(loss))
+            if decisions[-1]:
+                opt.step()
+            opt.zero_grad()
+    return decisions
+
+
 def made_in_loop_worker(rank: int, world: int, run_dir: str) -> dict[str, Any]:
     """The loop normalizes each fetched batch by its own std; rank 1's batch at step 1 has a
     constant feature, so the normalized input holds 0/0 = NaN that the fetched batch does
     not. Returns the decisions and the final weights."""
     from torch.nn.parallel import DistributedDataParallel
-
-    import trainguard as tg
 
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
@@ -155,17 +181,7 @@ def made_in_loop_worker(rank: int, world: int, run_dir: str) -> dict[str, Any]:
     data = [(torch.randn(6, 4, generator=gen), torch.randn(6, 1, generator=gen)) for _ in range(3)]
     if rank == 1:
         data[1][0][:, 3] = 0.25
-    decisions = []
-    with tg.Guard(model, opt, run_dir=run_dir) as guard:
-        for x, y in guard.watch(data):
-            x = (x - x.mean(0)) / x.std(0)
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-            ok = guard.check(loss)
-            decisions.append(ok)
-            if ok:
-                opt.step()
-            opt.zero_grad()
+    decisions = guarded_loop(model, opt, run_dir, data, lambda x: model(normalize(x)))
     return {"decisions": decisions, "weights": [p.detach().clone() for p in model.parameters()]}
 
 

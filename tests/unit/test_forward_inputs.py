@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from tg_replay_cases import guarded_loop, normalize
 from torch import Tensor, nn
 
 import trainguard as tg
@@ -59,11 +60,6 @@ def batches(constant_at: int | None, nan_at: int | None = None) -> Iterator[tupl
         yield x, y
 
 
-def normalize(x: Tensor) -> Tensor:
-    """The loop's own transform between the fetch and the forward."""
-    return (x - x.mean(0)) / x.std(0)
-
-
 def factory() -> tuple[nn.Module, Callable[[nn.Module, Any], Tensor]]:
     torch.manual_seed(0)
     return Net(), lambda model, batch: F.mse_loss(model(batch[0]), batch[1])
@@ -74,19 +70,11 @@ def train(
 ) -> list[bool]:
     model, _ = factory()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    decisions = []
-    with tg.Guard(model, opt, run_dir=run_dir) as guard:
-        for x, y in guard.watch(batches(constant_at, nan_at)):
-            inputs = normalize(x)
-            out = model(x=inputs) if keyword else model(inputs)
-            loss = F.mse_loss(out, y)
-            loss.backward()
-            ok = guard.check(loss)
-            decisions.append(ok)
-            if ok:
-                opt.step()
-            opt.zero_grad()
-    return decisions
+
+    def forward(x: Tensor) -> Tensor:
+        return model(x=normalize(x)) if keyword else model(normalize(x))
+
+    return guarded_loop(model, opt, run_dir, batches(constant_at, nan_at), forward)
 
 
 def test_a_nan_made_by_the_loops_transform_is_recorded_logged_and_diagnosed(
@@ -244,15 +232,8 @@ def test_a_compiled_model_keeps_its_inputs_from_the_wrappers_eager_hook(tmp_path
     model, _ = factory()
     compiled = torch.compile(model, backend="eager")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    decisions = []
-    with tg.Guard(compiled, opt, run_dir=tmp_path) as guard:
-        for x, y in guard.watch(batches(constant_at=BAD_STEP)):
-            loss = F.mse_loss(compiled(normalize(x)), y)
-            loss.backward()
-            decisions.append(guard.check(loss))
-            if decisions[-1]:
-                opt.step()
-            opt.zero_grad()
+    data = batches(constant_at=BAD_STEP)
+    decisions = guarded_loop(compiled, opt, tmp_path, data, lambda x: compiled(normalize(x)))
     assert decisions == [step != BAD_STEP for step in range(STEPS)]
     meta = tg.load_bundle(tmp_path / "captures" / f"step-{BAD_STEP:08d}").meta(0)
     assert made_in_loop(meta["forward_inputs"])
