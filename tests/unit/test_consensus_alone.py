@@ -13,6 +13,7 @@ from trainguard.step.consensus import (
     LocalReport,
     Reduced,
     _host_columns,
+    replicated_norm,
 )
 
 _VALUES = [
@@ -43,3 +44,15 @@ def test_alone_equals_the_rows_path(values: list[float], sharded: bool, exhauste
     assert repr(found) == repr(expected)  # NaN-aware: the same text field by field
     assert found.bad == expected.bad and found.where == expected.where
     assert repr(consensus.read(values, Reduced(report.values, report, sharded))) == repr(found)
+
+
+def test_replicated_norm_is_rank_0s_unless_one_is_not_finite() -> None:
+    """DDP's gradients are the same on every rank: rank 0's norm stands for all, but a rank
+    whose gradients turned non-finite after the all-reduce makes the step's norm NaN."""
+    assert replicated_norm([2.5, 2.5]) == 2.5
+    assert replicated_norm([2.5, 2.5000002]) == 2.5  # rank 0's, bit for bit
+    assert math.isnan(replicated_norm([2.5, math.nan])) and math.isnan(
+        replicated_norm([math.inf, math.nan])
+    )
+    assert replicated_norm([2.5, math.inf]) == math.inf == replicated_norm([math.inf, 1.0])
+    assert replicated_norm([1e308, 1e308]) == 1e308  # the sum overflows; every norm is finite

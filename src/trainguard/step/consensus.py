@@ -91,7 +91,8 @@ class Agreement:
     batches: list[int]
     losses: list[float]
     global_grad_norm: float
-    """The norm of all gradients: of every rank's shard (FSDP2), else rank 0's."""
+    """The norm of all gradients: of every rank's shard (FSDP2), else rank 0's (replicated
+    gradients), non-finite when any rank's is (``replicated_norm``)."""
     input_ranks: list[int] = field(default_factory=list)
     """Ranks whose step input (a floating-point tensor of the batch) was not finite."""
     data_times: list[float] = field(default_factory=list)
@@ -191,10 +192,13 @@ class Consensus:
     def global_grad_norm(self, reduced: Reduced) -> Tensor:
         """On the device: the norm of all gradients (the same on every rank); no sync."""
         buf = reduced.buf
-        if reduced.sharded and buf.numel() > DEVICE_COLUMNS:
-            norm: Tensor = torch.linalg.vector_norm(buf.view(self.world_size, _NCOL)[:, _NORM])
+        if buf.numel() <= DEVICE_COLUMNS:
+            return buf[_NORM]  # one rank
+        norms = buf.view(self.world_size, _NCOL)[:, _NORM]
+        if reduced.sharded:
+            norm: Tensor = torch.linalg.vector_norm(norms)
             return norm
-        return buf[_NORM]  # one rank, or replicated gradients: rank 0's norm
+        return norms[0] + 0.0 * norms.sum()  # replicated_norm, on the device
 
     def agreed_metrics(self, reduced: Reduced) -> Tensor:
         """On the device: float64 ``[mean loss over ranks, global grad norm]``; no sync."""
@@ -217,12 +221,24 @@ class Consensus:
             exhausted_ranks=[r for r, row in enumerate(rows) if row[_EXHAUSTED] > 0.5],
             batches=[int(row[_BATCHES]) for row in rows],
             losses=[row[0] for row in rows],
-            global_grad_norm=math.hypot(*norms) if reduced.sharded else norms[0],
+            global_grad_norm=math.hypot(*norms) if reduced.sharded else replicated_norm(norms),
             input_ranks=[r for r, row in enumerate(rows) if not math.isfinite(row[_INPUT])],
             data_times=[row[_DATA_TIME] for row in rows],
             compute_times=[row[_COMPUTE_TIME] for row in rows],
             fingerprints=[row[_FINGERPRINT] for row in rows],
         )
+
+
+def replicated_norm(norms: list[float]) -> float:
+    """The norm of replicated gradients (DDP: every rank holds them all) from every rank's:
+    rank 0's, unless some rank's is not finite (a gradient changed on one rank after the
+    all-reduce: a hook, a fault): then NaN when any is NaN, else Inf, not a finite norm for a
+    step that is bad. (On the device, ``global_grad_norm``: NaN for both.)"""
+    if math.isfinite(sum(norms)):
+        return norms[0]
+    if any(map(math.isnan, norms)):
+        return math.nan
+    return math.inf if not all(map(math.isfinite, norms)) else norms[0]  # else: sum overflowed
 
 
 def _alone(values: list[float], report: LocalReport, sharded: bool) -> Agreement:
