@@ -10,6 +10,7 @@ bare one; both leave out the same step, so the bare run serves both comparisons.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -199,3 +200,45 @@ def test_lightning_without_a_guard_is_guarded_through_its_closure(tmp_path: Path
     (bad,) = [e for e in events if e["kind"] == "nonfinite"]
     assert bad["step"] == 2 and bad["where"] == "loss"
     assert [e["step"] for e in events if e["kind"] == "skip"] == [2]
+
+
+CLIP = 0.05
+"""The scripts' ``--clip``: small enough that every step's gradients are clipped."""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("ranks", [1, 2], ids=["1-process", "2-rank-torchrun"])
+def test_a_script_that_clips_is_checked_before_its_clip(ranks: int, tmp_path: Path) -> None:
+    """The script clips (``clip_grad_norm_``) before ``optimizer.step()``: the guard checks
+    before the clip, so a NaN put in one gradient is named there (the clip would spread it to
+    every gradient) and the recorded gradient norm is the one the clip measured, not the
+    clipped one; the skip leaves every rank as the bare script leaving the step out."""
+    bare, out, run_dir = tmp_path / "bare", tmp_path / "out", tmp_path / "run"
+    clip = ["--clip", str(CLIP)]
+    done = _run([*_launch(ranks), "--out", str(bare), *clip, "--drop-step", str(DROP)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    nan_rank = ranks - 1
+    cmd = [*_guarded(run_dir), "--", *_launch(ranks), "--out", str(out), *clip]
+    done = _run([*cmd, "--grad-nan-rank", str(nan_rank), "--grad-nan-step", str(DROP)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_same(out, bare, ranks)
+    for rank in range(ranks):
+        events = tg.read_events(run_dir, rank)
+        assert [e["step"] for e in events if e["kind"] == "skip"] == [DROP]
+        (bad,) = [e for e in events if e["kind"] == "nonfinite"]
+        assert bad["step"] == DROP and bad["grad_ranks"] == [nan_rank]
+        if rank == nan_rank:  # the one gradient the NaN was put in, not all of them
+            assert len(bad["params"]) == 1 and bad["params"][0].endswith("head.weight")
+    clip_norms = torch.load(out / "rank0.pt")["clip_norms"]
+    lines = (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()  # agreed values
+    norms = {line["step"]: line["grad_norm"] for line in map(json.loads, lines)}
+    assert set(norms) == set(range(8))
+    # the first step is checked at the optimizer step (the guard attaches there), after the
+    # clip; from the second on, before it: the norm the clip measured
+    assert norms[0] <= CLIP * (1 + 1e-5)
+    # the bad step's norm is not finite, though rank 0's gradients were (the NaN was put in
+    # after DDP's all-reduce)
+    assert not math.isfinite(float(norms[DROP]))  # written "inf"
+    for step in set(range(1, 8)) - {DROP}:
+        assert norms[step] > 10 * CLIP
+        assert abs(norms[step] - clip_norms[step]) <= 1e-5 * clip_norms[step], step

@@ -13,6 +13,9 @@ script's process changes. The attach points need no cooperation from the script:
   (``p.grad = None``) so the optimizer's own step leaves the weights and its state alone,
   and puts back the buffers the step's forward changed. A step given a closure (Lightning,
   LBFGS-style loops) is checked when the closure returns, with the loss it returns;
+* the gradient clipping functions (``clip.ClipWatch``): a script's clip over the guarded
+  optimizer's parameters checks the step before it clips, so the guard sees the gradients
+  as backward made them;
 * a forward pre-hook on the model records each step's micro-batches (the call's
   arguments, by reference) and marks the loop's progress for the watchdog; the post-step
   hook marks the data phase (a rank stuck in its loader is named as such);
@@ -41,6 +44,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
+from trainguard.attach.clip import ClipWatch
 from trainguard.attach.discovery import describe, describe_module, existing_guard, find_model
 from trainguard.attach.options import RunOptions
 from trainguard.attach.prestart import PreStart, StepZero, batch_of
@@ -100,6 +104,7 @@ class Attacher:
         self.model: nn.Module | None = None
         self.aside = False
         self._prestart = PreStart()
+        self._clip = ClipWatch()
         self._handles: list[RemovableHandle] = []
         self._restore_destroy: Callable[[], None] | None = None
 
@@ -107,6 +112,7 @@ class Attacher:
 
     def install(self) -> None:
         self._prestart.install()
+        self._clip.install()
         self._handles = [
             register_optimizer_step_pre_hook(self._pre_step),
             register_optimizer_step_post_hook(self._post_step),
@@ -127,6 +133,7 @@ class Attacher:
         guard, self.guard = self.guard, None
         if guard is None:
             return
+        self._clip.remove()  # nothing to check before a clip from now on
         try:
             guard.close()
         except Exception as exc:  # NonFiniteError included: the run is over anyway
@@ -134,6 +141,7 @@ class Attacher:
 
     def _remove_hooks(self) -> None:
         self._prestart.remove()
+        self._clip.remove()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -180,7 +188,8 @@ class Attacher:
         # ``args`` starts with the optimizer itself (torch passes the step's own arguments)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None:
-            self._before_update(optimizer, None)
+            if not self._clip.take_checked():  # else checked before the script's clip
+                self._before_update(optimizer, None)
             return None
         if isinstance(optimizer, torch.optim.LBFGS):
             self.stand_aside("LBFGS evaluates its closure several times per step")
@@ -197,7 +206,11 @@ class Attacher:
         when it returns, before the optimizer reads them."""
 
         def checked() -> Any:
-            result = closure()
+            self._clip.in_closure = True  # a clip inside it: checked here, with the loss
+            try:
+                result = closure()
+            finally:
+                self._clip.in_closure = False
             loss = result if isinstance(result, Tensor) and result.numel() > 0 else None
             self._before_update(optimizer, loss)
             return result
@@ -209,6 +222,7 @@ class Attacher:
     ) -> None:
         guard = self.guard
         if guard is not None and optimizer is self.optimizer:
+            self._clip.stepped()
             guard.progress.enter("data")  # next: the loop fetches a batch
 
     def _before_update(self, optimizer: torch.optim.Optimizer, loss: Tensor | None) -> None:
@@ -255,6 +269,7 @@ class Attacher:
             self.stand_aside(f"the guard could not start: {type(exc).__name__}: {exc}")
             return False
         self.guard, self.optimizer, self.model = guard, optimizer, model
+        self._clip.attach(optimizer, functools.partial(self._before_update, optimizer, None))
         _adopt_step_zero(guard, prestart.calls.get(id(model)))
         prestart.calls.clear()
         pre = Hook(self._model_pre)  # a copy of the model (EMA, torch.save) carries an inert one
@@ -272,6 +287,7 @@ class Attacher:
             progress.enter(progress.phase)  # evaluation is progress, not a hang
             return
         progress.enter("step")
+        self._clip.forward()
         guard.record_batch(batch_of(args, kwargs))
 
     def _announce(self, guard: Guard, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

@@ -6,8 +6,12 @@
         [--block-rank R --block-step S]  rank R's loader blocks at step S
         [--drop-step S]                  every rank leaves out step S (no forward, no update)
         [--second-optimizer]             a second optimizer steps too (from step 2)
+        [--clip MAX_NORM]                clip_grad_norm_ before every optimizer step
+        [--grad-nan-rank R --grad-nan-step S]  rank R's head.weight gradient gets a NaN
+                                         after backward at step S (before the clip)
 
-Each rank saves its final weights, buffers and optimizer state to ``DIR/rank{r}.pt``.
+Each rank saves its final weights, buffers and optimizer state to ``DIR/rank{r}.pt``, and
+with ``--clip`` the norms the clip returned (``clip_norms``: step -> float).
 ``make_replay`` is the replay factory (the model and a loss of its input).
 """
 
@@ -83,6 +87,9 @@ def main() -> None:
     parser.add_argument("--block-step", type=int, default=-1)
     parser.add_argument("--drop-step", type=int, default=-1)
     parser.add_argument("--second-optimizer", action="store_true")
+    parser.add_argument("--clip", type=float, default=0.0)
+    parser.add_argument("--grad-nan-rank", type=int, default=-1)
+    parser.add_argument("--grad-nan-step", type=int, default=-1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     distributed = "LOCAL_RANK" in os.environ
@@ -95,17 +102,25 @@ def main() -> None:
     optimizer = make_optimizer(args.optimizer, model.parameters())
     head = torch.optim.SGD(net.head.parameters(), lr=0.01) if args.second_optimizer else None
     loader = DataLoader(Points(rank, args.steps, args), batch_size=4)
+    clip_norms: dict[int, float] = {}
     for step, (x, y) in enumerate(loader):
         if step == args.drop_step:
             continue
         optimizer.zero_grad()
         loss = F.mse_loss(model(x), y)
         loss.backward()
+        if rank == args.grad_nan_rank and step == args.grad_nan_step:
+            with torch.no_grad():
+                net.head.weight.grad[0, 0] = float("nan")  # type: ignore[index]
+        if args.clip:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            clip_norms[step] = float(norm)
         optimizer.step()
         if head is not None and step >= 2:
             head.step()
     args.out.mkdir(parents=True, exist_ok=True)
     state = {"model": net.state_dict(), "optimizer": optimizer.state_dict()}
+    state["clip_norms"] = clip_norms
     torch.save(state, args.out / f"rank{rank}.pt")
     print(f"rank {rank}: trained {args.steps} steps, last loss {loss.item():.4f}", flush=True)
     if distributed:
