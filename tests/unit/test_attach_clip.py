@@ -149,3 +149,25 @@ def test_removing_twice_and_after_a_rewrap_keeps_the_later_wrapper() -> None:
     finally:
         utils.clip_grad_norm_ = ORIGINALS[(utils.__name__, "clip_grad_norm_")]
     assert clip_grad.clip_grad_norm_ is ORIGINALS[(clip_grad.__name__, "clip_grad_norm_")]
+
+
+def test_a_frozen_parameter_first_in_the_list_still_checks(watch: ClipWatch) -> None:
+    model, _ = _model_with_grads()
+    frozen = nn.Parameter(torch.zeros(3), requires_grad=False)  # an embedding kept fixed
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    checks = Checks(model)
+    watch.attach(optimizer, checks)
+    watch.forward()
+    utils.clip_grad_norm_([frozen, *model.parameters()], 1.0)
+    assert len(checks.seen) == 1 and checks.seen[0] > 10
+
+
+def test_a_clip_traced_by_torch_compile_is_left_to_the_optimizer_step(watch: ClipWatch) -> None:
+    model, optimizer = _model_with_grads()
+    checks = Checks(model)
+    watch.attach(optimizer, checks)
+    watch.forward()
+    params = list(model.parameters())
+    compiled = torch.compile(lambda: utils.clip_grad_norm_(params, 1.0), backend="eager")
+    assert float(compiled()) > 10 and _norm(model) == pytest.approx(1.0)
+    assert checks.seen == [] and not watch.take_checked()

@@ -19,7 +19,8 @@ Not at the clip (the optimizer step checks, after it, as before):
   loss it returns;
 - a process in which an enabled GradScaler has scaled a loss (``GradScaler.scale`` is
   wrapped to notice): an fp16 overflow is the scaler's to skip (``scaler.step`` does not call
-  the optimizer then), and before ``scaler.step`` an overflow cannot be told from a bad step.
+  the optimizer then), and before ``scaler.step`` an overflow cannot be told from a bad step;
+- a clip that ``torch.compile`` traces (inside a compiled training step).
 
 Every rank makes the same choice: each condition follows the script's code path, not its
 values.
@@ -121,6 +122,7 @@ class ClipWatch:
             and not self._checked
             and not self.in_closure
             and not self.scaled
+            and not torch.compiler.is_compiling()  # a clip traced by dynamo: the step checks
         )
 
     def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -138,7 +140,8 @@ class ClipWatch:
         generator = isinstance(parameters, types.GeneratorType)
         listed = [parameters] if isinstance(parameters, Tensor) else list(parameters)
         check = self._check
-        if listed and id(listed[0]) in self._param_ids and check is not None:
+        ids = self._param_ids  # any: a frozen parameter (not the optimizer's) may come first
+        if check is not None and any(id(p) in ids for p in listed):
             self._checked = True
             check()
         return (p for p in listed) if generator else listed
