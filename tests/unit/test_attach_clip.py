@@ -98,8 +98,10 @@ def test_the_step_is_checked_once_before_the_clip(watch: ClipWatch) -> None:
 
 def test_a_skip_leaves_the_clip_nothing_to_clip(watch: ClipWatch) -> None:
     model, optimizer = _model_with_grads()
+    model[2].weight.grad[0, 0] = float("nan")  # type: ignore[index]
     watch.attach(optimizer, Checks(model, skip=True))
     watch.forward()
+    # the script's own non-finite check would raise here; the skip came first
     total = utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
     assert float(total) == 0.0 and all(p.grad is None for p in model.parameters())
 
