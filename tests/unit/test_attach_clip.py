@@ -34,8 +34,7 @@ class Checks:
         self.seen: list[float] = []
 
     def __call__(self) -> None:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        self.seen.append(float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))))
+        self.seen.append(_norm(self.model))
         if self.skip:
             for p in self.model.parameters():
                 p.grad = None

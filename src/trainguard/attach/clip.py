@@ -77,9 +77,9 @@ class ClipWatch:
         self._checked = False
 
     def stepped(self) -> None:
-        """The guarded optimizer stepped: the next clip is the next step's."""
+        """The guarded optimizer stepped (its pre-hook took ``_checked``): the next clip is
+        the next step's."""
         self._forward_seen = False
-        self._checked = False
 
     def take_checked(self) -> bool:
         """At the optimizer step: whether the clip already checked this step."""

@@ -234,11 +234,9 @@ def replicated_norm(norms: list[float]) -> float:
     rank 0's, unless some rank's is not finite (a gradient changed on one rank after the
     all-reduce: a hook, a fault): then NaN when any is NaN, else Inf, not a finite norm for a
     step that is bad. (On the device, ``global_grad_norm``: NaN for both.)"""
-    if math.isfinite(sum(norms)):
+    if math.isfinite(sum(norms)) or all(map(math.isfinite, norms)):  # or the sum overflowed
         return norms[0]
-    if any(map(math.isnan, norms)):
-        return math.nan
-    return math.inf if not all(map(math.isfinite, norms)) else norms[0]  # else: sum overflowed
+    return math.nan if any(map(math.isnan, norms)) else math.inf
 
 
 def _alone(values: list[float], report: LocalReport, sharded: bool) -> Agreement:
