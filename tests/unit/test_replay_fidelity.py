@@ -329,3 +329,45 @@ def test_a_factory_file_imports_its_sibling_module(
     assert type(spec.model).__name__ == "GPT"
     spec = resolve_factory("project/factory.py:make")  # a relative path too
     assert type(spec.model).__name__ == "GPT"
+
+
+def test_a_factory_file_that_parses_its_command_line_at_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A training script with its argument parser at module level: imported for the replay,
+    it sees only its own name in ``sys.argv`` (so its defaults), not the replay's options;
+    one whose parser requires an option exits at import: a ReplayError saying so."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "argv", ["trainguard", "replay", "BUNDLE", "--factory", "x"])
+    script = tmp_path / "train_args.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import argparse
+            from torch import nn
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--width", type=int, default=3)
+            args = parser.parse_args()
+
+            def make():
+                return nn.Linear(2, args.width), lambda model, batch: model(batch).sum()
+            """
+        )
+    )
+    monkeypatch.delitem(sys.modules, "train_args", raising=False)
+    spec = resolve_factory(f"{script}:make")
+    assert spec.model.out_features == 3  # type: ignore[union-attr]
+    assert sys.argv == ["trainguard", "replay", "BUNDLE", "--factory", "x"]  # put back
+
+    strict = tmp_path / "train_strict.py"
+    strict.write_text(
+        "import argparse\nparser = argparse.ArgumentParser()\n"
+        "parser.add_argument('--data', required=True)\nparser.parse_args()\n"
+    )
+    monkeypatch.delitem(sys.modules, "train_strict", raising=False)
+    with pytest.raises(tg.ReplayError) as raised:
+        resolve_factory(f"{strict}:make")
+    assert "train_strict.py exited (sys.exit(2): " in str(raised.value)
+    assert "the following arguments are required: --data" in str(raised.value)
+    assert sys.argv[0] == "trainguard" and "train_strict" not in sys.modules

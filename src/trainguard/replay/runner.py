@@ -23,8 +23,10 @@ The factory takes no arguments and returns ``(model, loss_fn)`` or a :class:`Rep
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import io
 import logging
 import os
 import sys
@@ -121,6 +123,32 @@ def _import_factory(spec: str) -> Factory:
 
 
 def _import_module(name: str, spec: str) -> Any:
+    """Import ``name`` (a file or a module) as ``python FILE`` / ``python -m MODULE`` would
+    see it: ``sys.argv`` holds only the file's name while it runs (a training script that
+    parses its command line at import gets its defaults, not the replay's own options), and a
+    ``sys.exit()`` at import (an argument parser that requires options) is a ReplayError
+    naming the fix and quoting the module's last line on stderr, not the end of the replay
+    (what the module writes to stderr while imported is held back and written out after)."""
+    saved, said = sys.argv, io.StringIO()
+    sys.argv = [name]
+    try:
+        with contextlib.redirect_stderr(said):
+            return _import_module_as_script(name, spec)
+    except SystemExit as exc:
+        last = said.getvalue().strip().splitlines()[-1:]
+        said = io.StringIO()  # quoted below instead
+        raise ReplayError(
+            f"--factory {spec}: importing {name} exited (sys.exit({exc.code!r})"
+            + (f": {last[0][:200]}" if last else "")
+            + "): it runs a script at import; put the factory in a module that only defines "
+            'things, or move the script\'s code under `if __name__ == "__main__":`'
+        ) from None
+    finally:
+        sys.argv = saved
+        sys.stderr.write(said.getvalue())
+
+
+def _import_module_as_script(name: str, spec: str) -> Any:
     try:
         if name.endswith(".py") or os.sep in name:
             path = Path(name)
@@ -134,7 +162,12 @@ def _import_module(name: str, spec: str) -> Any:
                 raise ReplayError(f"--factory {spec}: cannot load {name}")
             module = importlib.util.module_from_spec(loaded)
             sys.modules.setdefault(path.stem, module)
-            loaded.loader.exec_module(module)
+            try:
+                loaded.loader.exec_module(module)
+            except BaseException:
+                if sys.modules.get(path.stem) is module:  # no half-run module left behind
+                    del sys.modules[path.stem]
+                raise
             return module
         if os.getcwd() not in sys.path and "" not in sys.path:
             sys.path.insert(0, os.getcwd())  # like `python -m`: modules next to you import
