@@ -14,12 +14,32 @@ nothing and holds nothing, so a copy of a guarded module is the user's module an
 the guard (loading such a pickle needs trainguard importable, as a pickle needs every class
 it names). The guarded module itself keeps its working hooks. The copy keeps the inert
 entries in its hook dicts (a copy cannot drop them): a no-op call per forward of the copy.
+
+Compiled modules. A hook runs where the module's call runs, and under ``torch.compile`` that
+can be inside a frame dynamo traces: the module inside ``torch.compile(model)``'s wrapper
+(``OptimizedModule``), or a module compiled in place (``module.compile()``: its whole call,
+hooks included, is compiled). Traced, a hook of the guard's would become part of the graph:
+dynamo guards on the step counter it compares, so the model recompiles at every step and
+falls back to eager after ``torch._dynamo.config.recompile_limit`` steps (torch.compile
+silently lost); and the clock or RNG work it does could not be traced at all. So:
+
+- a ``Hook`` does nothing while dynamo traces (``torch.compiler.is_compiling()``, a constant
+  in the trace): the graph holds no trace of it;
+- ``add_forward_hooks`` puts the hooks of a module compiled in place around its compiled
+  call instead (``EagerCalls`` as its ``_compiled_call_impl``), where they run eagerly, once
+  per call; any other module gets ordinary hooks. A module inside ``torch.compile(model)`` is
+  left to the wrapper's own hooks, which run eagerly: ``eager_module`` names the innermost
+  module whose hooks run eagerly.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
+
+import torch
+from torch import nn
 
 
 class Hook:
@@ -32,7 +52,9 @@ class Hook:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         callback = self.callback
-        return None if callback is None else callback(*args, **kwargs)
+        if callback is None or torch.compiler.is_compiling():
+            return None  # a copy; or traced by dynamo: no part of the graph (module docstring)
+        return callback(*args, **kwargs)
 
     def __reduce__(self) -> tuple[type[Hook], tuple[None]]:
         return (Hook, (None,))
@@ -44,3 +66,109 @@ class Hook:
     def inert(self) -> bool:
         """Whether this is a copy (it calls nothing)."""
         return self.callback is None
+
+
+PreHook = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]
+"""``pre(module, args, kwargs)``, before the module's call."""
+PostHook = Callable[[nn.Module, tuple[Any, ...], Any], None]
+"""``post(module, args, output)``, after it."""
+
+
+class EagerCalls:
+    """A module compiled in place: its ``_compiled_call_impl``, calling the guard's hooks
+    eagerly around the compiled call. Copies of the module do not carry it (``nn.Module``'s
+    ``__getstate__`` leaves ``_compiled_call_impl`` out)."""
+
+    def __init__(self, module: nn.Module, compiled: Callable[..., Any]) -> None:
+        self.compiled = compiled
+        self._module = weakref.ref(module)
+        self.pre: list[Hook] = []
+        self.post: list[Hook] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module()
+        for hook in self.pre:
+            hook(module, args, kwargs)
+        output = self.compiled(*args, **kwargs)
+        for hook in self.post:
+            hook(module, args, output)
+        return output
+
+    @property
+    def empty(self) -> bool:
+        return not self.pre and not self.post
+
+
+class HookHandle:
+    """Removes what ``add_forward_hooks`` added (``torch``'s handles, or the entries around a
+    compiled call, and that wrapper itself once it calls nothing more)."""
+
+    def __init__(self, remove: Callable[[], None]) -> None:
+        self._remove: Callable[[], None] | None = remove
+
+    def remove(self) -> None:
+        remove, self._remove = self._remove, None
+        if remove is not None:
+            remove()
+
+
+def compiled_in_place(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` compiled this module's call (hooks included)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def add_forward_hooks(
+    module: nn.Module, pre: PreHook | None = None, post: PostHook | None = None
+) -> HookHandle:
+    """Hooks that run eagerly at every call of ``module`` (module docstring): ``pre(module,
+    args, kwargs)`` before it, ``post(module, args, output)`` after it; each a ``Hook``."""
+    compiled = getattr(module, "_compiled_call_impl", None)
+    if compiled is not None:  # compiled_in_place(module)
+        return _around_compiled(module, compiled, pre, post)
+    handles = []
+    if pre is not None:
+        handles.append(module.register_forward_pre_hook(Hook(pre), with_kwargs=True))
+    if post is not None:
+        handles.append(module.register_forward_hook(Hook(post)))
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return HookHandle(remove)
+
+
+def _around_compiled(
+    module: nn.Module, compiled: Callable[..., Any], pre: PreHook | None, post: PostHook | None
+) -> HookHandle:
+    calls = compiled if isinstance(compiled, EagerCalls) else EagerCalls(module, compiled)
+    module._compiled_call_impl = calls
+    entries: list[tuple[list[Hook], Hook]] = []
+    if pre is not None:
+        entries.append((calls.pre, Hook(pre)))
+    if post is not None:
+        entries.append((calls.post, Hook(post)))
+    for hooks, hook in entries:
+        hooks.append(hook)
+
+    def remove() -> None:
+        for hooks, hook in entries:
+            if hook in hooks:
+                hooks.remove(hook)
+        if calls.empty and module._compiled_call_impl is calls:
+            module._compiled_call_impl = calls.compiled
+
+    return HookHandle(remove)
+
+
+def eager_module(model: nn.Module) -> nn.Module:
+    """The innermost module whose hooks run eagerly when the loop calls ``model``: inside DDP
+    wrappers, down to a ``torch.compile`` wrapper (everything inside it is traced) or a module
+    compiled in place (``add_forward_hooks`` hooks it around its compiled call)."""
+    inner = model
+    while type(inner).__name__ == "DistributedDataParallel" and not compiled_in_place(inner):
+        wrapped = getattr(inner, "module", None)
+        if not isinstance(wrapped, nn.Module):
+            break
+        inner = wrapped
+    return inner

@@ -50,7 +50,7 @@ from trainguard.attach.options import RunOptions
 from trainguard.attach.prestart import PreStart, StepZero, batch_of
 from trainguard.errors import ConfigError
 from trainguard.step.guard import Guard
-from trainguard.user_hooks import Hook
+from trainguard.user_hooks import HookHandle, add_forward_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class Attacher:
         self.aside = False
         self._prestart = PreStart()
         self._clip = ClipWatch()
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[RemovableHandle | HookHandle] = []
         self._restore_destroy: Callable[[], None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -272,8 +272,9 @@ class Attacher:
         self._clip.attach(optimizer, functools.partial(self._before_update, optimizer, None))
         _adopt_step_zero(guard, prestart.calls.get(id(model)))
         prestart.calls.clear()
-        pre = Hook(self._model_pre)  # a copy of the model (EMA, torch.save) carries an inert one
-        self._handles.append(model.register_forward_pre_hook(pre, with_kwargs=True))
+        # a Hook: a copy of the model (EMA, torch.save) carries an inert one; run eagerly
+        # around a model compiled in place (user_hooks.add_forward_hooks)
+        self._handles.append(add_forward_hooks(model, pre=self._model_pre))
         atexit.register(self.close)
         self._announce(guard, optimizer, model)
         return True

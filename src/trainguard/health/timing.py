@@ -11,7 +11,10 @@ backward is as long as the straggler's and would hide it; the forward of the inn
 rank. A rank whose device is slower is slower in its forward too. Time spent waiting for
 other ranks is therefore counted nowhere. Host clock (``time.perf_counter``); on CUDA the
 forward's host time is its launch time unless the step syncs, which the decision does once
-per step (the timing then lands in the step that waits).
+per step (the timing then lands in the step that waits). Under ``torch.compile`` the hooks go
+where they run eagerly (``user_hooks.eager_module``): on the compile wrapper inside DDP, or
+around a module compiled in place; a wrapper compiled around DDP itself
+(``torch.compile(DDP(model))``) is timed whole, its buffer broadcast included.
 
 In a single process (``forward_hooks=False``: no other rank to wait for, no straggler to
 find) no module hook is set, since a hook sends every call of the module down PyTorch's slow
@@ -27,7 +30,7 @@ from typing import Any
 
 from torch import nn
 
-from trainguard.user_hooks import Hook
+from trainguard.user_hooks import HookHandle, add_forward_hooks
 
 
 class StepTimer:
@@ -41,11 +44,8 @@ class StepTimer:
         self._depth = 0
         self._hooked = forward_hooks
         self._last_take: float | None = None
-        self._handles = (
-            [
-                inner.register_forward_pre_hook(Hook(self._before_forward)),
-                inner.register_forward_hook(Hook(self._after_forward)),
-            ]
+        self._handles: list[HookHandle] = (
+            [add_forward_hooks(inner, pre=self._before_forward, post=self._after_forward)]
             if forward_hooks
             else []
         )
@@ -58,7 +58,7 @@ class StepTimer:
             self._data += time.perf_counter() - self._data_since
             self._data_since = None
 
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
+    def _before_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._depth += 1
         if self._depth == 1:
             self._forward_since = time.perf_counter()

@@ -31,7 +31,7 @@ from trainguard.recovery import TrainingObjects, build_recovery, recovery_enable
 from trainguard.run_identity import RunIdentity, identify_run
 from trainguard.step import amp
 from trainguard.step.apply import ApplyParts, DecisionApply
-from trainguard.step.capturer import Capturer, unwrap
+from trainguard.step.capturer import Capturer
 from trainguard.step.consensus import Agreement, Consensus
 from trainguard.step.dashboard import Dashboard
 from trainguard.step.data import BatchStream
@@ -55,6 +55,7 @@ from trainguard.step.state import GuardState
 from trainguard.step.syncfree import SyncFreeParts, SyncFreeStep
 from trainguard.step.transient import RerunParts, TransientFaults
 from trainguard.step.usage import NoGradientsCheck
+from trainguard.user_hooks import eager_module
 
 
 class GuardAssembly:
@@ -108,7 +109,7 @@ class GuardAssembly:
         self.history = StepHistory(self.config.history_steps, metrics)
         self._dashboard = Dashboard(self)  # metrics(): reads the parts when called
         self._timer = (
-            StepTimer(unwrap(model), forward_hooks=self.world_size > 1)
+            StepTimer(eager_module(model), forward_hooks=self.world_size > 1)
             if self.config.detect_stragglers
             else None
         )

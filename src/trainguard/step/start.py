@@ -38,7 +38,7 @@ from torch import nn
 from trainguard.capture.rng import RngSnapshot, states_of
 from trainguard.step.buffers import BufferKeeper
 from trainguard.step.capturer import unwrap
-from trainguard.user_hooks import Hook
+from trainguard.user_hooks import EagerCalls, add_forward_hooks, compiled_in_place, eager_module
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,10 @@ class StepStart:
         """Runs at each recorded start, before the states are taken: recovery's step boundary
         (snapshots and checkpoints at the true start of the step, also where the loop
         fetched the step's first batch during the step before)."""
-        self._roots = [model] if self._inner is model else [model, self._inner]
+        # the model, the innermost module whose hooks run eagerly (inside DDP, down to a
+        # torch.compile wrapper: user_hooks.py) and the module inside all wrappers
+        self._roots = list({id(m): m for m in (model, eager_module(model), self._inner)}.values())
+        self._root_ids = frozenset(id(m) for m in self._roots)
         self._handles = [self._hook(m) for m in self._roots]
         self._child_handles: list[Any] = []
         self._hook_children()
@@ -135,23 +138,20 @@ class StepStart:
         return self._rng
 
     def _hook_children(self) -> None:
-        roots = {id(m) for m in self._roots}
-        children = [m for m in self._inner.children() if id(m) not in roots]
+        children = [m for m in self._inner.children() if id(m) not in self._root_ids]
         self._child_handles = [self._hook(m) for m in children]
 
     def _hook(self, module: nn.Module) -> Any:
-        return module.register_forward_pre_hook(Hook(self._pre_hook), with_kwargs=True)
+        return add_forward_hooks(module, pre=self._pre_hook)
 
     def _pre_hook(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         step = self._step_of()
         if self.step == step:
             # A later micro-batch's forward, or the first forward of a step that started at a
-            # record_batch or a fetch: its inputs are the step's too. Not while dynamo traces
-            # the module inside a torch.compile wrapper (the wrapper's own hook, run eagerly,
-            # keeps them; comparing modules in a trace trips dynamo's mutation tracking).
-            if not torch.compiler.is_compiling() and (
-                module is self._args_module
-                or (self._args_module is None and (module is self._model or module is self._inner))
+            # record_batch or a fetch: its inputs are the step's too. (Never while dynamo
+            # traces a module: the hooks do nothing there, user_hooks.py.)
+            if module is self._args_module or (
+                self._args_module is None and id(module) in self._root_ids
             ):
                 self._keep_inputs(module, args, kwargs)
             return
@@ -159,7 +159,7 @@ class StepStart:
             return
         self.seen = True
         self.begin(step)
-        if module is self._model or module is self._inner:
+        if id(module) in self._root_ids:
             self._forward_args, self._args_module = [(args, kwargs)], module
             if self._child_handles:
                 self._unhook_children()  # the loop calls the model itself: the roots suffice
@@ -182,9 +182,18 @@ class StepStart:
         return list(self._forward_args)
 
     def missed(self, step: int) -> None:
-        """``step`` is being checked and no hook started it: with the children unhooked, the
-        loop called a child directly; hook them again for the next steps."""
-        if self.seen and not self._child_handles and self._handles and self.step != step:
+        """``step`` is being checked and no hook started it: a root compiled in place since its
+        hooks went on (they do nothing inside the compiled call): hooked again, around it;
+        with the children unhooked, the loop called a child directly: hooked again. For the
+        next steps."""
+        if self.step == step or not self._handles:
+            return
+        if any(_compiled_since(root) for root in self._roots):
+            logger.debug("trainguard: step %d: the model was compiled in place: rehooked", step)
+            for handle in self._handles:
+                handle.remove()
+            self._handles = [self._hook(m) for m in self._roots]
+        elif self.seen and not self._child_handles:
             logger.debug("trainguard: step %d started in no hooked module: children hooked", step)
             self._hook_children()
 
@@ -218,6 +227,11 @@ class StepStart:
         self._handles = []
         self._unhook_children()
         self._forward_args, self._args_module = [], None
+
+
+def _compiled_since(module: nn.Module) -> bool:
+    """``module.compile()`` ran after the guard's hooks went on (they are not around it)."""
+    return compiled_in_place(module) and not isinstance(module._compiled_call_impl, EagerCalls)
 
 
 def _device_type(model: nn.Module) -> str:

@@ -1,0 +1,166 @@
+"""A ``torch.compile``d model stays compiled under the guard, and its steps are guarded in full.
+
+The guard's forward hooks used to be traced by dynamo on the module inside
+``torch.compile(model)``'s wrapper (and on a module compiled in place, ``module.compile()``,
+where every hook is inside the compiled call): dynamo guarded on the step counter the hook
+compares, so the model recompiled at every step and, after ``recompile_limit`` (8) steps, ran
+eager for the rest of the run, torch.compile silently lost. Now a hook does nothing inside a
+trace, the hooks of a module compiled in place run around its compiled call
+(``user_hooks.EagerCalls``), and the step still starts at its first forward: a skipped step's
+buffers are put back and its capture replays.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from tg_buffer_models import BufferNet, batches, loss_fn, state_of
+from torch import nn
+from torch._dynamo.utils import counters
+
+import trainguard as tg
+from trainguard.user_hooks import EagerCalls, Hook, add_forward_hooks, eager_module
+
+STEPS = 12
+BAD_STEP = 9  # past the recompile limit (8) the old hooks forced
+
+Compile = Callable[[nn.Module], nn.Module]
+
+
+def _wrapped(model: nn.Module) -> nn.Module:
+    return torch.compile(model, backend="eager")  # type: ignore[return-value]
+
+
+def _in_place(model: nn.Module) -> nn.Module:
+    model.compile(backend="eager")
+    return model
+
+
+HOW: dict[str, Compile] = {"torch.compile(model)": _wrapped, "model.compile()": _in_place}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def _train(
+    compile_: Compile, data: list, run_dir: Path | None
+) -> tuple[dict, int, tg.Guard | None]:
+    """``(state, graphs compiled, guard)`` of a compiled BufferNet trained on ``data``."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = BufferNet()
+    net = compile_(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    guard = tg.Guard(net, opt, run_dir=run_dir) if run_dir is not None else None
+    for batch in guard.watch(data) if guard is not None else data:
+        loss = loss_fn(net, batch)
+        loss.backward()
+        if guard is None or guard.check(loss):
+            opt.step()
+        opt.zero_grad()
+    if guard is not None:
+        guard.close()
+    return state_of(model), int(counters["stats"]["unique_graphs"]), guard
+
+
+@pytest.mark.parametrize("how", list(HOW))
+def test_a_compiled_model_is_not_recompiled_and_its_bad_step_leaves_no_trace(
+    how: str, tmp_path: Path
+) -> None:
+    compile_ = HOW[how]
+    clean = [b for i, b in enumerate(batches(STEPS, bad=BAD_STEP)) if i != BAD_STEP]
+    reference, bare_graphs, _ = _train(compile_, clean, None)
+    guarded, graphs, guard = _train(compile_, batches(STEPS, bad=BAD_STEP), tmp_path)
+    assert guard is not None and list(guard.state.nonfinite_steps) == [BAD_STEP]
+    assert bare_graphs >= 1 and graphs == bare_graphs  # compiled once, as without the guard
+    for name, value in reference.items():  # BatchNorm and EmaNorm statistics put back
+        assert torch.equal(guarded[name], value), name
+    bundle = tg.load_bundle(tmp_path / "captures" / f"step-{BAD_STEP:08d}")
+    meta = bundle.meta(0)
+    assert meta["batch_stored"] and meta["rng_stored"]
+    assert meta["forward_inputs"] is not None  # the step started at its first forward
+    report = tg.replay(bundle, lambda: (BufferNet(), loss_fn))
+    assert report.reproduced and report.verdict == "bad_input"
+
+
+def test_hooks_around_a_model_compiled_in_place_run_eagerly_and_come_off() -> None:
+    model = BufferNet()
+    plain_call = model._compiled_call_impl
+    assert plain_call is None and eager_module(model) is model
+    model.compile(backend="eager")
+    compiled_call = model._compiled_call_impl
+    seen: list[tuple[str, bool]] = []
+    handle = add_forward_hooks(
+        model,
+        pre=lambda m, args, kwargs: seen.append(("pre", torch.compiler.is_compiling())),
+        post=lambda m, args, out: seen.append(("post", torch.compiler.is_compiling())),
+    )
+    assert isinstance(model._compiled_call_impl, EagerCalls)
+    model(torch.randn(8, 4))
+    model(torch.randn(8, 4))
+    assert seen == [("pre", False), ("post", False)] * 2  # once per call, never traced
+    assert pickle.loads(pickle.dumps(model))._compiled_call_impl is None
+    assert copy.deepcopy(model)._compiled_call_impl is None
+    handle.remove()
+    assert model._compiled_call_impl is compiled_call
+
+
+def test_a_hook_does_nothing_inside_a_trace() -> None:
+    calls: list[int] = []
+    hook = Hook(lambda: calls.append(1))
+
+    @torch.compile(backend="eager")
+    def traced(x: torch.Tensor) -> torch.Tensor:
+        hook()
+        return x + 1
+
+    hook()
+    traced(torch.zeros(2))
+    assert calls == [1]
+
+
+def test_eager_module_stops_at_the_compile_wrapper_inside_ddp_like_wrappers() -> None:
+    model = BufferNet()
+    compiled = torch.compile(model, backend="eager")
+    assert eager_module(compiled) is compiled  # everything inside the wrapper is traced
+
+
+def test_a_model_compiled_in_place_after_the_guard_is_hooked_again(tmp_path: Path) -> None:
+    """``model.compile()`` after ``Guard(...)``: the hooks already on it do nothing inside the
+    compiled call; the first ``check()`` that finds no start hooks the model again, around
+    the compiled call, and the later steps start, skip and capture as for an eager model."""
+    torch.manual_seed(0)
+    model = BufferNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with tg.Guard(model, opt, run_dir=tmp_path) as guard:
+        model.compile(backend="eager")
+        starts, graphs = [], []
+        for batch in guard.watch(batches(6, bad=4)):
+            loss = loss_fn(model, batch)
+            starts.append(guard._start.step == guard.state.step)
+            graphs.append(int(counters["stats"]["unique_graphs"]))
+            loss.backward()
+            if guard.check(loss):
+                opt.step()
+            opt.zero_grad()
+        assert isinstance(model._compiled_call_impl, EagerCalls)
+    assert starts == [False, True, True, True, True, True]
+    assert not isinstance(model._compiled_call_impl, EagerCalls)  # close() took it off
+    assert model._compiled_call_impl is not None
+    assert list(guard.state.nonfinite_steps) == [4]
+    meta = tg.load_bundle(tmp_path / "captures" / "step-00000004").meta(0)
+    assert meta["rng_stored"] and meta["forward_inputs"] is not None
+    # once more when its hooks moved (dynamo guards on the module's hook dicts), then never
+    assert graphs == [1, 2, 2, 2, 2, 2], graphs
