@@ -70,6 +70,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--poison-steps", type=int, default=1, help="bad steps in a row")
     parser.add_argument("--poison-where", choices=("batch", "loss"), default="batch")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="nanoGPT's compile=True: torch.compile(model) before DDP (default backend inductor)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="each rank's final weights")
     return parser.parse_args()
 
@@ -135,6 +143,8 @@ def main() -> None:
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
     raw_model = model
+    if args.compile:
+        model = torch.compile(model, backend=args.compile)  # the guard's hooks stay eager
     if ddp:
         model = DDP(model)
 

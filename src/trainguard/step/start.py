@@ -115,7 +115,8 @@ class StepStart:
         fetched the step's first batch during the step before)."""
         # the model, the innermost module whose hooks run eagerly (inside DDP, down to a
         # torch.compile wrapper: user_hooks.py) and the module inside all wrappers
-        self._roots = list({id(m): m for m in (model, eager_module(model), self._inner)}.values())
+        self._eager = eager_module(model)
+        self._roots = list({id(m): m for m in (model, self._eager, self._inner)}.values())
         self._root_ids = frozenset(id(m) for m in self._roots)
         self._handles = [self._hook(m) for m in self._roots]
         self._child_handles: list[Any] = []
@@ -138,7 +139,11 @@ class StepStart:
         return self._rng
 
     def _hook_children(self) -> None:
-        children = [m for m in self._inner.children() if id(m) not in self._root_ids]
+        """The direct children of the innermost eager module: none inside ``torch.compile``
+        (its wrapper's only child is a root; the hooks would do nothing in the trace, and
+        taking them off later would recompile the model once more)."""
+        parent = self._eager if not compiled_in_place(self._eager) else nn.Module()
+        children = [m for m in parent.children() if id(m) not in self._root_ids]
         self._child_handles = [self._hook(m) for m in children]
 
     def _hook(self, module: nn.Module) -> Any:
