@@ -20,6 +20,7 @@ import trainguard as tg
 
 STEPS = 12
 BAD_STEP = 9
+HOW = ("wrapped", "in_place")
 
 
 def _compiled(how: str) -> tuple[nn.Module, nn.Module]:
@@ -60,31 +61,31 @@ def _train(rank: int, how: str, bad_rank: int | None, run_dir: str | None) -> di
     return result
 
 
-def _jobs(rank: int, world_size: int, how: str, shared: str) -> dict:
+def _jobs(rank: int, world_size: int, shared: str) -> dict:
     return {
-        "guarded": _train(rank, how, 1, str(Path(shared, how))),
-        "reference": _train(rank, how, None, None),
+        how: {
+            "guarded": _train(rank, how, 1, str(Path(shared, how))),
+            "reference": _train(rank, how, None, None),
+        }
+        for how in HOW
     }
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("how", ["wrapped", "in_place"])
-def test_ddp_around_a_compiled_model_skips_together_and_stays_compiled(
-    how: str, tmp_path: Path
-) -> None:
-    results = values(run_ranks(_jobs, 2, how, str(tmp_path), timeout=140))
-    for rank, result in enumerate(results):
-        guarded, reference = result["guarded"], result["reference"]
-        assert guarded["skipped"] == [BAD_STEP], rank
-        warm, end = guarded["graphs"]
-        assert warm is not None and warm >= 1 and end == warm, (rank, guarded["graphs"])
-        assert end == reference["graphs"][1], rank  # as many graphs as the unguarded run
-        for name, value in reference["state"].items():
-            assert torch.equal(guarded["state"][name], value), (rank, name)
-        times = guarded["compute_times"]
-        assert len(times) >= STEPS - 1 and all(t[0] > 0 for t in times), (rank, times)
-    params = [name for name, _ in BufferNet().named_parameters()]  # buffers: each rank's last
-    for name in params:  # forward updated its own (DDP broadcasts them at the next forward)
-        assert torch.equal(
-            results[1]["guarded"]["state"][name], results[0]["guarded"]["state"][name]
-        )
+def test_ddp_around_a_compiled_model_skips_together_and_stays_compiled(tmp_path: Path) -> None:
+    results = values(run_ranks(_jobs, 2, str(tmp_path), timeout=140))
+    for how in HOW:
+        for rank, result in enumerate(r[how] for r in results):
+            guarded, reference = result["guarded"], result["reference"]
+            assert guarded["skipped"] == [BAD_STEP], (how, rank)
+            warm, end = guarded["graphs"]
+            assert warm is not None and warm >= 1 and end == warm, (how, rank, guarded["graphs"])
+            assert end == reference["graphs"][1], (how, rank)  # as many as unguarded
+            for name, value in reference["state"].items():
+                assert torch.equal(guarded["state"][name], value), (how, rank, name)
+            times = guarded["compute_times"]
+            assert len(times) >= STEPS - 1 and all(t[0] > 0 for t in times), (how, rank, times)
+        params = [name for name, _ in BufferNet().named_parameters()]  # buffers: each rank's
+        states = [r[how]["guarded"]["state"] for r in results]  # last forward updated its own
+        for name in params:  # (DDP broadcasts them at the next forward)
+            assert torch.equal(states[0][name], states[1][name]), (how, name)
