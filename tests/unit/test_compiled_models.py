@@ -164,3 +164,29 @@ def test_a_model_compiled_in_place_after_the_guard_is_hooked_again(tmp_path: Pat
     assert meta["rng_stored"] and meta["forward_inputs"] is not None
     # once more when its hooks moved (dynamo guards on the module's hook dicts), then never
     assert graphs == [1, 2, 2, 2, 2, 2], graphs
+
+
+def test_trainguard_runs_first_step_hooks_leave_a_compile_wrapper_to_dynamo() -> None:
+    """``trainguard run`` records the first step's top-level calls with process-wide hooks
+    (``attach/prestart.py``). Under ``torch.compile(model)`` the wrapper's call is recorded
+    eagerly; inside it the hooks do nothing dynamo must trace (it cannot trace their thread
+    check: a graph break and a warning at the first step, before)."""
+    import warnings
+
+    from trainguard.attach.prestart import PreStart
+
+    model = BufferNet()
+    compiled = torch.compile(model, backend="eager")
+    prestart = PreStart()
+    prestart.install()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss_fn(compiled, batches(1)[0]).backward()
+    finally:
+        prestart.remove()
+    assert prestart.candidates == [compiled]
+    assert len(prestart.calls[id(compiled)].batches) == 1
+    assert (prestart._depth, prestart._traced) == (0, 0)
+    assert not [w for w in caught if "does not know how to trace" in str(w.message)]
+    assert sum(counters["graph_break"].values()) == 0

@@ -56,6 +56,8 @@ class PreStart:
     def __init__(self) -> None:
         self.calls: dict[int, StepZero] = {}
         self._depth = 0
+        self._traced = 0
+        """Calls inside a compile wrapper that ``_pre`` left alone and ``_post`` has not seen."""
         self._main = threading.main_thread()
         self._handles: list[RemovableHandle] = []
 
@@ -76,6 +78,12 @@ class PreStart:
         return [zero.module for zero in self.calls.values()]
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if torch.compiler.is_compiling() and self._depth > 0:
+            # a call inside a torch.compile wrapper whose own call was recorded eagerly: not
+            # top level, and nothing here for dynamo to trace (it cannot trace the thread
+            # check, and warned of it at the first step)
+            self._traced += 1
+            return
         if threading.current_thread() is not self._main:
             return
         self._depth += 1
@@ -90,6 +98,9 @@ class PreStart:
         zero.batches.append(batch_of(args, {}))
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._traced and torch.compiler.is_compiling():
+            self._traced -= 1  # the end of a call _pre left alone
+            return
         if threading.current_thread() is self._main and self._depth > 0:
             self._depth -= 1
 
