@@ -203,3 +203,47 @@ def test_tracer_ignores_masked_nan_and_names_softmax_of_masked_row(tmp_path: Pat
     assert origin is not None and origin.kind == "op" and origin.site is not None
     assert origin.site.op == "aten._softmax" and origin.value == "nan"
     assert not origin.inputs_finite
+
+
+@pytest.mark.parametrize("culprit", [0, 5, 15])
+def test_bisection_of_a_loss_that_normalises_over_the_batch(culprit: int) -> None:
+    """An advantage divided by the batch's std: a sub-batch of one sample is non-finite
+    whichever sample it holds. The culprit is still the one sample (found by removing
+    halves), not every sample and not the first one tried alone."""
+    found = find_culprits(lambda positions: culprit in positions or len(positions) < 2, 16)
+    assert (found.culprits, found.batch_level, found.complete) == ([culprit], False, True)
+    assert found.runs <= 10
+
+
+class _Policy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+
+def _ppo_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """A policy-gradient loss with advantages normalised over the batch (PPO's usual)."""
+    adv = batch["adv"]
+    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    logp = torch.log_softmax(model.fc(batch["obs"]), -1)[:, 0]
+    return -(logp * adv).mean()
+
+
+def test_the_replay_names_the_sample_of_a_loss_that_normalises_over_the_batch(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = _Policy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    data = [{"obs": torch.randn(16, 4, generator=gen), "adv": torch.randn(16, generator=gen)}]
+    data[0]["adv"][5] = float("nan")  # one bad advantage
+    with tg.Guard(model, opt, run_dir=tmp_path) as guard:
+        for batch in guard.watch(data):
+            loss = _ppo_loss(model, batch)
+            loss.backward()
+            assert not guard.check(loss)
+    (bundle,) = (tmp_path / "captures").glob("step-*")
+    report = tg.replay(bundle, lambda: (_Policy(), _ppo_loss))
+    assert report.verdict == "bad_input"
+    assert [s["position"] for s in report.culprit_samples] == [5]

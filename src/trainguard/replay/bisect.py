@@ -6,6 +6,15 @@ half is bad alone it splits finer and drops parts (delta debugging), down to a s
 samples that are bad only together. The round's find is removed and the rest is run again:
 when it is finite the culprits are found; when it is still bad another round starts.
 
+First, by exclusion: the samples are halved by *removing* a half and running the rest, down to
+one sample whose removal makes the batch finite (and which is bad on its own). The batches
+run stay at least half the batch, so a loss that normalises over the batch (an advantage
+divided by the batch's std, a batch-mean baseline) cannot go non-finite for want of samples,
+as the sub-batches of the search below do at one or two samples: the std of one sample is
+NaN whichever sample it is, and that search then took every sample for a culprit (or blamed
+the first one it tried). When no single sample's removal fixes the batch (several culprits,
+samples bad only together, a batch-level cause), the search below runs as before.
+
 A cause that belongs to the batch as a whole (a class with no sample, a statistic over the
 batch) makes every sub-batch bad, so "culprits" would be every sample. The search stops and
 returns ``[]`` (no single sample to blame) when, after the first round, three other samples
@@ -85,9 +94,33 @@ def _spread(positions: list[int], count: int) -> list[int]:
     return [positions[int(i * step + step / 2)] for i in range(count)]
 
 
+def _one_by_exclusion(budget: _Budget, size: int) -> int | None:
+    """The one sample whose removal makes the batch finite and which is bad on its own, found
+    by removing halves (module docstring); None when no such sample is found that way."""
+    everything = list(range(size))
+    suspects = everything
+    while len(suspects) > 1 and budget.left > 1:
+        fixed = None
+        for half in _chunks(suspects, 2):
+            removed = set(half)
+            if not budget.bad([p for p in everything if p not in removed]):
+                fixed = half
+                break
+        if fixed is None:
+            return None
+        suspects = fixed
+    if len(suspects) != 1 or budget.left <= 0 or not budget.bad(suspects):
+        return None
+    return suspects[0]
+
+
 def find_culprits(bad: Callable[[Sequence[int]], bool], size: int, max_runs: int = 64) -> Bisection:
     """Bisect ``range(size)``; ``bad(positions)`` runs the step on those samples only."""
     budget = _Budget(bad, max_runs)
+    if size > 1:
+        one = _one_by_exclusion(budget, size)
+        if one is not None:
+            return Bisection([one], budget.runs, batch_level=False)
     remaining = list(range(size))
     culprits: list[int] = []
     while remaining and budget.left > 0:

@@ -9,6 +9,7 @@ overflow of that dtype.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,7 +186,9 @@ def _culprits(runner: StepRunner, finding: Finding) -> Culprits:
         indices = batchtree.dataset_indices(batch)
 
         def bad(positions: Any, m: int = m) -> bool:
-            return runner.run(micro=m, positions=positions, backward=backward).bad
+            with warnings.catch_warnings():  # the loss's own warnings about a sub-batch the
+                warnings.simplefilter("ignore")  # search made up (std of one sample...)
+                return runner.run(micro=m, positions=positions, backward=backward).bad
 
         found = find_culprits(bad, size)
         out.runs += found.runs
