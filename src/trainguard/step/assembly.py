@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from trainguard import run_dirs
 from trainguard.config import GuardConfig
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
@@ -76,6 +77,7 @@ class GuardAssembly:
         self.run_dir = Path(self.config.run_dir)
         identity = identify_run(self.run_dir, self.config.resume, self.config.run, self._consensus)
         self.events = EventLog(self.run_dir, self.rank, identity)  # every event names its run
+        self._run_dir_claim = run_dirs.claim(self, self.run_dir, identity.id)  # run_dirs.py
         return identity
 
     def _build_step_path(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -337,6 +337,7 @@ class Guard(GuardAssembly):
             if self._timer is not None:
                 self._timer.close()
             self._consensus.work.retire()  # released at exit, not by gloo's thread (held_work)
+            self._run_dir_claim()
 
     def __enter__(self) -> Guard:
         return self
