@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from trainguard import run_dirs
 from trainguard.config import GuardConfig
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
@@ -29,6 +28,7 @@ from trainguard.health.stragglers import StragglerWatch
 from trainguard.health.timing import StepTimer
 from trainguard.progress import Progress
 from trainguard.recovery import TrainingObjects, build_recovery, recovery_enabled
+from trainguard.run_dirs import claim as claim_run_dir
 from trainguard.run_identity import RunIdentity, identify_run
 from trainguard.step import amp
 from trainguard.step.apply import ApplyParts, DecisionApply
@@ -77,7 +77,7 @@ class GuardAssembly:
         self.run_dir = Path(self.config.run_dir)
         identity = identify_run(self.run_dir, self.config.resume, self.config.run, self._consensus)
         self.events = EventLog(self.run_dir, self.rank, identity)  # every event names its run
-        self._run_dir_claim = run_dirs.claim(self, self.run_dir, identity.id)  # run_dirs.py
+        self._run_dir_claim = claim_run_dir(self, self.run_dir, identity.id)  # run_dirs.py
         return identity
 
     def _build_step_path(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
