@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from tg_models import TinyNet
 
@@ -50,7 +51,8 @@ def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in map(json.loads, lines) if e["kind"] == kind]
 
 
-def _run(run_dir: Path, check_inputs: bool) -> list[bool]:
+def _run(run_dir: Path, check_inputs: bool, record: bool = False) -> list[bool]:
+    """``record``: the loop hands its batches to ``record_batch`` instead of ``watch()``."""
     torch.manual_seed(0)
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -59,7 +61,9 @@ def _run(run_dir: Path, check_inputs: bool) -> list[bool]:
     batches = [{"x": torch.randn(4, 8), "aux": torch.zeros(4, 2)} for _ in range(4)]
     batches[2]["aux"][3, 0] = NAN  # not used by the loss: only the input check sees it
     oks = []
-    for batch in guard.watch(batches):
+    for batch in batches if record else guard.watch(batches):
+        if record:
+            guard.record_batch(batch)
         loss = model(batch["x"]).pow(2).mean()
         loss.backward()
         oks.append(guard.check(loss))
@@ -69,8 +73,11 @@ def _run(run_dir: Path, check_inputs: bool) -> list[bool]:
     return oks
 
 
-def test_a_nan_input_skips_the_step_with_the_event(tmp_path: Path) -> None:
-    assert _run(tmp_path, check_inputs=True) == [True, True, False, True]
+@pytest.mark.parametrize("record", [False, True], ids=["watch", "record_batch"])
+def test_a_nan_input_skips_the_step_with_the_event(tmp_path: Path, record: bool) -> None:
+    """Batches from ``watch()`` and from ``record_batch()`` (Lightning, HF, ``trainguard
+    run``, a loop of its own) are checked alike."""
+    assert _run(tmp_path, check_inputs=True, record=record) == [True, True, False, True]
     [event] = _events(tmp_path, "bad_input")
     assert event["step"] == 2 and event["ranks"] == [0]
     assert event["tensors"] == [{"micro_batch": 0, "path": "['aux']", "positions": [3]}]

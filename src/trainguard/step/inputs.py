@@ -1,6 +1,7 @@
 """Non-finite input data: one fused pass over the floating-point tensors of a step's batches.
 
-``watch()`` hands the guard each step's micro-batches; at the check the guard takes the
+``watch()`` (or, in a loop without it, ``record_batch()``: the Lightning and HF callbacks,
+``trainguard run``) hands the guard each step's micro-batches; at the check the guard takes the
 largest absolute value over every floating-point tensor in them (on an accelerator one
 fused ``torch._foreach_norm(inf)`` per device; on the CPU ``aminmax`` per tensor, which is
 much faster there). That maximum is non-finite exactly when some

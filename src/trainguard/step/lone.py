@@ -129,7 +129,7 @@ class LoneStep:
         stream = self.stream
         if stream is not None and stream.exhausted:
             return None
-        batches = parts.evidence.batches_of(step) if stream is not None else []
+        batches = parts.evidence.batches_of(step)
         inputs = parts.inputs.foldable(step, batches, parts.device, keep=False)
         if inputs is None or not (self._sharded_checked or self._first_gradients_plain()):
             return None

@@ -91,7 +91,7 @@ class StepMeasure:
         checked = parts.losses.checked(loss)  # ends with the loss, detached (or its twin)
         last, check = loss_columns(checked[-1], checked, device)
         stream = parts.stream()
-        batches = parts.evidence.batches_of(step) if stream is not None else []
+        batches = parts.evidence.batches_of(step)
         inputs = parts.inputs.value(step, batches, device)
         fingerprint = parts.replicas.fingerprint(step, device)
         values = torch.stack([last, check, stats.norm, inputs, fingerprint])  # one kernel
@@ -104,7 +104,7 @@ class StepMeasure:
         checked = parts.losses.checked(loss)  # ends with the loss, detached (or its twin)
         if not foldable_losses(checked, parts.device):
             return None
-        batches = parts.evidence.batches_of(step) if parts.stream() is not None else []
+        batches = parts.evidence.batches_of(step)
         inputs = parts.inputs.foldable(step, batches, parts.device)
         return None if inputs is None else (checked, inputs)
 
