@@ -173,3 +173,21 @@ def test_without_matplotlib_the_text_still_works(
     assert "matplotlib is not installed" in (copy / "report.html").read_text(encoding="utf-8")
     assert run_report(copy, as_json=False, png=tmp_path / "t.png", html=False) == 2
     assert "--png needs matplotlib" in capsys.readouterr().err
+
+
+def test_a_loop_without_watch_has_no_measured_data_time(tmp_path: Path) -> None:
+    """``record_batch`` loops (and ``trainguard run``) fetch their batches out of the guard's
+    sight: the report says the data time was not measured instead of showing 0.00 ms."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tg.Guard(model, opt, run_dir=tmp_path / "recorded") as guard:
+        for batch in make_batches(4, seed=0):
+            guard.record_batch(batch)
+            loss = loss_fn(model, batch)
+            loss.backward()
+            guard.step(loss)
+    text = report_text(summarize(tmp_path / "recorded"))
+    assert "data time not measured: the loop fetched its batches without watch()" in text
+    row = next(line for line in text.splitlines() if line.strip().startswith("0 "))
+    assert row.split()[1] == "-"

@@ -205,12 +205,15 @@ def _timing(summary: RunSummary) -> list[str]:
         shown = sorted(slowest[: _MAX_LISTED - 1], key=lambda r: r["rank"])
     steps = rows[0]["steps"]
     lines = [f"{'rank':<6}{'data ms':>9}{'compute ms':>12}  (medians over {steps} logged steps)"]
+    data_measured = any(row["data"] > 0 for row in rows)  # a measured fetch takes some time
     for row in shown:
         flag = f"  straggler: {', '.join(named[row['rank']])}" if row["rank"] in named else ""
-        data, compute = row["data"] * 1e3, row["compute"] * 1e3
-        lines.append(f"{row['rank']:<6}{data:>9.2f}{compute:>12.2f}{flag}")
+        data = f"{row['data'] * 1e3:>9.2f}" if data_measured else f"{'-':>9}"
+        lines.append(f"{row['rank']:<6}{data}{row['compute'] * 1e3:>12.2f}{flag}")
     if len(shown) < len(rows):
         lines.append(f"... {len(rows) - len(shown)} faster ranks not listed")
+    if not data_measured:
+        lines.append("data time not measured: the loop fetched its batches without watch()")
     return lines
 
 
