@@ -23,17 +23,24 @@ dynamo guards on the step counter it compares, so the model recompiles at every 
 falls back to eager after ``torch._dynamo.config.recompile_limit`` steps (torch.compile
 silently lost); and the clock or RNG work it does could not be traced at all. So:
 
-- a ``Hook`` does nothing while dynamo traces (``torch.compiler.is_compiling()``, a constant
-  in the trace): the graph holds no trace of it;
+- a ``Hook`` on a module inside ``torch.compile(model)``'s wrapper (``inside_compiled``) does
+  nothing while dynamo traces (``torch.compiler.is_compiling()``, a constant in the trace):
+  the wrapper's own hook, run eagerly, did its work; ``eager_module`` names the innermost
+  module whose hooks run eagerly;
 - ``add_forward_hooks`` puts the hooks of a module compiled in place around its compiled
   call instead (``EagerCalls`` as its ``_compiled_call_impl``), where they run eagerly, once
-  per call; any other module gets ordinary hooks. A module inside ``torch.compile(model)`` is
-  left to the wrapper's own hooks, which run eagerly: ``eager_module`` names the innermost
-  module whose hooks run eagerly.
+  per call; any other module gets ordinary hooks;
+- any other ``Hook`` traced by dynamo (the model called inside a compiled function of the
+  loop's, ``torch.compile(loss_fn)``: no wrapper of the model's own runs eagerly) runs
+  through ``torch._dynamo.disable``: a graph break, its callback run eagerly, nothing of it in
+  the graph and no guard on what it reads (``prepare_eager`` makes that runner once dynamo is
+  imported: the guard calls it when built and when a step's start was missed; until then
+  the callback is traced as before).
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -42,18 +49,41 @@ import torch
 from torch import nn
 
 
+def _call(callback: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return callback(*args, **kwargs)
+
+
+_eager_call: Callable[..., Any] | None = None
+"""``_call`` under ``torch._dynamo.disable`` (``prepare_eager``), None until dynamo is imported."""
+
+
+def prepare_eager() -> None:
+    """Make the runner a traced ``Hook`` calls eagerly through, once ``torch._dynamo`` is
+    imported (importing it here would cost every process a second or more)."""
+    global _eager_call
+    if _eager_call is None and "torch._dynamo" in sys.modules:
+        _eager_call = torch.compiler.disable(_call)  # type: ignore[no-untyped-call]
+
+
 class Hook:
-    """A hook that calls ``callback``; its copies (pickle, ``deepcopy``) call nothing."""
+    """A hook that calls ``callback``; its copies (pickle, ``deepcopy``) call nothing.
+    ``inside_compiled``: the module is inside a ``torch.compile`` wrapper (module docstring)."""
 
-    __slots__ = ("callback",)
+    __slots__ = ("callback", "inside_compiled")
 
-    def __init__(self, callback: Callable[..., Any] | None) -> None:
+    def __init__(self, callback: Callable[..., Any] | None, inside_compiled: bool = False) -> None:
         self.callback = callback
+        self.inside_compiled = inside_compiled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         callback = self.callback
-        if callback is None or torch.compiler.is_compiling():
-            return None  # a copy; or traced by dynamo: no part of the graph (module docstring)
+        if callback is None:
+            return None  # a copy
+        if torch.compiler.is_compiling():  # traced by dynamo (module docstring)
+            if self.inside_compiled:
+                return None
+            if _eager_call is not None:
+                return _eager_call(callback, args, kwargs)
         return callback(*args, **kwargs)
 
     def __reduce__(self) -> tuple[type[Hook], tuple[None]]:
@@ -118,18 +148,24 @@ def compiled_in_place(module: nn.Module) -> bool:
 
 
 def add_forward_hooks(
-    module: nn.Module, pre: PreHook | None = None, post: PostHook | None = None
+    module: nn.Module,
+    pre: PreHook | None = None,
+    post: PostHook | None = None,
+    inside_compiled: bool = False,
 ) -> HookHandle:
     """Hooks that run eagerly at every call of ``module`` (module docstring): ``pre(module,
-    args, kwargs)`` before it, ``post(module, args, output)`` after it; each a ``Hook``."""
+    args, kwargs)`` before it, ``post(module, args, output)`` after it; each a ``Hook``.
+    ``inside_compiled``: ``module`` is inside a ``torch.compile`` wrapper whose own hooks
+    do the work (these then do nothing in the trace)."""
     compiled = getattr(module, "_compiled_call_impl", None)
     if compiled is not None:  # compiled_in_place(module)
         return _around_compiled(module, compiled, pre, post)
     handles = []
     if pre is not None:
-        handles.append(module.register_forward_pre_hook(Hook(pre), with_kwargs=True))
+        hook = Hook(pre, inside_compiled)
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     if post is not None:
-        handles.append(module.register_forward_hook(Hook(post)))
+        handles.append(module.register_forward_hook(Hook(post, inside_compiled)))
 
     def remove() -> None:
         for handle in handles:

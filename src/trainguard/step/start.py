@@ -38,7 +38,13 @@ from torch import nn
 from trainguard.capture.rng import RngSnapshot, states_of
 from trainguard.step.buffers import BufferKeeper
 from trainguard.step.capturer import unwrap
-from trainguard.user_hooks import EagerCalls, add_forward_hooks, compiled_in_place, eager_module
+from trainguard.user_hooks import (
+    EagerCalls,
+    add_forward_hooks,
+    compiled_in_place,
+    eager_module,
+    prepare_eager,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +128,7 @@ class StepStart:
         self._child_handles: list[Any] = []
         self._hook_children()
         RngSnapshot.prepare()  # the raw layouts validated now, not inside the first step
+        prepare_eager()  # a hook traced in a compiled function runs eagerly (user_hooks.py)
 
     @property
     def rng(self) -> dict[str, Any] | None:
@@ -147,7 +154,9 @@ class StepStart:
         self._child_handles = [self._hook(m) for m in children]
 
     def _hook(self, module: nn.Module) -> Any:
-        return add_forward_hooks(module, pre=self._pre_hook)
+        # the module inside a torch.compile wrapper: the wrapper's own hook does the work
+        inside = module is self._inner and _is_compile_wrapper(self._eager)
+        return add_forward_hooks(module, pre=self._pre_hook, inside_compiled=inside)
 
     def _pre_hook(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         step = self._step_of()
@@ -193,6 +202,7 @@ class StepStart:
         next steps."""
         if self.step == step or not self._handles:
             return
+        prepare_eager()  # a compiled function calling the model: its hooks run eagerly next
         if any(_compiled_since(root) for root in self._roots):
             logger.debug("trainguard: step %d: the model was compiled in place: rehooked", step)
             for handle in self._handles:
@@ -232,6 +242,10 @@ class StepStart:
         self._handles = []
         self._unhook_children()
         self._forward_args, self._args_module = [], None
+
+
+def _is_compile_wrapper(module: nn.Module) -> bool:
+    return type(module).__name__ == "OptimizedModule"
 
 
 def _compiled_since(module: nn.Module) -> bool:
