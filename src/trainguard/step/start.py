@@ -146,9 +146,9 @@ class StepStart:
         return self._rng
 
     def _hook_children(self) -> None:
-        """The direct children of the innermost eager module: none inside ``torch.compile``
-        (its wrapper's only child is a root; the hooks would do nothing in the trace, and
-        taking them off later would recompile the model once more)."""
+        """The direct children of the innermost eager module: none under ``torch.compile``
+        (a wrapper's only child is a root; inside a compiled call a child's hooks would
+        only add graph breaks, and taking them off later would recompile the model)."""
         parent = self._eager if not compiled_in_place(self._eager) else nn.Module()
         children = [m for m in parent.children() if id(m) not in self._root_ids]
         self._child_handles = [self._hook(m) for m in children]
@@ -162,8 +162,8 @@ class StepStart:
         step = self._step_of()
         if self.step == step:
             # A later micro-batch's forward, or the first forward of a step that started at a
-            # record_batch or a fetch: its inputs are the step's too. (Never while dynamo
-            # traces a module: the hooks do nothing there, user_hooks.py.)
+            # record_batch or a fetch: its inputs are the step's too. (Under torch.compile
+            # this runs eagerly, or not at all inside a compile wrapper: user_hooks.py.)
             if module is self._args_module or (
                 self._args_module is None and id(module) in self._root_ids
             ):
@@ -196,10 +196,10 @@ class StepStart:
         return list(self._forward_args)
 
     def missed(self, step: int) -> None:
-        """``step`` is being checked and no hook started it: a root compiled in place since its
-        hooks went on (they do nothing inside the compiled call): hooked again, around it;
-        with the children unhooked, the loop called a child directly: hooked again. For the
-        next steps."""
+        """``step`` is being checked and no hook started it. For the next steps: the eager
+        runner of traced hooks made (dynamo was imported after the guard was built); a root
+        compiled in place since its hooks went on: hooked again, around its compiled call;
+        with the children unhooked, the loop called a child directly: hooked again."""
         if self.step == step or not self._handles:
             return
         prepare_eager()  # a compiled function calling the model: its hooks run eagerly next
