@@ -15,6 +15,8 @@ from tg_recovery import make_data
 from torch import nn
 
 import trainguard as tg
+from trainguard.capture import inspect_bundle
+from trainguard.replay.render import inspect_text
 from trainguard.step.dashboard import KEYS, PREFIX
 
 ALWAYS = {
@@ -217,3 +219,7 @@ def test_a_gradient_only_check_records_no_loss(tmp_path: Path) -> None:
     logged = [json.loads(line) for line in (tmp_path / "metrics" / "rank-0.jsonl").open()]
     assert [line["losses"] for line in logged] == [[], []]
     assert [line["decision"] for line in logged] == ["ok", "skip"]
+    (bundle,) = (tmp_path / "captures").glob("step-*")  # nor in the bad step's bundle
+    meta = tg.load_bundle(bundle).meta(0)
+    assert (meta["loss"], meta["loss_finite"], meta["micro_losses"]) == (None, None, [])
+    assert "loss not seen" in inspect_text(inspect_bundle(bundle))

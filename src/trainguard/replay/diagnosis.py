@@ -267,7 +267,7 @@ def not_reproduced_summary(
     runs: list[RunResult], deterministic: bool, device: str, meta: dict[str, Any]
 ) -> str:
     recorded = meta.get("loss")
-    where = "loss" if not meta.get("loss_finite", True) else "gradients"
+    where = "loss" if meta.get("loss_finite") is False else "gradients"  # None: not seen
     host = (meta.get("env") or {}).get("host", "the same host")
     n = len(runs)
     loss = runs[0].losses[0] if runs and runs[0].losses else math.nan

@@ -85,7 +85,8 @@ def _rank_text(rank: dict[str, Any]) -> list[str]:
     losses = f" (micro-batches: {', '.join(_num(v) for v in micro)})" if len(micro) > 1 else ""
     lines = [
         f"rank {rank['rank']}{mark}",
-        f"  host {rank['host']}, device {rank['device']}, loss {_num(rank['loss'])}{losses}, "
+        f"  host {rank['host']}, device {rank['device']}, "
+        f"loss {'not seen' if rank['loss'] is None else _num(rank['loss'])}{losses}, "
         f"local grad norm {_num(rank['local_grad_norm'])}",
     ]
     bad = rank["nonfinite_params"]

@@ -222,6 +222,7 @@ class GuardAssembly:
             stream=lambda: self._stream,
             rerun_verdict=transient,
             phase=self.phase,
+            loss_known=lambda: self._loss_known,
         )
 
     def _measure_parts(self) -> MeasureParts:

@@ -57,6 +57,10 @@ class EvidenceParts:
     rerun_verdict: Callable[[], str | None] | None
     """The last rerun's verdict, with ``Guard(rerun=...)``."""
     phase: Callable[[str], contextlib.AbstractContextManager[None]]
+    loss_known: Callable[[], bool] = lambda: True
+    """False while ``check_gradients()`` decides (``trainguard run``): the step's loss was
+    never seen, and a bundle says so (``loss``/``loss_finite`` None) instead of recording the
+    agreement's placeholder 0.0 as a finite loss."""
 
 
 class StepEvidence:
@@ -130,6 +134,8 @@ class StepEvidence:
             forward_args = parts.start.forward_inputs(step)
         forward = forward_findings(forward_args, batches)
         evidence = step_evidence(step, decision, agreement, stats, batches, rng, losses)
+        if not parts.loss_known():
+            evidence.extra.update(loss=None, loss_finite=None, micro_losses=[])
         if forward is not None:
             evidence.extra["forward_inputs"] = forward
             warn_made_in_loop(forward, step, parts.capturer.rank)
