@@ -36,6 +36,10 @@ def _wrapped(model: nn.Module) -> nn.Module:
     return torch.compile(model, backend="eager")  # type: ignore[return-value]
 
 
+def _not_compiled(model: nn.Module) -> nn.Module:
+    return model
+
+
 def _in_place(model: nn.Module) -> nn.Module:
     model.compile(backend="eager")
     return model
@@ -54,18 +58,20 @@ def fresh_dynamo() -> Iterator[None]:
 
 
 def _train(
-    compile_: Compile, data: list, run_dir: Path | None
+    compile_: Compile, data: list, run_dir: Path | None, compile_loss: bool = False
 ) -> tuple[dict, int, tg.Guard | None]:
-    """``(state, graphs compiled, guard)`` of a compiled BufferNet trained on ``data``."""
+    """``(state, graphs compiled, guard)`` of a compiled BufferNet trained on ``data``;
+    ``compile_loss``: the model is called inside ``torch.compile(loss_fn)``."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     model = BufferNet()
     net = compile_(model)
+    step_loss = torch.compile(loss_fn, backend="eager") if compile_loss else loss_fn
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     guard = tg.Guard(net, opt, run_dir=run_dir) if run_dir is not None else None
     for batch in guard.watch(data) if guard is not None else data:
-        loss = loss_fn(net, batch)
+        loss = step_loss(net, batch)
         loss.backward()
         if guard is None or guard.check(loss):
             opt.step()
@@ -141,28 +147,14 @@ def test_a_model_called_in_a_compiled_function_still_starts_its_steps(tmp_path: 
     runs eagerly, so its hook runs eagerly through a graph break (before: traced, a recompile
     at every step; with the hook doing nothing, the bad step's buffers stayed)."""
     clean = [b for i, b in enumerate(batches(STEPS, bad=BAD_STEP)) if i != BAD_STEP]
-    states = []
-    for data, run_dir in ((clean, None), (batches(STEPS, bad=BAD_STEP), tmp_path)):
-        torch._dynamo.reset()
-        counters.clear()
-        torch.manual_seed(0)
-        model = BufferNet()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        compiled_loss = torch.compile(loss_fn, backend="eager")
-        guard = tg.Guard(model, opt, run_dir=run_dir) if run_dir is not None else None
-        for batch in guard.watch(data) if guard is not None else data:
-            loss = compiled_loss(model, batch)
-            loss.backward()
-            if guard is None or guard.check(loss):
-                opt.step()
-            opt.zero_grad()
-        if guard is not None:
-            guard.close()
-            assert list(guard.state.nonfinite_steps) == [BAD_STEP]
-            assert int(counters["stats"]["unique_graphs"]) <= 2  # before: one per step
-        states.append(state_of(model))
-    for name, value in states[0].items():
-        assert torch.equal(states[1][name], value), name
+    reference, _, _ = _train(_not_compiled, clean, None, compile_loss=True)
+    guarded, graphs, guard = _train(
+        _not_compiled, batches(STEPS, bad=BAD_STEP), tmp_path, compile_loss=True
+    )
+    assert guard is not None and list(guard.state.nonfinite_steps) == [BAD_STEP]
+    assert graphs <= 2  # before: one per step
+    for name, value in reference.items():
+        assert torch.equal(guarded[name], value), name
 
 
 def test_eager_module_stops_at_the_compile_wrapper_inside_ddp_like_wrappers() -> None:

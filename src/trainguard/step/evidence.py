@@ -57,7 +57,7 @@ class EvidenceParts:
     rerun_verdict: Callable[[], str | None] | None
     """The last rerun's verdict, with ``Guard(rerun=...)``."""
     phase: Callable[[str], contextlib.AbstractContextManager[None]]
-    loss_known: Callable[[], bool] = lambda: True
+    loss_known: Callable[[], bool]
     """False while ``check_gradients()`` decides (``trainguard run``): the step's loss was
     never seen, and a bundle says so (``loss``/``loss_finite`` None) instead of recording the
     agreement's placeholder 0.0 as a finite loss."""

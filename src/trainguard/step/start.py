@@ -39,7 +39,6 @@ from trainguard.capture.rng import RngSnapshot, states_of
 from trainguard.step.buffers import BufferKeeper
 from trainguard.step.capturer import unwrap
 from trainguard.user_hooks import (
-    EagerCalls,
     add_forward_hooks,
     compiled_in_place,
     eager_module,
@@ -197,18 +196,12 @@ class StepStart:
 
     def missed(self, step: int) -> None:
         """``step`` is being checked and no hook started it. For the next steps: the eager
-        runner of traced hooks made (dynamo was imported after the guard was built); a root
-        compiled in place since its hooks went on: hooked again, around its compiled call;
-        with the children unhooked, the loop called a child directly: hooked again."""
+        runner of traced hooks made, if dynamo came after the guard was built; with the
+        children unhooked, the loop called a child directly: hooked again."""
         if self.step == step or not self._handles:
             return
         prepare_eager()  # a compiled function calling the model: its hooks run eagerly next
-        if any(_compiled_since(root) for root in self._roots):
-            logger.debug("trainguard: step %d: the model was compiled in place: rehooked", step)
-            for handle in self._handles:
-                handle.remove()
-            self._handles = [self._hook(m) for m in self._roots]
-        elif self.seen and not self._child_handles:
+        if self.seen and not self._child_handles:
             logger.debug("trainguard: step %d started in no hooked module: children hooked", step)
             self._hook_children()
 
@@ -246,11 +239,6 @@ class StepStart:
 
 def _is_compile_wrapper(module: nn.Module) -> bool:
     return type(module).__name__ == "OptimizedModule"
-
-
-def _compiled_since(module: nn.Module) -> bool:
-    """``module.compile()`` ran after the guard's hooks went on (they are not around it)."""
-    return compiled_in_place(module) and not isinstance(module._compiled_call_impl, EagerCalls)
 
 
 def _device_type(model: nn.Module) -> str:
