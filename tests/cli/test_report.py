@@ -106,7 +106,7 @@ def test_corrupt_events_are_skipped_and_said(demo_run: Path, tmp_path: Path) -> 
     events.write_text("not json at all\n" + text + '{"time": 17000, "kind": "clo', encoding="utf-8")
     done = trainguard("report", str(copy))
     assert done.returncode == 0, done.stderr
-    assert "skipped     events/rank-1.jsonl: 2 unreadable lines" in done.stdout
+    assert "unreadable  events/rank-1.jsonl: 2 unreadable lines" in done.stdout
     assert "first bad   step 12" in done.stdout
 
 

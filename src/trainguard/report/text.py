@@ -36,7 +36,7 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
         ("reruns", _listed(summary.reruns, _rerun)),
         ("hosts", _hosts(summary.hosts)),
         ("timing", _timing(summary)),
-        ("skipped", _skipped(summary)),
+        ("unreadable", _unreadable(summary)),
     ]
     if page is not None:
         rows.append(("page", [page]))
@@ -236,7 +236,8 @@ def _named_ranks(stragglers: list[dict[str, Any]]) -> dict[int, list[str]]:
     return named
 
 
-def _skipped(summary: RunSummary) -> list[str]:
+def _unreadable(summary: RunSummary) -> list[str]:
+    """Log lines and files the report could not read (skipped, not counted as steps)."""
     lines = [
         f"{name}: {n} unreadable line{'s' if n != 1 else ''}"
         for name, n in sorted(summary.skipped.lines.items())
