@@ -215,6 +215,79 @@ def test_bisection_of_a_loss_that_normalises_over_the_batch(culprit: int) -> Non
     assert found.runs <= 10
 
 
+@pytest.mark.parametrize("culprit", [0, 3, 15])
+def test_bisection_of_a_model_that_raises_on_one_sample(culprit: int) -> None:
+    """BatchNorm in training mode raises on a batch of one sample (``bad`` returns None):
+    the sample whose removal fixes the batch is still named alone, not with a neighbour."""
+
+    def probe(positions: Any) -> bool | None:
+        return None if len(positions) < 2 else culprit in positions
+
+    found = find_culprits(probe, 16)
+    assert (found.culprits, found.batch_level, found.complete) == ([culprit], False, True)
+
+
+def test_bisection_of_a_pair_when_one_sample_raises() -> None:
+    """Two samples bad only together: with single runs raising, neither is named alone."""
+
+    def probe(positions: Any) -> bool | None:
+        return None if len(positions) < 2 else {3, 11} <= set(positions)
+
+    assert find_culprits(probe, 16).culprits == [3, 11]
+
+
+class _LogBatchNorm(nn.Module):
+    """A NaN made in the forward (log of a 0 feature) before a BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.bn, self.fc2 = nn.Linear(4, 16), nn.BatchNorm1d(16), nn.Linear(16, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(torch.relu(self.bn(self.fc1(torch.log(x)))))
+
+
+def _bn_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+def _bn_batch(bad: int | None) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.rand(8, 4, generator=gen) + 0.1, torch.randn(8, 1, generator=gen)
+    if bad is not None:
+        x[bad, 1] = 0.0
+    return x, y
+
+
+def test_the_replay_of_a_batchnorm_model_blames_the_op_and_the_sample(tmp_path: Path) -> None:
+    """The repeated runs leave BatchNorm's statistics non-finite; the traced run starts from
+    the captured (finite) ones, so the verdict is the op and the sample, not the weights."""
+    model = _LogBatchNorm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with tg.Guard(model, opt, run_dir=tmp_path) as guard:
+        for batch in guard.watch([_bn_batch(None), _bn_batch(3)]):
+            loss = _bn_loss(model, batch)
+            loss.backward()
+            if guard.check(loss):
+                opt.step()
+            opt.zero_grad()
+    (bundle,) = (tmp_path / "captures").glob("step-*")
+    report = tg.replay(bundle, lambda: (_LogBatchNorm(), _bn_loss))
+    assert (report.verdict, report.op) == ("numerical", "aten.log")
+    assert [s["position"] for s in report.culprit_samples] == [3]
+    assert not report.details.get("weights_nonfinite")
+
+
+@pytest.mark.parametrize("bad", [3, None])
+def test_diagnose_leaves_the_buffers_as_they_were(bad: int | None) -> None:
+    model = _LogBatchNorm()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tg.diagnose(model, _bn_loss, _bn_batch(bad), bisect=True)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 class _Policy(nn.Module):
     def __init__(self) -> None:
         super().__init__()

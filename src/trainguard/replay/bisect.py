@@ -7,7 +7,9 @@ samples that are bad only together. The round's find is removed and the rest is 
 when it is finite the culprits are found; when it is still bad another round starts.
 
 First, by exclusion: the samples are halved by *removing* a half and running the rest, down to
-one sample whose removal makes the batch finite (and which is bad on its own). The batches
+one sample whose removal makes the batch finite (and which is bad on its own; when a run of
+one sample raises, as BatchNorm in training mode does, bad with each half of the other samples
+instead: a sample bad only together with another one is bad with one half only). The batches
 run stay at least half the batch, so a loss that normalises over the batch (an advantage
 divided by the batch's std, a batch-mean baseline) cannot go non-finite for want of samples,
 as the sub-batches of the search below do at one or two samples: the std of one sample is
@@ -20,7 +22,8 @@ batch) makes every sub-batch bad, so "culprits" would be every sample. The searc
 returns ``[]`` (no single sample to blame) when, after the first round, three other samples
 spread over the batch are each bad alone, or when culprits would exceed half the batch.
 When the run budget (64 runs) is spent first it claims nothing (``complete=False``). A run
-that raises (e.g. BatchNorm with one sample) counts as fine.
+that raises (``bad`` returns None: e.g. BatchNorm with one sample) counts as fine, except in
+the check of the sample found by exclusion (above).
 """
 
 from __future__ import annotations
@@ -40,13 +43,21 @@ class Bisection:
     """False when the run budget ran out before the search ended (nothing is claimed)."""
 
 
+Probe = Callable[[Sequence[int]], bool | None]
+"""Runs the step on those sample positions: True when it is non-finite, None when it raised."""
+
+
 class _Budget:
-    def __init__(self, bad: Callable[[Sequence[int]], bool], max_runs: int) -> None:
+    def __init__(self, bad: Probe, max_runs: int) -> None:
         self._bad = bad
         self.left = max_runs
         self.runs = 0
 
     def bad(self, positions: Sequence[int]) -> bool:
+        return bool(self.probe(positions))
+
+    def probe(self, positions: Sequence[int]) -> bool | None:
+        """``bad``, or None when the run raised."""
         self.runs += 1
         self.left -= 1
         return self._bad(positions)
@@ -109,12 +120,23 @@ def _one_by_exclusion(budget: _Budget, size: int) -> int | None:
         if fixed is None:
             return None
         suspects = fixed
-    if len(suspects) != 1 or budget.left <= 0 or not budget.bad(suspects):
+    if len(suspects) != 1 or budget.left <= 0:
         return None
-    return suspects[0]
+    one = suspects[0]
+    return one if _bad_by_itself(budget, one, [p for p in everything if p != one]) else None
 
 
-def find_culprits(bad: Callable[[Sequence[int]], bool], size: int, max_runs: int = 64) -> Bisection:
+def _bad_by_itself(budget: _Budget, one: int, others: list[int]) -> bool:
+    """Whether sample ``one`` makes a batch bad without any other given sample: alone, or,
+    when a run of one sample raises, with each half of ``others`` (module docstring)."""
+    alone = budget.probe([one])
+    if alone is not None:
+        return alone
+    halves = _chunks(others, 2)
+    return len(halves) == 2 and all(budget.left > 0 and budget.bad([one, *h]) for h in halves)
+
+
+def find_culprits(bad: Probe, size: int, max_runs: int = 64) -> Bisection:
     """Bisect ``range(size)``; ``bad(positions)`` runs the step on those samples only."""
     budget = _Budget(bad, max_runs)
     if size > 1:

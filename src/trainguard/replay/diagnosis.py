@@ -80,6 +80,7 @@ def locate(runner: StepRunner, micro: int) -> Finding:
     tracer = NonFiniteTracer(modules)
     batch = runner.micro_batches[micro]
     inputs = seed_inputs(tracer, batch, batchtree.leaves, batchtree.batch_size(batch))
+    runner.restore_buffers()  # the runs before this one wrote them: seed the step's own
     params = seed_parameters(tracer, runner.model)
     with modules, tracer:
         result = runner.run(micro=micro, tracer=tracer, keep_loss=True)

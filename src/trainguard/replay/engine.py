@@ -185,10 +185,11 @@ def _culprits(runner: StepRunner, finding: Finding) -> Culprits:
             continue
         indices = batchtree.dataset_indices(batch)
 
-        def bad(positions: Any, m: int = m) -> bool:
+        def bad(positions: Any, m: int = m) -> bool | None:
             with warnings.catch_warnings():  # the loss's own warnings about a sub-batch the
                 warnings.simplefilter("ignore")  # search made up (std of one sample...)
-                return runner.run(micro=m, positions=positions, backward=backward).bad
+                result = runner.run(micro=m, positions=positions, backward=backward)
+            return None if result.error is not None else result.bad
 
         found = find_culprits(bad, size)
         out.runs += found.runs

@@ -95,14 +95,19 @@ class StepRunner:
         """The parameters that get gradients, by name."""
         return self._params
 
-    def _reset(self, rng: dict[str, Any] | None) -> None:
-        if rng is not None:
-            set_rng_state(rng)
+    def restore_buffers(self) -> None:
+        """Put the model's buffers back as they were when the runner was made (a run's
+        forward writes them: BatchNorm's statistics, made non-finite by a bad batch)."""
         with torch.no_grad():
             for name, buf in self.model.named_buffers():
                 saved = self._buffers.get(name)
                 if saved is not None and saved.shape == buf.shape:
                     buf.copy_(saved)
+
+    def _reset(self, rng: dict[str, Any] | None) -> None:
+        if rng is not None:
+            set_rng_state(rng)
+        self.restore_buffers()
         for _, param in self._params:
             param.grad = None
 

@@ -131,8 +131,8 @@ def diagnose(
     device = param.device if param is not None else torch.device("cpu")
     grads = {p: p.grad for p in model.parameters()}
     saved_rng = rng_state()
+    runner = StepRunner(model, loss_fn, [batch], saved_rng, device)
     try:
-        runner = StepRunner(model, loss_fn, [batch], saved_rng, device)
         runs = [runner.run(strict=True) for _ in range(repeats)]
         if not any(r.bad for r in runs):
             same = len({r.bits for r in runs}) == 1
@@ -141,6 +141,7 @@ def diagnose(
         report = diagnose_runs(runner, runs, {"live": True}, str(device), bisect, history)
     finally:
         set_rng_state(saved_rng)
+        runner.restore_buffers()
         for p, grad in grads.items():
             p.grad = grad
     report.details.update(device=str(device), repeats=repeats)
