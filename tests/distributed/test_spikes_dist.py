@@ -63,7 +63,10 @@ def _train(rank: int, mode: str, run_dir: Path, sync_free: bool) -> dict[str, An
     guard.close()
     lines = (run_dir / "events" / f"rank-{rank}.jsonl").read_text().splitlines()
     spikes = [e for e in map(json.loads, lines) if e["kind"] == "spike"]
+    decisions = {record.step: record.decision for record in guard.history.records()}
     return {
+        "spike_recorded": decisions.get(SPIKE_STEP),
+        "last_good_step": guard.state.last_good_step,
         "sync_free": guard._deferred,  # the device rule and found_inf, not check()
         "ok": [bool(ok) for ok in oks],
         "spikes": [(e["step"], e["metric"], e["action"]) for e in spikes],
@@ -94,6 +97,9 @@ def test_a_spike_on_one_rank_is_skipped_on_every_rank(tmp_path: Path) -> None:
         assert "loss" in {m for s, m, a in r0["spikes"] if s == SPIKE_STEP}, name
         assert {s for s, _, _ in r0["spikes"]} == {SPIKE_STEP}, name
         assert r0["spikes"] == r1["spikes"], name
+        for r in (r0, r1):  # recorded as the skipped spike it was, not as a good step
+            assert r["spike_recorded"] == "spike", name
+            assert r["last_good_step"] == STEPS - 1, name
         for r in (r0, r1):
             assert r["unchanged"] and r["moved_after"], name  # skipped exactly, then trains
         assert torch.equal(r0["params"], r1["params"]), name  # identical replicas after

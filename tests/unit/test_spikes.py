@@ -129,23 +129,33 @@ def _run(
     config = tg.GuardConfig(run_dir=tmp_path, on_spike=on_spike, spike_warmup=100)  # type: ignore[arg-type]
     guard = tg.Guard(model, opt, config=config)
     gen = torch.Generator().manual_seed(1)
-    results: dict[str, Any] = {"ok": [], "params": {}}
+    results: dict[str, Any] = {"ok": [], "params": {}, "last_good": []}
     try:
-        batches = [torch.randn(6, 8, generator=gen) for _ in range(steps)]
-        for step, x in enumerate(guard.watch(batches)):
-            target = torch.ones(6, 4) * (20.0 if step in spikes else 1.0)
-            loss = (model(x) - target).pow(2).mean() * (math.nan if step in nans else 1.0)
+        batches = [
+            (torch.randn(6, 8, generator=gen), torch.ones(6, 4) * (20.0 if i in spikes else 1.0))
+            for i in range(steps)
+        ]
+        for step, batch in enumerate(guard.watch(batches)):
+            loss = _spike_loss(model, batch) * (math.nan if step in nans else 1.0)
             loss.backward()
             before = [p.detach().clone() for p in model.parameters()]
             ok = guard.check(loss)
             results["ok"].append(ok)
+            results["last_good"].append(guard.state.last_good_step)
             opt.step()
             opt.zero_grad()
             results["params"][step] = (before, [p.detach().clone() for p in model.parameters()])
     except SpikeError as exc:
         results["error"] = exc
     guard.close()
+    logged = (tmp_path / "metrics" / "rank-0.jsonl").read_text().splitlines()
+    results["recorded"] = {e["step"]: e["decision"] for e in map(json.loads, logged)}
     return results
+
+
+def _spike_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, target = batch
+    return (model(x) - target).pow(2).mean()
 
 
 def test_skip_leaves_weights_alone_and_writes_the_event(tmp_path: Path) -> None:
@@ -157,6 +167,25 @@ def test_skip_leaves_weights_alone_and_writes_the_event(tmp_path: Path) -> None:
     assert event["step"] == 110 and event["action"] == "spike" and event["score"] > 6
     assert {"value", "baseline", "threshold", "ratio"} <= set(event)
     assert list((tmp_path / "captures").glob("step-00000110"))  # the first spike is captured
+    assert out["recorded"][110] == "spike"  # the metrics log: a skipped spike, not "ok"
+    assert out["last_good"][110] == 109 and out["last_good"][111] == 111
+
+
+def test_a_skipped_spike_is_counted_inspected_and_replayed_as_a_spike(tmp_path: Path) -> None:
+    """The report's decisions, the bundle's manifest and inspect, and the replay's verdict
+    say spike: not a good step, not a non-finite step that did not reproduce."""
+    from trainguard.capture.inspect import inspect_bundle
+    from trainguard.report import summarize
+
+    _run(tmp_path, "skip", {110})
+    decisions = summarize(tmp_path).decisions
+    assert decisions == {"ok": 129, "spike": 1}
+    bundle = tmp_path / "captures" / "step-00000110"
+    summary = inspect_bundle(bundle)
+    assert (summary["trigger"], summary["decision"], summary["ranks"]) == ("spike", "spike", [])
+    report = tg.replay(bundle, lambda: (TinyNet(), _spike_loss))
+    assert (report.verdict, report.reproduced) == ("spike", True)
+    assert "transient" not in report.summary.split(":")[0] and "suspect" not in report.summary
 
 
 def test_first_spike_and_first_nonfinite_step_are_captured_independently(tmp_path: Path) -> None:
@@ -206,12 +235,15 @@ def _fused_run(tmp_path: Path, on_spike: str, spikes: set[int], sync_free: bool)
         snapshots.append([p.detach().clone() for p in model.parameters()])
     guard.close()
     steps = [e["step"] for e in _events(tmp_path, "spike") if e["metric"] == "loss"]
-    return {"snapshots": snapshots, "steps": steps, "skips": _events(tmp_path, "skip")}
+    logged = (tmp_path / "metrics" / "rank-0.jsonl").read_text().splitlines()
+    recorded = {e["step"]: e["decision"] for e in map(json.loads, logged)}
+    skips = _events(tmp_path, "skip")
+    return {"snapshots": snapshots, "steps": steps, "skips": skips, "recorded": recorded}
 
 
 def test_sync_free_step_skips_a_spike_on_the_device(tmp_path: Path) -> None:
     fused = _fused_run(tmp_path / "fused", "skip", {110}, sync_free=True)
-    assert fused["steps"] == [110]
+    assert fused["steps"] == [110] and fused["recorded"][110] == "spike"
     assert [e["step"] for e in fused["skips"]] == [110]
     before, after = fused["snapshots"][109], fused["snapshots"][110]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # weights untouched
@@ -223,6 +255,7 @@ def test_sync_free_step_skips_a_spike_on_the_device(tmp_path: Path) -> None:
 def test_sync_free_warn_is_judged_on_the_host_a_step_late(tmp_path: Path) -> None:
     warned = _fused_run(tmp_path, "warn", {110}, sync_free=True)
     assert warned["steps"] == [110] and warned["skips"] == []
+    assert warned["recorded"][110] == "ok"  # warned about, and applied
     before, after = warned["snapshots"][109], warned["snapshots"][110]
     assert not all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # applied
 

@@ -35,6 +35,7 @@ def inspect_bundle(path: Path | str | Bundle) -> dict[str, Any]:
         "python": manifest.get("python"),
         "sharded": bundle.sharded,
         "grad_norm": manifest.get("grad_norm"),
+        "losses": manifest.get("losses"),
         "bytes": sum(int(rec.get("bytes", 0)) for rec in files.values()),
         "weights_identical_across_ranks": _weights_identical(bundle),
         "history": history_summary(bundle.history),

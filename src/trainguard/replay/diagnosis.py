@@ -264,6 +264,35 @@ def made_in_loop_summary(runs: list[RunResult], device: str, meta: dict[str, Any
     )
 
 
+def spike_summary(
+    runs: list[RunResult], deterministic: bool, device: str, meta: dict[str, Any]
+) -> tuple[str, str]:
+    """The verdict and sentence of a spike's bundle (finite when it ran, finite replayed):
+    ``spike`` when the replays give the recorded loss again, else ``not_reproduced``."""
+    recorded = meta.get("loss")
+    n = len(runs)
+    loss = runs[0].losses[0] if runs and runs[0].losses else math.nan
+    norm = runs[0].grad_norm if runs else math.nan
+    if (
+        deterministic
+        and isinstance(recorded, (int, float))
+        and math.isclose(recorded, loss, rel_tol=1e-5)
+    ):
+        return "spike", (
+            f"The spike reproduces: {n} replays on {device} gave the recorded loss "
+            f"({loss:.6g}; gradient norm {norm:.6g}), bit for bit the same each time: the "
+            "step's own batch and weights make it, not a transient fault."
+        )
+    what = f"{recorded:.6g}" if isinstance(recorded, (int, float)) else "no loss"
+    same = "bit for bit the same" if deterministic else "differing bit for bit"
+    return "not_reproduced", (
+        f"The spike did not reproduce: {n} replays on {device} gave loss {loss:.6g} "
+        f"({same}) where rank {meta.get('rank')} recorded {what}: the loop did something "
+        "the replay does not (a transform between the fetch and the forward, a loss_fn "
+        "other than the loop's), or the step's kernels are nondeterministic."
+    )
+
+
 def not_reproduced_summary(
     runs: list[RunResult], deterministic: bool, device: str, meta: dict[str, Any]
 ) -> str:

@@ -23,6 +23,7 @@ from trainguard.replay.diagnosis import (
     locate,
     made_in_loop_summary,
     not_reproduced_summary,
+    spike_summary,
     summarize,
 )
 from trainguard.replay.report import ReplayReport
@@ -50,8 +51,10 @@ def diagnose_runs(
     device: str,
     bisect: bool,
     history: list[dict[str, Any]] | None = None,
+    spike: bool = False,
 ) -> ReplayReport:
-    """Diagnose a step from ``runs`` (repeats of it) and further runs of ``runner``."""
+    """Diagnose a step from ``runs`` (repeats of it) and further runs of ``runner``;
+    ``spike``: the bundle is a spike's (a finite step the spike rule skipped)."""
     bad = [r for r in runs if r.bad]
     deterministic = len({r.bits for r in runs}) == 1
     replayed = {
@@ -64,11 +67,16 @@ def diagnose_runs(
     }
     if not bad:
         verdict = "not_reproduced"
-        if deterministic and made_in_loop(meta.get("forward_inputs")):
+        if spike:
+            verdict, summary = spike_summary(runs, deterministic, device, meta)
+        elif deterministic and made_in_loop(meta.get("forward_inputs")):
             verdict, summary = "input_made_in_loop", made_in_loop_summary(runs, device, meta)
         else:
             summary = not_reproduced_summary(runs, deterministic, device, meta)
-        report = ReplayReport(False, deterministic, None, None, None, None, [], verdict, summary)
+        reproduced = verdict == "spike"  # the spike's loss again
+        report = ReplayReport(
+            reproduced, deterministic, None, None, None, None, [], verdict, summary
+        )
         report.advice = ADVICE[verdict]
         report.details.update(replayed, **finding_details(None), bisection_runs=0)
         return report

@@ -33,6 +33,8 @@ def explain(
     """Say which rank made the non-finite values; a rank that only received them, or a step
     replayed under another autocast than it ran, is not "not reproduced, suspect its
     device"."""
+    if report.verdict == "spike" or bundle.trigger == "spike":  # finite: no rank made a NaN
+        return
     if report.reproduced:
         sentence = origin.origin_sentence(found)
         report.summary += f" {sentence}" if sentence else ""

@@ -121,6 +121,8 @@ def find_origin(bundle: Bundle, rank: int | None, run_rank: RankRun) -> RankOrig
         received = [r for r in grads if r not in losses] if losses else []
         return RankOrigin(rank, "option", losses, received)
     candidates = replayable(bundle) or bundle.saved_ranks
+    if bundle.trigger == "spike":  # finite everywhere: the rank with the highest loss
+        return RankOrigin(_highest_loss(bundle, candidates), "manifest")
     if losses:
         chosen = next((r for r in losses if r in candidates), candidates[0])
         return RankOrigin(chosen, "manifest", losses, [r for r in grads if r not in losses])
@@ -129,6 +131,13 @@ def find_origin(bundle: Bundle, rank: int | None, run_rank: RankRun) -> RankOrig
         return _by_replay(bad, run_rank)
     chosen = next((r for r in bundle.ranks if r in candidates), candidates[0])
     return RankOrigin(chosen, "manifest", [r for r in bundle.ranks if r == chosen])
+
+
+def _highest_loss(bundle: Bundle, candidates: list[int]) -> int:
+    """A spike's rank to replay: the candidate whose recorded loss was the highest."""
+    losses = bundle.manifest.get("losses") or []
+    known = [r for r in candidates if r < len(losses) and isinstance(losses[r], (int, float))]
+    return max(known, key=lambda r: losses[r]) if known else candidates[0]
 
 
 def _by_replay(ranks: list[int], run_rank: RankRun) -> RankOrigin:

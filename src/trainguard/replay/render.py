@@ -33,13 +33,25 @@ def _indices(indices: list[int] | None) -> str:
     return shown + (", ..." if len(indices) > 8 else "")
 
 
+def _what_happened(summary: dict[str, Any]) -> str:
+    if summary["trigger"] == "spike":  # finite: the spike rule judged the agreed values
+        losses = summary.get("losses") or []
+        loss = f"mean loss {sum(losses) / len(losses):.6g}, " if losses else ""
+        norm = summary.get("grad_norm")
+        norm_text = f"gradient norm {norm:.6g}" if isinstance(norm, (int, float)) else ""
+        return f"loss or gradient-norm spike ({loss}{norm_text}; every value finite)"
+    return (
+        f"non-finite {summary['trigger']} on ranks {summary['ranks']} "
+        f"(loss on {summary['loss_ranks']}, gradients on {summary['grad_ranks']})"
+    )
+
+
 def inspect_text(summary: dict[str, Any]) -> str:
     lines = [
         f"bundle    {summary['bundle']}  ({summary['format']}, {_size(summary['bytes'])}, "
         f"{summary['world_size']} rank{'s' if summary['world_size'] != 1 else ''}"
         f"{', FSDP2 shards' if summary['sharded'] else ''})",
-        f"step {summary['step']}: non-finite {summary['trigger']} on ranks {summary['ranks']} "
-        f"(loss on {summary['loss_ranks']}, gradients on {summary['grad_ranks']}); "
+        f"step {summary['step']}: {_what_happened(summary)}; "
         f"decision {summary['decision']} ({summary['reason']}), {summary['time_utc']}",
         f"versions  torch {summary['torch']}, python {summary['python']}",
     ]
@@ -130,6 +142,8 @@ def replay_text(report: dict[str, Any]) -> str:
         return "yes" if value else "no"
 
     runs = f"{report.get('nonfinite_runs', 0)}/{report.get('repeats', 0)} replays non-finite"
+    if report["verdict"] == "spike":
+        runs = f"{report.get('repeats', 0)} replays gave the recorded loss"
     shown = _culprits_text(report)
     module = report["module"] or ("- (outside any module)" if report["op"] else "-")
     op = report["op"] or "-"
@@ -250,6 +264,8 @@ def _culprits_text(report: dict[str, Any]) -> str:
             + (f" in micro-batch {c['micro_batch']}" if c.get("micro_batch") else "")
             for c in culprits
         )
+    elif report["verdict"] == "spike":
+        shown = "not searched (a spike: every sample is finite)"
     elif report["reproduced"] and not report.get("bisected", True):
         shown = "not searched (no bisection)"
     elif report.get("batch_level") and report["verdict"] != "batch_statistics":

@@ -344,7 +344,8 @@ def replay(
     who = found.rank
     part = _prepare(opened, spec, who, target, autocast)
     runs = [part.runner.run(strict=True) for _ in range(repeats)]
-    report = diagnose_runs(part.runner, runs, part.meta, str(target), bisect, opened.history)
+    spike = opened.trigger == "spike"
+    report = diagnose_runs(part.runner, runs, part.meta, str(target), bisect, opened.history, spike)
     explain(report, found, opened, run_rank, part.autocast)
     replicas = check_replicas(opened, [name for name, _ in spec.model.named_parameters()])
     apply_replicas(report, replicas, who)

@@ -23,6 +23,8 @@ The classes, checked in this order:
   non-finite input that the fetched batch did not hold: the loop made it between the fetch
   and the forward, which the replay does not run (``capture/forward_inputs.py``).
 - ``not_reproduced``: the replay was finite: a transient fault.
+- ``spike``: a finite step the spike rule skipped (a ``spike`` bundle), and the replay gives
+  the recorded loss again: the step's own batch and weights make the spike.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ VERDICTS = (
     "numerical",
     "input_made_in_loop",
     "not_reproduced",
+    "spike",
 )
 
 ADVICE = {
@@ -85,6 +88,10 @@ ADVICE = {
     "not_reproduced": "The step is finite when re-run: a transient fault. If it keeps "
     "happening on the same rank or host, test that GPU or node (memory test, DCGM "
     "diagnostics) and take it out of the pool.",
+    "spike": "The step's own batch and weights make the spike: inspect the batch (trainguard "
+    "inspect: an outlier, a wrong label, an unusually long sequence) and the learning rate at "
+    "this step; if spikes recur, lower the learning rate or its warm-up, clip the gradients "
+    '(grad_clip=), or let the guard roll back past them (on_spike="rollback").',
 }
 
 RECEIVED_ADVICE = (

@@ -408,8 +408,27 @@ def _steps_run(events: list[dict[str, Any]], steps: int) -> int:
 def _decisions(summary: RunSummary) -> dict[str, int]:
     bad: Counter[str] = Counter(str(e.get("action") or "?") for e in summary.nonfinite)
     bad.update(summary.decisions)  # overflow, counted from its own events
+    bad.update(_spike_actions(summary.spikes))
     ok = max(summary.steps_run - sum(bad.values()), 0)
     return {"ok": ok, **dict(sorted(bad.items()))} if summary.steps else dict(bad)
+
+
+def _spike_actions(spikes: list[dict[str, Any]]) -> Counter[str]:
+    """Steps a spike skipped (``spike``) or escalated, one per judged step: the loss's and the
+    gradient norm's events of a step are one judgment (a metric seen again at the same step
+    is the step run again after a rollback)."""
+    actions: Counter[str] = Counter()
+    step, metrics = None, set()
+    for event in spikes:  # merged, in (step, time) order
+        metric = event.get("metric")
+        if event.get("step") == step and metric not in metrics:
+            metrics.add(metric)
+            continue
+        step, metrics = event.get("step"), {metric}
+        action = event.get("action")
+        if action in ("spike", "escalate"):  # "warn": applied, an ok step
+            actions[str(action)] += 1
+    return actions
 
 
 def _int(value: Any) -> int:

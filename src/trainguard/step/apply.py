@@ -1,8 +1,10 @@
 """Acting on the step's decision, the same on every rank (``policy.decide`` made it).
 
-``OK``: the counters learn a good step, the spike rule judges it (a spike is skipped or
-escalated like a non-finite step), recovery notes it, the gradients are clipped by the
-agreed global norm. ``OVERFLOW`` (fp16 with a GradScaler): the scaler's skip, counted.
+``OK``: the spike rule judges it first (``judge_spike``, before the step is recorded, so a
+spike it skips is recorded as one); a spike it skips or escalates goes to ``apply_spike``
+(dropped like a non-finite step); else the counters learn a good step, recovery notes it, the
+gradients are clipped by the agreed global norm. ``OVERFLOW`` (fp16 with a GradScaler): the
+scaler's skip, counted.
 ``SKIP`` / ``RAISE`` / ``ESCALATE``: the step is counted bad, logged (``nonfinite``), captured
 on the first occurrence and on escalation (``evidence``), its update dropped (``drop``:
 gradients cleared, buffers put back); ``RAISE``/``ESCALATE`` raise the stop error, unless
@@ -11,7 +13,6 @@ gradients cleared, buffers put back); ``RAISE``/``ESCALATE`` raise the stop erro
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,16 +60,26 @@ class DecisionApply:
     def __init__(self, parts: ApplyParts) -> None:
         self._parts = parts
 
-    def apply(self, decision: Decision, agreement: Agreement, stats: GradStats, step: int) -> bool:
+    def judge_spike(self, step: int, loss: float, grad_norm: float) -> Decision | None:
+        """The spike rule on a finite, agreed step (once per step, before it is recorded):
+        ``SPIKE`` (skip it), ``ESCALATE``, or None (a good step: ``apply_good``)."""
+        parts = self._parts
+        return parts.spikes.judge_values(loss, grad_norm, host_lr(parts.optimizer), step)
+
+    def apply(
+        self,
+        decision: Decision,
+        agreement: Agreement,
+        stats: GradStats,
+        step: int,
+        spike: Decision | None = None,
+    ) -> bool:
+        """Act on the step's decision; ``spike``: ``judge_spike``'s verdict on an OK step."""
         parts = self._parts
         if decision is Decision.OK:
-            return self.apply_good(
-                step,
-                agreement.mean_loss,
-                agreement.grad_norm(),
-                stats.grads,
-                lambda spike: self.apply_spike(spike, agreement, stats, step),
-            )
+            if spike is not None:
+                return self.apply_spike(spike, agreement, stats, step)
+            return self.apply_good(step, agreement.mean_loss, agreement.grad_norm(), stats.grads)
         if parts.scaler is not None:
             amp.mark_overflow(parts.scaler, parts.optimizer)
         if decision is Decision.OVERFLOW:
@@ -92,23 +103,12 @@ class DecisionApply:
             raise self.stop_error(decision, agreement, step, bundle)
         return False
 
-    def apply_good(
-        self,
-        step: int,
-        loss: float,
-        grad_norm: float,
-        grads: list[Tensor],
-        spiked: Callable[[Decision], bool],
-    ) -> bool:
-        """A finite, agreed step (the full path's and a world of one's usual step,
-        ``step/lone.py``): counted, judged by the spike rule (a spike it skips or escalates
-        goes to ``spiked``, which builds what ``apply_spike`` needs), noted by recovery,
-        clipped. ``loss``/``grad_norm``: the agreed mean loss and global gradient norm."""
+    def apply_good(self, step: int, loss: float, grad_norm: float, grads: list[Tensor]) -> bool:
+        """A finite, agreed step the spike rule let through (the full path's and a world of
+        one's usual step, ``step/lone.py``): counted, noted by recovery, clipped.
+        ``loss``/``grad_norm``: the agreed mean loss and global gradient norm."""
         parts = self._parts
         parts.state.record_good(step, loss)
-        spike = parts.spikes.judge_values(loss, grad_norm, host_lr(parts.optimizer), step)
-        if spike is not None:
-            return spiked(spike)
         if parts.recovery is not None:
             parts.recovery.after_step(step, True, loss)
         if parts.config.grad_clip is not None:

@@ -256,6 +256,7 @@ class GuardAssembly:
             timer=self._timer,
             history=self.history,
             optimizer=self.optimizer,
+            judge_spike=self._decision.judge_spike,
             apply_good=self._decision.apply_good,
             apply_spike=self._decision.apply_spike,
         )

@@ -81,6 +81,8 @@ class StepEvidence:
     rng: dict[str, Any] | None
     """RNG states taken before the step's first micro-batch."""
     reason: str = "first_bad_step"
+    spike: bool = False
+    """A finite step the spike rule skipped or escalated (its manifest's trigger: ``spike``)."""
     extra: dict[str, Any] = field(default_factory=dict)
     history: dict[str, Any] | None = None
     """The recent steps (``StepHistory.bundle_history``): rank 0 writes it as history.json."""
@@ -164,6 +166,7 @@ class Capturer:
     ) -> Path | None:
         """Write the bundle on every rank (collective); the same path or None on every rank."""
         self._first_done[_kind(spike)] = True
+        evidence.spike = spike
         if spike and evidence.reason == "first_bad_step":
             evidence.reason = "first_spike"
         start = time.monotonic()
@@ -341,7 +344,7 @@ def build_manifest(
         "step": evidence.step,
         "world_size": world_size,
         "saved_ranks": list(range(world_size)),
-        "trigger": agreement.where,
+        "trigger": "spike" if evidence.spike else agreement.where,
         "ranks": agreement.ranks,
         "loss_ranks": agreement.loss_ranks,
         "grad_ranks": agreement.grad_ranks,

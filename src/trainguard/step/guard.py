@@ -37,6 +37,7 @@ from trainguard.step.data import BatchStream
 from trainguard.step.deferred import StepOutcome
 from trainguard.step.detect import GradStats
 from trainguard.step.losses import LossLike
+from trainguard.step.policy import Decision
 from trainguard.step.rerun import LossFn
 from trainguard.step.saved import guard_state_dict, load_guard_state
 
@@ -201,11 +202,14 @@ class Guard(GuardAssembly):
         self.progress.enter("check", step)
         stats, agreement = self._agree(loss, step)
         decision = self._decide(agreement)
+        spike = None
+        if decision is Decision.OK:
+            spike = self._decision.judge_spike(step, agreement.mean_loss, agreement.grad_norm())
         self._agreed(agreement, 0)
-        self.history.record(step, agreement, decision, self.optimizer, self._loss_known)
+        self.history.record(step, agreement, spike or decision, self.optimizer, self._loss_known)
         self.state.step = step + 1
         try:
-            applied = self._decision.apply(decision, agreement, stats, step)
+            applied = self._decision.apply(decision, agreement, stats, step, spike)
             self._health(step, agreement)  # after a skip's restore: a resync is not undone
             return applied
         finally:

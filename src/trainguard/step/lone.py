@@ -20,9 +20,10 @@ the caches), so the count of distinct calls set the fixed cost (docs/benchmarks.
   (``local_row``), the gradient norm taken by the same ``total_norm``;
 - the outcome, as the full path records and applies a good step (the same calls, without
   the ``Agreement`` the full path builds for the ranks): the buffers learned, the stream
-  told that no rank ran out, the step's record (ring and metrics log), then the full
-  path's own ``DecisionApply.apply_good`` (the counters, the spike rule, recovery's note of
-  a good step, clipping), the step's batches released.
+  told that no rank ran out, the spike rule's verdict (``DecisionApply.judge_spike``), the
+  step's record (ring and metrics log), then the full path's own
+  ``DecisionApply.apply_good`` (the counters, recovery's note of a good step, clipping), the
+  step's batches released.
 
 It returns what ``check()`` returns (True; False when a spike is skipped), or None when the
 step is not the usual one, having changed nothing the full path does not set again (the
@@ -90,9 +91,11 @@ class LoneParts:
     timer: StepTimer | None
     history: StepHistory
     optimizer: torch.optim.Optimizer
-    apply_good: Callable[[int, float, float, list[Tensor], Callable[[Decision], bool]], bool]
-    """``DecisionApply.apply_good``: what a good step does (counters, spike rule, recovery,
-    clipping), as on the full path."""
+    judge_spike: Callable[[int, float, float], Decision | None]
+    """``DecisionApply.judge_spike``: the spike rule's verdict, before the step is recorded."""
+    apply_good: Callable[[int, float, float, list[Tensor]], bool]
+    """``DecisionApply.apply_good``: what a good step does (counters, recovery, clipping),
+    as on the full path."""
     apply_spike: Callable[[Decision, Agreement, GradStats, int], bool]
     """``DecisionApply.apply_spike``: a spike the rule skips or escalates."""
 
@@ -187,19 +190,16 @@ class LoneStep:
         stream = self.stream
         if stream is not None:
             stream.agreed_running()
-        optimizer = parts.optimizer
-        lr = learning_rate(optimizer)
+        spike = parts.judge_spike(step, loss, norm)
+        lr = learning_rate(parts.optimizer)
         losses = [loss] if loss_known else []
-        parts.history.add(step, losses, norm, "ok", lr, [data_time], [compute_time])
+        decision = "ok" if spike is None else spike.value
+        parts.history.add(step, losses, norm, decision, lr, [data_time], [compute_time])
         parts.state.step = step + 1
         try:
-            return parts.apply_good(
-                step,
-                loss,
-                norm,
-                measured[2],
-                lambda spike: self._spiked(spike, step, measured, (data_time, compute_time)),
-            )
+            if spike is not None:
+                return self._spiked(spike, step, measured, (data_time, compute_time))
+            return parts.apply_good(step, loss, norm, measured[2])
         finally:
             parts.losses.clear()
             parts.evidence.taken(step)

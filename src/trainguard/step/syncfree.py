@@ -151,15 +151,15 @@ class SyncFreeStep:
         agreement = parts.consensus.read(pending.values(), pending.reduced)
         parts.agreed(agreement, parts.state.step - 1 - pending.step)
         decision = parts.decide(agreement)
-        parts.history.record(pending.step, agreement, decision, parts.optimizer)
+        spike = self._late_spike(agreement, pending) if decision is Decision.OK else None
+        parts.history.record(pending.step, agreement, spike or decision, parts.optimizer)
         parts.health(pending.step, agreement)
-        pending.ok = decision is Decision.OK
+        pending.ok = decision is Decision.OK and spike is None
+        if spike is not None:  # skipped on the device (found_inf)
+            self._resolve_spike(spike, agreement, pending, raise_errors)
+            return
         if pending.ok:
             parts.state.record_good(pending.step, agreement.mean_loss)
-            spike = self._late_spike(agreement, pending)
-            if spike is not None:
-                pending.ok = False  # skipped on the device (found_inf)
-                self._resolve_spike(spike, agreement, pending, raise_errors)
             return
         parts.state.record_bad(pending.step)
         parts.log_nonfinite(decision, agreement, pending.stats, pending.step)
