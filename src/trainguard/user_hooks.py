@@ -152,18 +152,20 @@ def add_forward_hooks(
     pre: PreHook | None = None,
     post: PostHook | None = None,
     inside_compiled: bool = False,
+    pre_first: bool = False,
 ) -> HookHandle:
     """Hooks that run eagerly at every call of ``module`` (module docstring): ``pre(module,
     args, kwargs)`` before it, ``post(module, args, output)`` after it; each a ``Hook``.
     ``inside_compiled``: ``module`` is inside a ``torch.compile`` wrapper whose own hooks
-    do the work (these then do nothing in the trace)."""
+    do the work (these then do nothing in the trace). ``pre_first``: ``pre`` runs before the
+    module's other pre-hooks (FSDP2's unshard among them)."""
     compiled = getattr(module, "_compiled_call_impl", None)
     if compiled is not None:  # compiled_in_place(module)
-        return _around_compiled(module, compiled, pre, post)
+        return _around_compiled(module, compiled, pre, post, pre_first)
     handles = []
     if pre is not None:
         hook = Hook(pre, inside_compiled)
-        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        handles.append(module.register_forward_pre_hook(hook, prepend=pre_first, with_kwargs=True))
     if post is not None:
         handles.append(module.register_forward_hook(Hook(post, inside_compiled)))
 
@@ -175,17 +177,21 @@ def add_forward_hooks(
 
 
 def _around_compiled(
-    module: nn.Module, compiled: Callable[..., Any], pre: PreHook | None, post: PostHook | None
+    module: nn.Module,
+    compiled: Callable[..., Any],
+    pre: PreHook | None,
+    post: PostHook | None,
+    pre_first: bool,
 ) -> HookHandle:
     calls = compiled if isinstance(compiled, EagerCalls) else EagerCalls(module, compiled)
     module._compiled_call_impl = calls
     entries: list[tuple[list[Hook], Hook]] = []
     if pre is not None:
         entries.append((calls.pre, Hook(pre)))
+        calls.pre.insert(0 if pre_first else len(calls.pre), entries[-1][1])
     if post is not None:
         entries.append((calls.post, Hook(post)))
-    for hooks, hook in entries:
-        hooks.append(hook)
+        calls.post.append(entries[-1][1])
 
     def remove() -> None:
         for hooks, hook in entries:

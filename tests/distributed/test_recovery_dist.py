@@ -124,6 +124,9 @@ def _fsdp_job(rank: int, world: int, root: str) -> dict[str, Any]:
     return {
         "clean": train(rank, "fsdp", base / "clean", BATCHES, {}, **cfg("clean")),
         "rollback": train(rank, "fsdp", base / "rb", BATCHES, POISON, **cfg("rb")),
+        # snapshots taken at a step's first forward, where FSDP2 unshards the root's own
+        # parameters: the step start runs before that unshard (it crashed the forward)
+        "root": train(rank, "fsdp_root", base / "root", BATCHES, POISON, **cfg("root")),
     }
 
 
@@ -131,6 +134,8 @@ def _fsdp_job(rank: int, world: int, root: str) -> dict[str, Any]:
 def test_fsdp2_rollback_restores_the_shards_on_every_rank(tmp_path: Path) -> None:
     runs = values(run_ranks(_fsdp_job, 2, str(tmp_path), timeout=80))
     for rank, run in enumerate(runs):
+        assert run["root"]["error"] is None and run["root"]["finite"] and run["root"]["same"]
+        assert run["root"]["step"] == BATCHES - 5
         rb = run["rollback"]
         assert rb["error"] is None
         assert rb["finite"] and rb["same"], f"rank {rank}: params not finite/identical"

@@ -43,7 +43,8 @@ def wrap(model: TinyNet, mode: str) -> nn.Module:
     if mode == "ddp":
         return DDP(model)
     fully_shard(model.encoder)
-    fully_shard(model.head)
+    if mode != "fsdp_root":  # "fsdp_root": the root's own group holds the head's parameters
+        fully_shard(model.head)
     fully_shard(model)
     return model
 

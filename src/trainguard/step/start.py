@@ -155,7 +155,9 @@ class StepStart:
     def _hook(self, module: nn.Module) -> Any:
         # the module inside a torch.compile wrapper: the wrapper's own hook does the work
         inside = module is self._inner and _is_compile_wrapper(self._eager)
-        return add_forward_hooks(module, pre=self._pre_hook, inside_compiled=inside)
+        # first of the module's pre-hooks: the step's start (RNG, recovery's snapshot of the
+        # weights) comes before FSDP2's unshard, where the parameters are still its shards
+        return add_forward_hooks(module, pre=self._pre_hook, inside_compiled=inside, pre_first=True)
 
     def _pre_hook(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         step = self._step_of()
