@@ -11,6 +11,8 @@ import torch
 from tg_dist import run_ranks, values
 from tg_recovery import train
 
+from trainguard.events import read_events
+
 BATCHES = 20
 POISON = {5: 1e37}  # step 5 applies a huge finite update: every later step is non-finite
 
@@ -250,3 +252,35 @@ def test_fsdp2_rollback_restores_the_optimizer_state_shards(tmp_path: Path) -> N
     """The same under FSDP2: every rank gets back its own shard of the moments."""
     runs = values(run_ranks(_stateful_job, 2, str(tmp_path), "fsdp", timeout=80))
     _check_restored_optimizer(runs, replicated=False)
+
+
+def _zero_job(rank: int, world: int, root: str) -> dict[str, Any]:
+    import trainguard as tg
+
+    run_dir = Path(root) / "zero"
+    config = tg.GuardConfig(
+        run_dir=run_dir,
+        on_escalation="rollback",
+        max_consecutive=3,
+        snapshot_every=2,
+        good_after=2,
+        hang_timeout=0,
+    )
+    out = train(rank, "ddp", run_dir, BATCHES, POISON_INF, optimizer="zero_adam", config=config)
+    out["captures"] = sorted(p.name for p in (run_dir / "captures").glob("step-*"))
+    out["failed"] = [e for e in read_events(run_dir, rank) if e["kind"] == "capture_failed"]
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_zero_redundancy_optimizer_rolls_back_and_captures(tmp_path: Path) -> None:
+    """ZeroRedundancyOptimizer's state_dict() is a collective (it raises unless consolidated):
+    the snapshots and captures hold each rank's own shard, and the rollback restores it."""
+    runs = values(run_ranks(_zero_job, 2, str(tmp_path), timeout=80))
+    for rank, run in enumerate(runs):
+        assert run["error"] is None, rank
+        rollbacks = [e for e in run["events"] if e["kind"] == "rollback"]
+        assert [(e["step"], e["restored_step"]) for e in rollbacks] == [(8, 4)], rank
+        assert run["finite"] and run["same"], f"rank {rank}: params not finite/identical"
+        assert run["step"] == BATCHES - 5
+        assert run["failed"] == [] and "step-00000006" in run["captures"], rank

@@ -22,6 +22,7 @@ from trainguard.config import GuardConfig
 from trainguard.elastic import RESTART_HAZARD_FIX, restart_count, restart_store_hazard
 from trainguard.errors import NonFiniteError
 from trainguard.events import EventLog
+from trainguard.optim_state import clear_optimizer_state
 from trainguard.recovery import checkpoint as ckpt
 from trainguard.recovery import snapshot as snap
 from trainguard.recovery import target as targets
@@ -356,7 +357,7 @@ class Recovery:
             ramp = self.config.lr_backoff_steps
             self.state.backoff = Backoff(target.step, factor, ramp, zero)
         if rung is Rung.RESET_MOMENTS:
-            self.objects.optimizer.state.clear()
+            clear_optimizer_state(self.objects.optimizer)
         if target.first_loss is not None:
             self._expect_loss = (target.step, target.first_loss, "rollback")
 

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from trainguard.capture.rng import rng_state, set_rng_state
+from trainguard.optim_state import load_optimizer_state, optimizer_state
 
 
 def to_cpu(tree: Any, staged: set[torch.device] | None = None) -> Any:
@@ -79,7 +80,7 @@ class TrainingObjects:
     def state(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state(self.optimizer),
         }
         if self.scheduler is not None:
             out["scheduler"] = self.scheduler.state_dict()
@@ -89,7 +90,7 @@ class TrainingObjects:
 
     def load(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and "scaler" in state:

@@ -57,6 +57,7 @@ from trainguard.capture.bundle import (
 )
 from trainguard.events import EventLog
 from trainguard.numerics import norm_or_inf
+from trainguard.optim_state import optimizer_state
 from trainguard.step.consensus import Agreement, Consensus
 from trainguard.step.detect import GradStats
 from trainguard.step.policy import Decision
@@ -389,7 +390,7 @@ def write_rank(
         state = inner.state_dict()
         state.update((k, v) for k, v in evidence.buffers.items() if k in state)
         files["model.pt"] = {k: v.detach().cpu() for k, v in state.items()}
-        files["optimizer.pt"] = optimizer.state_dict()
+        files["optimizer.pt"] = optimizer_state(optimizer)  # a ZeRO optimizer: this rank's shard
     records = {
         f"rank-{rank}/{name}": write_torch(folder / name, obj) for name, obj in files.items()
     }
