@@ -12,6 +12,7 @@ its own ``state_dict()`` / ``load_state_dict()``.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -21,12 +22,12 @@ ZERO_KEY = "zero_local_shard"
 
 
 def _zero_local(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
-    """The local optimizer a ``ZeroRedundancyOptimizer`` wraps, None for any other."""
-    try:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-    except ImportError:  # a torch built without distributed
-        return None
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    """The local optimizer a ``ZeroRedundancyOptimizer`` wraps, None for any other (its
+    module is looked up, not imported: an optimizer of that class has imported it, and the
+    import costs time and warnings about ``torch.jit``)."""
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    zero = getattr(module, "ZeroRedundancyOptimizer", None)
+    if zero is not None and isinstance(optimizer, zero):
         local: torch.optim.Optimizer = optimizer.optim
         return local
     return None

@@ -110,6 +110,29 @@ def test_events_written_by_every_rank_are_merged(tmp_path: Path) -> None:
     assert summary.nonfinite_cells() == [(1, 3)]
 
 
+def test_a_capture_that_failed_is_reported_with_its_error(tmp_path: Path) -> None:
+    """Every capture failed (e.g. an optimizer whose state_dict() raised): the report says
+    so instead of 'captures none', once per step, with the error."""
+    folder = tmp_path / "events"
+    folder.mkdir()
+    for rank in (0, 1):
+        lines = [
+            {"time": 1.0, "rank": rank, "step": 0, "kind": "start", "world_size": 2},
+            {"time": 2.0, "rank": rank, "step": 6, "kind": "nonfinite", "where": "loss",
+             "ranks": [1], "action": "skip"},
+            {"time": 2.1, "rank": rank, "step": 6, "kind": "capture_failed",
+             "error": "RuntimeError: not consolidated", "reason": "first_bad_step"},
+            {"time": 3.0, "rank": rank, "step": 9, "kind": "close"},
+        ]  # fmt: skip
+        (folder / f"rank-{rank}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    text = report_text(summarize(tmp_path))
+    assert (
+        "captures    step 6 (first_bad_step): capture failed on rank 0: "
+        "RuntimeError: not consolidated" in text
+    )
+    assert text.count("capture failed") == 1
+
+
 def test_page_is_self_contained_with_the_picture(run_dir: Path) -> None:
     page = report_html(summarize(run_dir))
     assert "http://" not in page and "https://" not in page

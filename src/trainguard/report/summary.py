@@ -63,6 +63,8 @@ class RunSummary:
     first_bad: dict[str, Any] | None = None
     nonfinite: list[dict[str, Any]] = field(default_factory=list)
     captures: list[dict[str, Any]] = field(default_factory=list)
+    capture_failures: list[dict[str, Any]] = field(default_factory=list)
+    """``capture_failed`` events (one per step; the lowest rank's): a bundle tried, not written."""
     spikes: list[dict[str, Any]] = field(default_factory=list)
     rollbacks: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
@@ -305,6 +307,7 @@ def _fill_from_events(summary: RunSummary, events: list[dict[str, Any]]) -> None
     summary.checkpoints = _merged(events, *_CHECKPOINT_KINDS)
     summary.escalations = _escalations(events)
     summary.bad_input = _merged(events, "bad_input")
+    summary.capture_failures = _merged(events, "capture_failed", keys=())
     summary.uneven_data = _merged(events, "uneven_data")
     summary.stragglers = _merged(events, "straggler", keys=("phase",))
     summary.reruns = _merged(events, "rerun")

@@ -24,7 +24,7 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
         ("decisions", [_decisions(summary.decisions)]),
         ("first bad", [_first_bad(summary.first_bad)]),
         ("non-finite", _listed(summary.nonfinite, _nonfinite)),
-        ("captures", _captures(summary.captures, summary.run_dir)),
+        ("captures", _captures(summary.captures, summary.run_dir) + _failed(summary)),
         ("spikes", _listed(summary.spikes, _spike)),
         ("rollbacks", _listed(summary.rollbacks, _rollback)),
         ("checkpoints", _listed(summary.checkpoints, _checkpoint)),
@@ -118,6 +118,15 @@ def _captures(captures: list[dict[str, Any]], run_dir: str) -> list[str]:
             bundle = Path(run_dir) / str(c.get("path"))
             lines.append(f"  not replayed yet: trainguard replay {bundle} --factory MODULE:FUNC")
     return lines
+
+
+def _failed(summary: RunSummary) -> list[str]:
+    """Captures the guard tried and could not write (``capture_failed``), with why."""
+    return [
+        f"step {e.get('step')} ({e.get('reason')}): capture failed on rank {e.get('rank')}: "
+        f"{e.get('error')}"
+        for e in summary.capture_failures
+    ]
 
 
 def _spike(e: dict[str, Any]) -> str:
