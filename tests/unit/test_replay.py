@@ -181,6 +181,16 @@ def test_bisection_of_samples_bad_only_together() -> None:
     assert found.culprits == [2, 9]
 
 
+def test_a_batch_level_search_says_whether_samples_were_bad_alone() -> None:
+    """Pairs bad only together over more than half the batch: batch-level, but no sample
+    was bad alone, so the report must not say "every sample tried is bad on its own"."""
+    pairs = [{0, 1}, {2, 3}]
+    found = find_culprits(lambda p: any(pair <= set(p) for pair in pairs), 4)
+    assert (found.batch_level, found.every_alone) == (True, False)
+    everywhere = find_culprits(lambda p: True, 16)
+    assert (everywhere.batch_level, everywhere.every_alone) == (True, True)
+
+
 def test_bisection_claims_nothing_when_its_budget_runs_out() -> None:
     found = find_culprits(lambda positions: {1, 7, 12} <= set(positions), 16, max_runs=20)
     assert found.culprits == [] and not found.complete and not found.batch_level

@@ -41,6 +41,9 @@ class Bisection:
     """The step is bad without any single sample to blame."""
     complete: bool = True
     """False when the run budget ran out before the search ended (nothing is claimed)."""
+    every_alone: bool = False
+    """Batch-level because samples spread over the batch were each bad alone (tried); not
+    set when it is because the culprits would exceed half the batch."""
 
 
 Probe = Callable[[Sequence[int]], bool | None]
@@ -156,7 +159,7 @@ def find_culprits(bad: Probe, size: int, max_runs: int = 64) -> Bisection:
         if not budget.bad(remaining):
             return Bisection(sorted(culprits), budget.runs, batch_level=False)
         if len(culprits) == len(found) and _all_bad_alone(budget, _spread(remaining, 3)):
-            break
+            return Bisection([], budget.runs, batch_level=True, every_alone=True)
     return Bisection([], budget.runs, batch_level=True)
 
 

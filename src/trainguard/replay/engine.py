@@ -42,6 +42,8 @@ class Culprits:
     """The size of the (last) bisected micro-batch."""
     searched: bool = True
     """False: no bisection ran (``bisect=False``)."""
+    every_alone: bool = False
+    """Batch-level because the samples tried were each bad alone (``Bisection.every_alone``)."""
 
 
 def diagnose_runs(
@@ -115,7 +117,7 @@ def report_of(
     batch_level = culprits.batch_level and not culprits.samples
     verdict = classify(finding, batch_level, grew, culprits.batch_size, only_half)
     lead = verdict_sentence(verdict, finding, grew, only_half)
-    every = batch_level and verdict != "batch_statistics"
+    every = batch_level and culprits.every_alone and verdict != "batch_statistics"
     complete = culprits.complete if culprits.searched else None
     summary = summarize(finding, culprits.samples, batch_level, complete, every)
     report = ReplayReport(
@@ -134,7 +136,10 @@ def report_of(
         roots=roots_of(finding.hop, finding.origin),
     )
     report.details.update(
-        finding_details(finding), bisected=culprits.searched, batch_level=batch_level
+        finding_details(finding),
+        bisected=culprits.searched,
+        batch_level=batch_level,
+        every_sample_bad=every,
     )
     if grew is not None:
         report.details["growth"] = grew.to_dict()
@@ -202,6 +207,7 @@ def _culprits(runner: StepRunner, finding: Finding) -> Culprits:
         found = find_culprits(bad, size)
         out.runs += found.runs
         out.batch_level |= found.batch_level
+        out.every_alone |= found.every_alone
         out.complete &= found.complete
         for position in found.culprits:
             index = indices[position] if indices is not None and position < len(indices) else None

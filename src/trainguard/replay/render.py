@@ -268,7 +268,7 @@ def _culprits_text(report: dict[str, Any]) -> str:
         shown = "not searched (a spike: every sample is finite)"
     elif report["reproduced"] and not report.get("bisected", True):
         shown = "not searched (no bisection)"
-    elif report.get("batch_level") and report["verdict"] != "batch_statistics":
+    elif report.get("every_sample_bad"):
         shown = "none: every sample tried is bad on its own"
     else:
         shown = "none" if not report["reproduced"] else "none: no single sample is to blame"
