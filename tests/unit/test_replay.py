@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -328,5 +331,54 @@ def test_the_replay_names_the_sample_of_a_loss_that_normalises_over_the_batch(
             assert not guard.check(loss)
     (bundle,) = (tmp_path / "captures").glob("step-*")
     report = tg.replay(bundle, lambda: (_Policy(), _ppo_loss))
+    assert report.verdict == "bad_input"
+    assert [s["position"] for s in report.culprit_samples] == [5]
+
+
+_SCRIPT_WITH_A_BATCH_TYPE = """
+import dataclasses, sys
+import torch
+import trainguard as tg
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def loss_fn(model, batch):
+    return torch.nn.functional.mse_loss(model(batch.x), batch.y)
+
+
+def make_replay():
+    return torch.nn.Linear(4, 1), loss_fn
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [Batch(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+    data[1].x[5, 2] = float("nan")
+    with tg.Guard(model, opt, run_dir=sys.argv[1]) as guard:
+        for batch in guard.watch(data):
+            loss = loss_fn(model, batch)
+            loss.backward()
+            if guard.check(loss):
+                opt.step()
+            opt.zero_grad()
+"""
+
+
+def test_a_batch_type_of_the_script_is_rebuilt_from_the_factory_file(tmp_path: Path) -> None:
+    """The script ran as __main__ (its batch type is ``__main__:Batch`` in the bundle); the
+    replay imports it as the factory file, where the type is found and the batch rebuilt
+    (it used to come back as a dict: ``'dict' object has no attribute 'x'``)."""
+    script = tmp_path / "train_batch_type.py"
+    script.write_text(textwrap.dedent(_SCRIPT_WITH_A_BATCH_TYPE))
+    subprocess.run([sys.executable, str(script), str(tmp_path / "run")], check=True, timeout=120)
+    (bundle,) = (tmp_path / "run" / "captures").glob("step-*")
+    report = tg.replay(bundle, f"{script}:make_replay")
     assert report.verdict == "bad_input"
     assert [s["position"] for s in report.culprit_samples] == [5]

@@ -20,6 +20,7 @@ import importlib
 import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -88,17 +89,42 @@ def encode(obj: Any) -> Any:
     return {TAG: "opaque", "type": type_name(obj), "text": repr(obj)[:200]}
 
 
+_MAIN_STAND_INS: list[ModuleType] = []
+"""Modules searched for the types of module ``__main__`` (``main_stand_in``)."""
+
+
+def main_stand_in(module: ModuleType) -> None:
+    """Look up the types the training script defined while it ran as ``__main__`` (a batch
+    dataclass, a ``UserDict`` such as HF's ``BatchEncoding``) in ``module`` too: the replay's
+    factory file, often that script imported under its own name."""
+    if module not in _MAIN_STAND_INS:
+        _MAIN_STAND_INS.append(module)
+
+
 def _import_type(name: str | None) -> type | None:
     if not name or ":" not in name:
         return None
     module_name, qualname = name.split(":", 1)
     try:
-        obj: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError):
+        modules = [importlib.import_module(module_name)]
+    except ImportError:
         return None
-    return obj if isinstance(obj, type) else None
+    if module_name == "__main__":
+        modules += _MAIN_STAND_INS
+    for module in modules:
+        found = _attribute(module, qualname)
+        if isinstance(found, type):
+            return found
+    return None
+
+
+def _attribute(module: ModuleType, qualname: str) -> Any:
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
 
 
 def decode(obj: Any, restore_types: bool = True) -> Any:

@@ -40,6 +40,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from trainguard.capture import batchtree
 from trainguard.capture.bundle import Bundle, load_bundle
 from trainguard.capture.rng import rng_state, set_rng_state
 from trainguard.errors import BundleError, ReplayError
@@ -77,6 +78,9 @@ def resolve_factory(factory: str | Factory | ReplaySpec) -> ReplaySpec:
         return _checked(factory, "the ReplaySpec")
     name = factory if isinstance(factory, str) else getattr(factory, "__qualname__", "factory")
     func = _import_factory(factory) if isinstance(factory, str) else factory
+    module = sys.modules.get(getattr(func, "__module__", None) or "")
+    if module is not None:  # the script's own batch types, defined in __main__ when it ran
+        batchtree.main_stand_in(module)
     try:
         made = func()
     except Exception as exc:
