@@ -11,7 +11,6 @@ import torch.distributed as dist
 from tg_models import TinyNet
 from torch import Tensor, nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainguard as tg
@@ -69,12 +68,16 @@ OPTIMIZERS: dict[str, Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]]
     "sgd": lambda params: torch.optim.SGD(params, lr=0.05),
     "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
     "adam": lambda params: torch.optim.Adam(params, lr=0.01),
-    "zero_adam": lambda params: ZeroRedundancyOptimizer(
-        params, optimizer_class=torch.optim.Adam, lr=0.01
-    ),
+    "zero_adam": lambda params: _zero_adam(params),
 }
 """``train(optimizer=...)``: plain SGD (stateless, the default) or a stateful optimizer
 (``zero_adam``: Adam sharded over the ranks by ``ZeroRedundancyOptimizer``, DDP only)."""
+
+
+def _zero_adam(params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # warns about torch.jit
+
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Adam, lr=0.01)
 
 
 def optimizer_state(opt: torch.optim.Optimizer) -> dict[str, Any]:

@@ -100,3 +100,45 @@ def test_snapshot_good_only_after_healthy_steps() -> None:
     target = keeper.target(10)
     assert target is not None and target.step == 4  # keep=1: the newest good one
     assert keeper.target(3) is None  # taken after the first bad step: not a target
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_a_scheduler_the_guard_was_not_given_is_named(
+    tmp_path: Path, given: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A torch LR scheduler steps the optimizer but is not ``scheduler=``: the guard says at
+    construction and at the rollback that its schedule is not restored (the rollback event
+    records it); given, it is restored and nothing is said."""
+    import json
+
+    from tg_models import TinyNet
+    from tg_recovery import make_data
+
+    import trainguard as tg
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
+    config = tg.GuardConfig(
+        run_dir=tmp_path, on_escalation="rollback", max_consecutive=3, snapshot_every=2
+    )
+    with caplog.at_level("WARNING", logger="trainguard"):
+        guard = tg.Guard(model, opt, config=config, scheduler=sched if given else None)
+        with guard:
+            for x, y, scale in guard.watch(make_data(0, 16, {5: 1e37})):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                if guard.check(loss):
+                    if scale != 1.0:
+                        for p in model.parameters():
+                            p.grad.fill_(scale)  # type: ignore[union-attr]
+                    opt.step()
+                    sched.step()
+                opt.zero_grad(set_to_none=True)
+    lines = (tmp_path / "events" / "rank-0.jsonl").read_text().splitlines()
+    rollbacks = [e for e in map(json.loads, lines) if e["kind"] == "rollback"]
+    assert rollbacks and all(e["scheduler_restored"] is given for e in rollbacks)
+    named = [r.getMessage() for r in caplog.records if "LR scheduler" in r.getMessage()]
+    assert len(named) == (0 if given else 1 + len(rollbacks))
+    assert given or "ahead" in named[-1]

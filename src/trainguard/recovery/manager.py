@@ -318,6 +318,7 @@ class Recovery:
             "rollback",
             step,
             restored_step=target.step,
+            scheduler_restored=self.objects.scheduler is not None,
             source="disk" if targets.from_disk(target) else "memory",
             rung=rung.value,
             attempt=attempt,
@@ -328,6 +329,13 @@ class Recovery:
         )
         log = logger.warning if self.rank == 0 else logger.debug
         log("trainguard: step %d rolled back to step %d (%s)", step, target.step, rung.value)
+        if self.objects.scheduler is None and unknown_scheduler(self.objects.optimizer):
+            log(
+                "trainguard: an LR scheduler steps this optimizer but the guard does not know "
+                "it: its schedule was not rolled back with the weights (it runs %d step(s) "
+                "ahead now); pass it as Guard(..., scheduler=...) to save and restore it too",
+                step + 1 - target.step,
+            )
         return True
 
     def _target(self, first_bad: int) -> snap.Snapshot | None:
@@ -423,6 +431,18 @@ def build_recovery(
     if not recovery_enabled(config):
         return None
     recovery = Recovery(config, objects, guard_state, events, group, device, rank)
+    if objects.scheduler is None and unknown_scheduler(objects.optimizer) and rank == 0:
+        logger.warning(
+            "trainguard: an LR scheduler steps this optimizer but was not given to the guard: "
+            "rollbacks, checkpoints and resume will not restore its schedule; pass it as "
+            "Guard(..., scheduler=...)"
+        )
     if config.resume:
         recovery.resume()
     return recovery
+
+
+def unknown_scheduler(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a ``torch.optim.lr_scheduler`` scheduler was made for ``optimizer`` (it wraps
+    ``optimizer.step`` to count its calls): one the guard was not given cannot be restored."""
+    return hasattr(optimizer.step, "_wrapped_by_lr_sched")
