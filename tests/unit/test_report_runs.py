@@ -4,6 +4,7 @@ hang reports by time, captures by the run their manifest names; a legacy log is 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +141,33 @@ def test_rollbacks_then_a_stop_are_each_an_escalation(tmp_path: Path) -> None:
     assert bad == closed["total_nonfinite"]  # every bad step counted, repeats included
     assert summary.steps_run == summary.decisions["ok"] + bad == 18
     assert summary.first_bad is not None and summary.first_bad["step"] == 6  # first in time
+
+
+def test_a_new_run_from_a_saved_state_counts_its_own_steps(tmp_path: Path) -> None:
+    """A second run in the directory loads the first one's guard state at step 10 (a resume
+    from the loop's own checkpoint as a new run): it ran steps 10-19, one of them bad, not 20
+    steps from 0."""
+    from tg_models import TinyNet
+
+    def run(start: dict[str, Any] | None, steps: range, bad: int | None) -> dict[str, Any]:
+        torch.manual_seed(0)
+        model = TinyNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        with tg.Guard(model, opt, run_dir=tmp_path) as guard:
+            if start is not None:
+                guard.load_state_dict(start)
+            for step in guard.watch(steps):
+                x = torch.randn(6, 8) * (math.nan if step == bad else 1.0)
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                if guard.check(loss):
+                    opt.step()
+                opt.zero_grad()
+            return guard.state_dict()
+
+    saved = run(None, range(10), None)
+    run(saved, range(10, 20), 14)
+    summary = summarize(tmp_path)
+    assert (summary.first_step, summary.steps, summary.steps_run) == (10, 20, 10)
+    assert summary.decisions == {"ok": 9, "skip": 1}
+    assert "started at step 10 (a loaded state); 10 run" in report_text(summary)

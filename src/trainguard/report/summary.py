@@ -57,8 +57,11 @@ class RunSummary:
     ``starts`` (guards started for it: 1 + torchrun restarts and resumes)."""
     world_size: int | None = None
     steps: int = 0
+    first_step: int = 0
+    """The step the run started at: 0, or the step of the state it loaded (a new run from a
+    checkpoint, ``guard.load_state_dict``): its first step in the metrics log."""
     steps_run: int = 0
-    """Steps run, counting those run again after a rollback (``steps`` when none was)."""
+    """Steps run (from ``first_step``), counting those run again after a rollback."""
     decisions: dict[str, int] = field(default_factory=dict)
     first_bad: dict[str, Any] | None = None
     nonfinite: list[dict[str, Any]] = field(default_factory=list)
@@ -184,7 +187,8 @@ def _summary(found: _RunDir, run: str | None) -> RunSummary:
     summary.captures = own(found.captures, "run")
     summary.hangs = own(found.hangs, None) or _hang_events(events)
     summary.steps = _count_steps(events, summary.points)
-    summary.steps_run = _steps_run(events, summary.steps)
+    summary.first_step = min((p.step for p in summary.points), default=0)
+    summary.steps_run = _steps_run(events, summary.steps) - summary.first_step
     summary.decisions = _decisions(summary)
     if run is not None:
         summary.runs = [_listed(found, info, summary) for info in found.runs]

@@ -49,8 +49,13 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
 
 def _steps(summary: RunSummary, ranks: str) -> str:
     line = f"{summary.steps}{ranks}; {len(summary.points)} in the metrics log"
-    again = summary.steps_run - summary.steps
-    return line + (f"; {summary.steps_run} run ({again} again after rollbacks)" if again else "")
+    first = summary.first_step
+    if first:
+        line += f"; started at step {first} (a loaded state)"
+    again = summary.steps_run - (summary.steps - first)
+    if again:
+        return line + f"; {summary.steps_run} run ({again} again after rollbacks)"
+    return line + (f"; {summary.steps_run} run" if first else "")
 
 
 def _run(summary: RunSummary) -> str:
