@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import subprocess
 import sys
@@ -115,6 +116,9 @@ def test_fp16_with_a_grad_scaler_skips_after_lightnings_unscale(tmp_path: Path) 
     assert scaler.get_scale() == 2.0**7  # the skipped step lowered the scale once
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert 1 < state["last_good_loss"] < 20  # unscaled: about 6 here; the scaled one is ~1500
+    (bundle,) = (tmp_path / "captures").glob("step-*")  # the step's forward ran under fp16
+    meta = json.loads((bundle / "rank-0" / "meta.json").read_text())
+    assert meta["autocast"] == {"enabled": True, "device_type": "cpu", "dtype": "float16"}
 
 
 def _bn_module(poisoned: int | None, drop: int | None) -> tuple[Any, Any]:

@@ -74,6 +74,39 @@ def test_the_autocast_state_is_read_at_each_step_start(tmp_path: Path) -> None:
     assert seen == [off, on, on, off]
 
 
+class _AutocastInside(nn.Module):
+    """Enters autocast inside its own forward, as accelerate's wrapped ``forward`` does (the
+    root's pre-hook runs before it, outside autocast)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out: torch.Tensor = self.body(x)
+        return out
+
+
+def test_a_step_started_by_record_batch_records_the_forward_s_autocast(tmp_path: Path) -> None:
+    """Lightning and the HF Trainer hand the batch over (``record_batch``) before the
+    precision context is entered: the forward's autocast is what the step ran under, whether
+    the loop enters it around the model or the model inside its own forward (accelerate)."""
+    on = {"enabled": True, "device_type": "cpu", "dtype": "bfloat16"}
+    for inside in (False, True):
+        model: nn.Module = _AutocastInside() if inside else nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with tg.Guard(model, opt, run_dir=tmp_path / str(inside), hang_timeout=0) as guard:
+            for step in range(2):
+                guard.record_batch(torch.randn(8, 4))
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not inside):
+                    loss = model(torch.randn(8, 4)).float().pow(2).mean()
+                assert guard._start.autocast == on, (inside, step)
+                loss.backward()
+                guard.check(loss)
+                opt.zero_grad()
+
+
 def test_each_step_start_holds_that_moment_s_rng_states_drawn_or_not(tmp_path: Path) -> None:
     """Lazy snapshots (capture/rng_fingerprint.py) in a guarded loop: steps that draw nothing
     share one snapshot; a draw anywhere (the data pipeline between steps, the step itself)

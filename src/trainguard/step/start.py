@@ -165,6 +165,11 @@ class StepStart:
             # A later micro-batch's forward, or the first forward of a step that started at a
             # record_batch or a fetch: its inputs are the step's too. (Under torch.compile
             # this runs eagerly, or not at all inside a compile wrapper: user_hooks.py.)
+            if self.autocast is self._autocast_off and torch.is_grad_enabled():
+                # started outside the forward's autocast (Lightning's precision context,
+                # entered after record_batch), or autocast entered inside the model's own
+                # forward (accelerate wraps it): a hooked child sees it
+                self.autocast = self._autocast_now()
             if module is self._args_module or (
                 self._args_module is None and id(module) in self._root_ids
             ):
