@@ -229,9 +229,11 @@ def run_transformers(
             if acts_on(self.step, by_step):
                 super().before_micro_batch(inputs)
 
-        def after_micro_batch(self, loss: torch.Tensor, last_of_step: bool) -> None:
+        def after_micro_batch(
+            self, loss: torch.Tensor, last_of_step: bool, window: int = 1
+        ) -> None:
             if acts_on(self.step, by_step):
-                super().after_micro_batch(loss, last_of_step)
+                super().after_micro_batch(loss, last_of_step, window)
             else:
                 self._checked = True  # the mixin is there; this step is left unguarded
 

@@ -191,6 +191,24 @@ def test_guard_metrics_reach_the_reporters_logs(tmp_path: Path) -> None:
     assert history[-1]["trainguard/skipped_steps"] == 1
 
 
+def test_under_accumulation_the_guards_loss_is_the_trainers(tmp_path: Path) -> None:
+    """The Trainer's training_step returns each micro-batch's share of the window's loss; the
+    guard reports the window's loss, as the Trainer logs it (not half of it)."""
+    ex = _example()
+    reader = _LogReader()
+    trainer = ex.GuardedTrainer(
+        model=ex.tiny_gpt2(),
+        args=_args(tmp_path, max_steps=3, logging_steps=1, gradient_accumulation_steps=2),
+        train_dataset=ex.Tokens(masked=None),
+        callbacks=[reader, TrainGuardCallback(run_dir=tmp_path, hang_timeout=0, capture=False)],
+    )
+    trainer.train()
+    steps = [log for log in reader.logs if "loss" in log]
+    assert len(steps) == 3
+    for log in steps:  # the Trainer rounds its logged loss to 4 decimals
+        assert log["trainguard/loss"] == pytest.approx(log["loss"], abs=1e-3), log
+
+
 def test_log_metrics_false_leaves_the_logs_alone(tmp_path: Path) -> None:
     ex = _example()
     reader = _LogReader()

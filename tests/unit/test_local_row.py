@@ -28,13 +28,13 @@ def test_unfold_reduces_as_the_device_row_does() -> None:
     assert row.unfold([2.5, 3.0, 4.0, 0.0, 1.0, 7.0]) == [2.5, 2.5, 5.0, 7.0, 0.0]
     assert FoldedRow(1, 0, _never).unfold([1.0]) == [1.0, 1.0, 0.0, 0.0, 0.0]  # no grads/inputs
     accumulated = FoldedRow(losses=3, norms=1, confirm=_never).unfold([1.0, 2.0, 4.0, 3.0])
-    assert accumulated == [4.0, 7.0, 3.0, 0.0, 0.0]  # last, sum, norm
+    assert accumulated == [7.0 / 3, 7.0, 3.0, 0.0, 0.0]  # mean (reported), sum, norm
 
 
 @pytest.mark.parametrize("bad", [NAN, INF, -INF])
 def test_unfold_propagates_nonfinite_losses_and_norms(bad: float) -> None:
     loss, check, norm, _, _ = FoldedRow(2, 2, _never).unfold([bad, 1.0, 3.0, 4.0])
-    assert loss == 1.0 and not math.isfinite(check) and norm == 5.0
+    assert not math.isfinite(loss) and not math.isfinite(check) and norm == 5.0  # not 1.0
     _, _, norm, _, _ = FoldedRow(1, 2, _never).unfold([1.0, 3.0, bad])
     assert not math.isfinite(norm)
     assert math.isnan(FoldedRow(1, 2, _never).unfold([1.0, INF, NAN])[2])  # NaN wins

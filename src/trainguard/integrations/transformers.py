@@ -160,11 +160,17 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
         if self.guard is not None and self._rerun:
             self._micro.record(self.guard.state.step, inputs, (model, num_items_in_batch))
 
-    def after_micro_batch(self, loss: Tensor, last_of_step: bool) -> None:
-        """Keep the loss; on the window's last micro-batch check the step (every rank)."""
+    def after_micro_batch(self, loss: Tensor, last_of_step: bool, window: int = 1) -> None:
+        """Keep the loss; on the window's last micro-batch check the step (every rank).
+        ``window``: the Trainer's ``current_gradient_accumulation_steps``; its
+        ``training_step`` returns each micro-batch's share of the window's loss (divided by
+        the window, or normalised by the window's item count), so the share times the window
+        is the micro-batch's loss, whose mean over the window is the loss the Trainer logs."""
         guard = self.guard
         if guard is None:
             return
+        if window > 1:
+            loss = loss * window
         if not last_of_step:
             guard.record_loss(loss)
             return
@@ -213,7 +219,8 @@ class TrainGuardMixin:
         loss: Tensor = super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
         accelerator = getattr(self, "accelerator", None)
         last_of_step = bool(getattr(accelerator, "sync_gradients", True))
-        guard.after_micro_batch(loss, last_of_step)
+        window = int(getattr(self, "current_gradient_accumulation_steps", 1) or 1)
+        guard.after_micro_batch(loss, last_of_step, window)
         return loss
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:

@@ -254,7 +254,7 @@ def made_in_loop_summary(runs: list[RunResult], device: str, meta: dict[str, Any
     """The summary of a step that replays finite from its fetched batch while the model's
     forward had got a non-finite input (``capture/forward_inputs.py``)."""
     found = meta["forward_inputs"]
-    loss = runs[0].losses[0] if runs and runs[0].losses else math.nan
+    loss = step_loss(runs)
     return (
         f"The step did not reproduce from the batch as fetched ({len(runs)} replays on "
         f"{device}, finite loss {loss:.6g}), but on rank {meta.get('rank')} the model's "
@@ -264,6 +264,13 @@ def made_in_loop_summary(runs: list[RunResult], device: str, meta: dict[str, Any
     )
 
 
+def step_loss(runs: list[RunResult]) -> float:
+    """The first replay's loss of the step as the guard reports it: the mean of its
+    micro-batch losses (NaN without a run)."""
+    losses = runs[0].losses if runs else []
+    return sum(losses) / len(losses) if losses else math.nan
+
+
 def spike_summary(
     runs: list[RunResult], deterministic: bool, device: str, meta: dict[str, Any]
 ) -> tuple[str, str]:
@@ -271,7 +278,7 @@ def spike_summary(
     ``spike`` when the replays give the recorded loss again, else ``not_reproduced``."""
     recorded = meta.get("loss")
     n = len(runs)
-    loss = runs[0].losses[0] if runs and runs[0].losses else math.nan
+    loss = step_loss(runs)
     norm = runs[0].grad_norm if runs else math.nan
     if (
         deterministic
@@ -300,7 +307,7 @@ def not_reproduced_summary(
     where = "loss" if meta.get("loss_finite") is False else "gradients"  # None: not seen
     host = (meta.get("env") or {}).get("host", "the same host")
     n = len(runs)
-    loss = runs[0].losses[0] if runs and runs[0].losses else math.nan
+    loss = step_loss(runs)
     if not deterministic:
         return (
             f"The step did not reproduce: {n} replays on {device} were finite but differ bit "

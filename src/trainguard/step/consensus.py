@@ -51,9 +51,9 @@ class LocalReport:
     """What one rank saw during a step. ``values`` may be on the device (no sync needed)."""
 
     values: Tensor
-    """float64 ``[loss, loss_check, grad_norm, input, fingerprint]``: the loss reported (mean
-    of the last micro-batch's loss), the sum of every micro-batch's loss (non-finite when any
-    is), the L2 norm of this rank's gradients (non-finite when any gradient is), the largest
+    """float64 ``[loss, loss_check, grad_norm, input, fingerprint]``: the loss reported (the
+    mean of the step's micro-batch losses), the sum of every micro-batch's loss (non-finite
+    when any is), the L2 norm of this rank's gradients (non-finite when any gradient is), the largest
     ``|x|`` of the step's input tensors (non-finite when any input value is; 0 unchecked),
     and a fingerprint of the replicated weights (0: not checked this step)."""
     exhausted: bool = False

@@ -206,17 +206,19 @@ def loss_value(loss: Tensor) -> Tensor:
 def loss_columns(
     loss: Tensor, micro_losses: list[Tensor], device: torch.device
 ) -> tuple[Tensor, Tensor]:
-    """The step's two loss columns on ``device``: the last micro-batch's loss (reported), and
-    the check: that loss, or under gradient accumulation the sum over every micro-batch's."""
-    last = loss_value(loss)
-    if last.device != device:
-        last = last.to(device, non_blocking=True)
-    if last.dtype != torch.float64:  # the row is float64: a stack that must promote costs
-        last = last.double()  # several times this conversion (the same value)
+    """The step's two loss columns on ``device``: the reported loss and the check. One loss:
+    that loss, twice. Under gradient accumulation (``micro_losses``, each micro-batch's once):
+    their mean (reported: the step's loss, NaN/Inf when any is) and their float64 sum."""
     if len(micro_losses) <= 1:
+        last = loss_value(loss)
+        if last.device != device:
+            last = last.to(device, non_blocking=True)
+        if last.dtype != torch.float64:  # the row is float64: a stack that must promote costs
+            last = last.double()  # several times this conversion (the same value)
         return last, last
     micro = [loss_value(m).to(device, non_blocking=True) for m in micro_losses]
-    return last, torch.stack(micro).double().sum()
+    total = torch.stack(micro).double().sum()
+    return total / len(micro), total
 
 
 def clip_(grads: list[Tensor], total_norm: float, max_norm: float) -> float:

@@ -57,7 +57,8 @@ def reduce_row(
     top = max(inputs, default=0.0)
     if not math.isfinite(top) or not all(map(math.isfinite, inputs)):
         top = confirm()
-    return [step_losses[-1], check, total_norm(values[losses:split]), top, 0.0]
+    reported = check if losses == 1 else check / losses  # the mean of the step's losses
+    return [reported, check, total_norm(values[losses:split]), top, 0.0]
 
 
 def total_norm(norms: list[float]) -> float:

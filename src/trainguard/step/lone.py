@@ -145,7 +145,8 @@ class LoneStep:
         values, norms = read
         count, cut = len(losses), len(losses) + len(grads)
         norm = total_norm(values[count:cut])
-        return self._commit(step, values[count - 1], norm, loss_known, (values, norms, grads))
+        reported = values[0] if count == 1 else sum(values[:count]) / count  # the mean
+        return self._commit(step, reported, norm, loss_known, (values, norms, grads))
 
     def _first_gradients_plain(self) -> bool:
         """False (for good) when the gradients are FSDP2 shards: looked up once, at the first

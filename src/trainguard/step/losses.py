@@ -9,9 +9,13 @@ loss on the host). A number becomes a 0-dim float64 tensor on the guard's device
 The rule for ``record_loss()`` and ``check(loss)`` (gradient accumulation): each micro-batch's
 loss is recorded exactly once.
 
-- ``check(loss)``'s loss is always checked (a non-finite value marks the step bad) and is the
-  value reported for the step (the agreed per-rank ``losses``, the metrics log, the spike
-  rule, ``last_good_loss``).
+- ``check(loss)``'s loss is always checked (a non-finite value marks the step bad).
+- The value reported for the step (the agreed per-rank ``losses``, the metrics log, the
+  spike rule, ``last_good_loss``, ``trainguard/loss``) is the mean of the step's micro-batch
+  losses: ``check()``'s loss when it is the only one; under accumulation the window's mean,
+  NaN/Inf when any micro-batch's is (each loss as the loop computed it: a loss the loop
+  divided by the window before ``backward`` is reported so divided, unless handed over
+  undivided, as the Lightning and HF integrations do).
 - The step's micro-batch losses (the capture's ``micro_losses``) are the losses recorded
   with ``record_loss()`` during the step, then ``check()``'s loss, unless it is the loss last
   recorded: the same tensor (or a view of the same memory, e.g. ``loss.detach()``) or the

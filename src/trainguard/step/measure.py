@@ -89,12 +89,12 @@ class StepMeasure:
         parts = self._parts
         device = parts.device
         checked = parts.losses.checked(loss)  # ends with the loss, detached (or its twin)
-        last, check = loss_columns(checked[-1], checked, device)
+        reported, check = loss_columns(checked[-1], checked, device)
         stream = parts.stream()
         batches = parts.evidence.batches_of(step)
         inputs = parts.inputs.value(step, batches, device)
         fingerprint = parts.replicas.fingerprint(step, device)
-        values = torch.stack([last, check, stats.norm, inputs, fingerprint])  # one kernel
+        values = torch.stack([reported, check, stats.norm, inputs, fingerprint])  # one kernel
         return self._host_fields(values, stream, None)
 
     def _fold_pieces(self, step: int, loss: Tensor) -> tuple[list[Tensor], list[Tensor]] | None:
