@@ -53,8 +53,9 @@ class LocalReport:
     values: Tensor
     """float64 ``[loss, loss_check, grad_norm, input, fingerprint]``: the loss reported (the
     mean of the step's micro-batch losses), the sum of every micro-batch's loss (non-finite
-    when any is), the L2 norm of this rank's gradients (non-finite when any gradient is), the largest
-    ``|x|`` of the step's input tensors (non-finite when any input value is; 0 unchecked),
+    when any is), the L2 norm of this rank's gradients (non-finite when any gradient is), the
+    largest ``|x|`` of the step's input tensors (non-finite when any input value is; 0
+    unchecked),
     and a fingerprint of the replicated weights (0: not checked this step)."""
     exhausted: bool = False
     """This rank's data iterator is used up (``batches`` is then its exact total)."""
