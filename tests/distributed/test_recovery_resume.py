@@ -90,3 +90,33 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path) ->
         resumed = [e for e in run["events"] if e["kind"] == "resume"]
         assert resumed[-1]["from_step"] == 6
         assert run["step"] == 6 and run["same"] and run["finite"]
+
+
+def _buffers_job(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Each rank's BatchNorm statistics differ (DDP keeps each rank's own): a checkpoint
+    saved and loaded gives every rank back its own, not one rank's for all."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from trainguard.recovery import checkpoint as ckpt
+    from trainguard.recovery.snapshot import TrainingObjects
+
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    objects = TrainingObjects(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    bn = model.module[1]
+    bn.running_mean.fill_(rank + 1.0)
+    bn.running_var.fill_(10.0 * (rank + 1))
+    group = dist.group.WORLD
+    ckpt.save(Path(root), 2, objects, {}, group, rank)
+    bn.running_mean.zero_()
+    bn.running_var.fill_(1.0)
+    ckpt.load(ckpt.step_dir(Path(root), 2), objects, rank)
+    return {"mean": bn.running_mean.tolist(), "var": bn.running_var.tolist()}
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_gives_each_rank_back_its_own_buffers(tmp_path: Path) -> None:
+    ranks = values(run_ranks(_buffers_job, 2, str(tmp_path), timeout=50))
+    for rank, got in enumerate(ranks):
+        assert got == {"mean": [rank + 1.0] * 4, "var": [10.0 * (rank + 1)] * 4}, rank

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor, nn
 from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -69,12 +70,32 @@ def model_optimizer_state(objects: TrainingObjects) -> dict[str, Any]:
 
 
 def rank_extras(objects: TrainingObjects) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"buffers": own_buffers(objects.model)}
     if objects.scheduler is not None:
         out["scheduler"] = objects.scheduler.state_dict()
     if objects.scaler is not None:
         out["scaler"] = objects.scaler.state_dict()
     return out
+
+
+def own_buffers(model: nn.Module) -> dict[str, Tensor]:
+    """This rank's plain (unsharded) buffers. The distributed checkpoint keeps one copy of a
+    tensor every rank holds under the same name, whichever rank's: BatchNorm statistics,
+    each rank's own under DDP, would all come back as one rank's. Each rank's file keeps its
+    own, put back after the checkpoint's load (``restore_own_buffers``)."""
+    return {
+        name: buf.detach().to("cpu", copy=True)
+        for name, buf in model.named_buffers()
+        if type(buf) is Tensor
+    }
+
+
+def restore_own_buffers(model: nn.Module, saved: dict[str, Tensor]) -> None:
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            own = saved.get(name)
+            if own is not None and type(buf) is Tensor and own.shape == buf.shape:
+                buf.copy_(own)
 
 
 @dataclass
@@ -158,6 +179,7 @@ def load(path: Path, objects: TrainingObjects, rank: int) -> dict[str, Any]:
         optim_state_dict=state["optim"],
     )
     extras: dict[str, Any] = torch.load(path / f"rank-{rank}.pt", weights_only=False)
+    restore_own_buffers(objects.model, extras.get("buffers") or {})
     if objects.scheduler is not None and "scheduler" in extras:
         objects.scheduler.load_state_dict(extras["scheduler"])
     if objects.scaler is not None and "scaler" in extras:
