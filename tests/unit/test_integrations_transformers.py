@@ -209,6 +209,36 @@ def test_under_accumulation_the_guards_loss_is_the_trainers(tmp_path: Path) -> N
         assert log["trainguard/loss"] == pytest.approx(log["loss"], abs=1e-3), log
 
 
+def test_resume_from_a_trainer_checkpoint_continues_the_guards_state(tmp_path: Path) -> None:
+    """The guard's state rides in the Trainer's checkpoints: a resumed train() names the
+    Trainer's steps and keeps the bad steps counted before the checkpoint."""
+    ex = _example()
+
+    def train(max_steps: int, resume: bool) -> TrainGuardCallback:
+        callback = TrainGuardCallback(run_dir=tmp_path / "run", hang_timeout=0, capture=False)
+        trainer = ex.GuardedTrainer(
+            model=ex.tiny_gpt2(),
+            args=_args(tmp_path, max_steps=max_steps, save_strategy="steps", save_steps=8),
+            train_dataset=ex.Tokens(),  # sample MASKED is all -100: its step is bad
+            callbacks=[callback],
+        )
+        trainer.train(resume_from_checkpoint=True if resume else None)
+        return callback
+
+    first = train(8, resume=False)
+    assert first.final_state is not None
+    bad = first.final_state["state"]["nonfinite_steps"]
+    assert len(bad) == 1 and bad[0] < 8  # the masked sample came before the checkpoint
+    assert (tmp_path / "trainer" / "checkpoint-8" / "trainguard_state.pt").is_file()
+    resumed = train(12, resume=True)
+    assert resumed.final_state is not None
+    state = resumed.final_state["state"]
+    assert state["step"] == 12 and state["nonfinite_steps"] == bad
+    assert state["total_nonfinite"] == 1
+    checked = [e["step"] for e in tg.read_events(tmp_path / "run", 0) if e["kind"] == "close"]
+    assert checked == [8, 12]  # the resumed run closed at the Trainer's step, not at 4
+
+
 def test_log_metrics_false_leaves_the_logs_alone(tmp_path: Path) -> None:
     ex = _example()
     reader = _LogReader()

@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,6 +61,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 logger = logging.getLogger(__name__)
+
+GUARD_STATE = "trainguard_state.pt"
+"""The guard's ``state_dict()`` in a Trainer checkpoint folder (``on_save``)."""
 
 
 class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
@@ -83,6 +87,8 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
         self.final_state: dict[str, Any] | None = None
         """The guard's ``state_dict()`` when training ended."""
         self._checked = False
+        self._resume_from: str | None = None
+        """The Trainer checkpoint ``train(resume_from_checkpoint=...)`` resumes from."""
 
     # -- TrainerCallback hooks ----------------------------------------------------------------
 
@@ -114,6 +120,38 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
             _check_rerun(args, self._trainer)
             rerun = TrainerRerun(self._trainer, self._micro)
         self.guard = Guard(model, inner, config=config, rerun=rerun)
+        if self._resume_from is not None:
+            self._load_guard_state(Path(self._resume_from), getattr(state, "global_step", 0))
+
+    def _load_guard_state(self, checkpoint: Path, global_step: int) -> None:
+        """The guard's counters as the Trainer checkpoint saved them (``on_save``), so the
+        resumed run names the Trainer's steps and keeps counting its bad steps."""
+        guard = self.guard
+        saved = checkpoint / GUARD_STATE
+        if guard is None:
+            return
+        if not saved.is_file():
+            logger.warning(
+                "trainguard: %s holds no %s (saved without TrainGuardCallback): the guard's "
+                "counters start afresh at step 0 while the Trainer resumes at step %d",
+                checkpoint,
+                GUARD_STATE,
+                global_step,
+            )
+            return
+        guard.load_state_dict(torch.load(saved, weights_only=False))
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Save the guard's ``state_dict()`` into the checkpoint the Trainer just wrote (the
+        first process: the state is the same on every rank; no collective)."""
+        guard = self.guard
+        if guard is None or not getattr(state, "is_world_process_zero", True):
+            return
+        trainer = self._trainer
+        root = trainer._get_output_dir(trial=None) if trainer is not None else args.output_dir
+        folder = Path(root) / f"checkpoint-{state.global_step}"
+        if folder.is_dir():
+            torch.save(guard.state_dict(), folder / GUARD_STATE)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.guard is not None and not self._checked:
@@ -130,9 +168,11 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
 
     # -- called by TrainGuardMixin ----------------------------------------------------------
 
-    def bind(self, trainer: Any) -> None:
-        """The Trainer this callback guards (``TrainGuardMixin.train`` calls it)."""
+    def bind(self, trainer: Any, resume_from: str | None = None) -> None:
+        """The Trainer this callback guards and the checkpoint its ``train()`` resumes from
+        (``TrainGuardMixin.train`` calls it)."""
         self._trainer = trainer
+        self._resume_from = resume_from
 
     def add_metrics(self, logs: dict[str, Any]) -> None:
         """Add ``guard.metrics()`` to a training log of the Trainer (one with ``loss``, or the
@@ -234,7 +274,12 @@ class TrainGuardMixin:
         super().log(logs, *args, **kwargs)  # type: ignore[misc]
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        self._trainguard().bind(self)
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if resume is True:  # the Trainer's own rule: the last checkpoint in output_dir
+            from transformers.trainer_utils import get_last_checkpoint
+
+            resume = get_last_checkpoint(self.args.output_dir)  # type: ignore[attr-defined,no-untyped-call]
+        self._trainguard().bind(self, str(resume) if isinstance(resume, (str, Path)) else None)
         return super().train(*args, **kwargs)  # type: ignore[misc]
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
