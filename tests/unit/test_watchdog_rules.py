@@ -97,6 +97,15 @@ def test_no_progress_anywhere_for_the_timeout_is_a_hang() -> None:
     assert verdict.by == verdict.reporter == 0
 
 
+def test_a_hang_waits_for_no_dump_from_a_rank_that_closed() -> None:
+    """A rank whose guard closed (out of data) runs no watchdog: it will not dump its stacks,
+    so the live ranks must not wait for it (they waited the full 5 s)."""
+    views = [view(0, phase="check"), view(1, state="closed", phase="closed")]
+    verdict = assess(views, me=0, timeout=3.0, dead_after=3.0)
+    assert verdict is not None and verdict.kind == HANG
+    assert verdict.silent == [1]
+
+
 def test_one_rank_still_progressing_is_no_hang() -> None:
     views = [view(0, progress_age=0.5), view(1, phase="data")]
     assert assess(views, me=0, timeout=3.0, dead_after=3.0) is None

@@ -146,7 +146,8 @@ def assess(views: Sequence[RankView], me: int, timeout: float, dead_after: float
     if records_pending(training, limit):
         return None
     culprits, reason = hang_culprits(views)
-    absent = [v.rank for v in views if not v.registered]
+    # no dump to wait for from a rank that never registered or whose watchdog stopped
+    absent = [v.rank for v in views if not v.registered or v.state in ("closed", "failed")]
     reason = f"no rank made progress for {limit:g}s; {reason}"
     return Verdict(HANG, culprits, reason, by=me, reporter=me, silent=absent)
 
