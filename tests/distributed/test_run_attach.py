@@ -177,6 +177,15 @@ def test_a_second_optimizer_makes_it_stand_aside(tmp_path: Path) -> None:
     assert "trainguard run: rank 0: guarding AdamW over Net" in done.stderr
     assert "not guarding: a second optimizer (SGD) steps besides the guarded AdamW" in done.stderr
     assert "the script runs unguarded" in done.stderr
+    (aside,) = [e for e in tg.read_events(tmp_path / "run", 0) if e["kind"] == "stand_aside"]
+    assert "a second optimizer" in aside["reason"]  # and the report says so, not "ok"
+    report = subprocess.run(
+        [sys.executable, "-m", "trainguard", "report", str(tmp_path / "run"), "--no-html"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "stood aside step" in report.stdout and "a second optimizer" in report.stdout
 
 
 @pytest.mark.timeout(150)

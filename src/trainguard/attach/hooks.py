@@ -126,6 +126,8 @@ class Attacher:
         self.aside = True
         self._remove_hooks()
         announcer().warning("trainguard run: rank %d: not guarding: %s; %s", _rank(), reason, then)
+        if self.guard is not None:  # the run dir says so too: its report is no guarded run
+            self.guard.events.write("stand_aside", self.guard.state.step, reason=reason, then=then)
         self.close()
 
     def close(self) -> None:

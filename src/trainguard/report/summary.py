@@ -66,6 +66,8 @@ class RunSummary:
     first_bad: dict[str, Any] | None = None
     nonfinite: list[dict[str, Any]] = field(default_factory=list)
     captures: list[dict[str, Any]] = field(default_factory=list)
+    stood_aside: list[dict[str, Any]] = field(default_factory=list)
+    """``trainguard run``'s guard stood aside (``stand_aside`` events): unguarded from then."""
     capture_failures: list[dict[str, Any]] = field(default_factory=list)
     """``capture_failed`` events (one per step; the lowest rank's): a bundle tried, not written."""
     spikes: list[dict[str, Any]] = field(default_factory=list)
@@ -312,6 +314,7 @@ def _fill_from_events(summary: RunSummary, events: list[dict[str, Any]]) -> None
     summary.escalations = _escalations(events)
     summary.bad_input = _merged(events, "bad_input")
     summary.capture_failures = _merged(events, "capture_failed", keys=())
+    summary.stood_aside = _merged(events, "stand_aside", keys=())
     summary.uneven_data = _merged(events, "uneven_data")
     summary.stragglers = _merged(events, "straggler", keys=("phase",))
     summary.reruns = _merged(events, "rerun")

@@ -21,6 +21,11 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
     rows: list[tuple[str, list[str]]] = [
         *([("run", [_run(summary)])] if summary.run is not None else []),
         ("steps", [_steps(summary, ranks)]),
+        *(
+            [("stood aside", [_aside(e) for e in summary.stood_aside])]
+            if summary.stood_aside
+            else []
+        ),
         ("decisions", [_decisions(summary.decisions)]),
         ("first bad", [_first_bad(summary.first_bad)]),
         ("non-finite", _listed(summary.nonfinite, _nonfinite)),
@@ -123,6 +128,13 @@ def _captures(captures: list[dict[str, Any]], run_dir: str) -> list[str]:
             bundle = Path(run_dir) / str(c.get("path"))
             lines.append(f"  not replayed yet: trainguard replay {bundle} --factory MODULE:FUNC")
     return lines
+
+
+def _aside(e: dict[str, Any]) -> str:
+    return (
+        f"step {e.get('step')} on rank {e.get('rank')}: {e.get('reason')}; "
+        f"{e.get('then') or 'the script runs unguarded'}"
+    )
 
 
 def _failed(summary: RunSummary) -> list[str]:
