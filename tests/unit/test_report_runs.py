@@ -170,4 +170,36 @@ def test_a_new_run_from_a_saved_state_counts_its_own_steps(tmp_path: Path) -> No
     summary = summarize(tmp_path)
     assert (summary.first_step, summary.steps, summary.steps_run) == (10, 20, 10)
     assert summary.decisions == {"ok": 9, "skip": 1}
-    assert "started at step 10 (a loaded state); 10 run" in report_text(summary)
+    assert "started at step 10 (a saved state); 10 run" in report_text(summary)
+
+
+def test_restarts_count_the_steps_each_start_ran(tmp_path: Path) -> None:
+    """torchrun restarts into one run: without resume the second start runs from 0 again;
+    with resume it begins at the checkpoint's step (its ``start`` event, after ``resume``).
+    Steps run are every start's; the run began at step 0 either way."""
+    restart = [
+        _event(100.0, 0, "start", "r", world_size=1, run_origin="new"),
+        _event(101.0, 4, "checkpoint", "r"),
+        _event(200.0, 0, "start", "r", world_size=1, run_origin="restart"),
+        _event(212.0, 12, "close", "r"),
+    ]
+    metrics = [_metric(100.5 + s, s) for s in range(7)] + [_metric(200.5 + s, s) for s in range(12)]
+    _write(tmp_path / "a" / "events" / "rank-0.jsonl", restart)
+    _write(tmp_path / "a" / "metrics" / "rank-0.jsonl", metrics)
+    summary = summarize(tmp_path / "a")
+    assert (summary.starts, summary.first_step, summary.steps, summary.steps_run) == (2, 0, 12, 19)
+    assert "19 run (7 again after restarts)" in report_text(summary)
+    resumed = [
+        *restart[:2],
+        _event(199.0, 4, "resume", "r", from_step=4),
+        _event(200.0, 4, "start", "r", world_size=1, run_origin="restart"),
+        restart[3],
+    ]
+    metrics = [_metric(100.5 + s, s) for s in range(7)] + [
+        _metric(200.5 + s, s) for s in range(4, 12)
+    ]
+    _write(tmp_path / "b" / "events" / "rank-0.jsonl", resumed)
+    _write(tmp_path / "b" / "metrics" / "rank-0.jsonl", metrics)
+    summary = summarize(tmp_path / "b")
+    assert (summary.starts, summary.first_step, summary.steps_run) == (2, 0, 15)
+    assert summary.decisions == {"ok": 15}

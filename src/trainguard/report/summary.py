@@ -24,6 +24,7 @@ from trainguard.report.readers import (
     read_jsonl,
 )
 from trainguard.report.runs import ALL, RunInfo, Timeline, latest, list_runs, run_of
+from trainguard.report.starts import run_starts
 from trainguard.report.timing import StepTimes, phase_summary, rank_table, step_times
 
 _KEY_FIELDS = ("metric", "hang_id", "path", "reason")
@@ -59,9 +60,12 @@ class RunSummary:
     steps: int = 0
     first_step: int = 0
     """The step the run started at: 0, or the step of the state it loaded (a new run from a
-    checkpoint, ``guard.load_state_dict``): its first step in the metrics log."""
+    checkpoint, ``guard.load_state_dict``) or resumed from (``report/starts.py``)."""
+    starts: int = 0
+    """Its starts: 1, or more after torchrun restarts and resumes (0: no ``start`` event)."""
     steps_run: int = 0
-    """Steps run (from ``first_step``), counting those run again after a rollback."""
+    """Steps run, every start's (``report/starts.py``), those a restart or a rollback ran
+    again counted again."""
     decisions: dict[str, int] = field(default_factory=dict)
     first_bad: dict[str, Any] | None = None
     nonfinite: list[dict[str, Any]] = field(default_factory=list)
@@ -189,8 +193,12 @@ def _summary(found: _RunDir, run: str | None) -> RunSummary:
     summary.captures = own(found.captures, "run")
     summary.hangs = own(found.hangs, None) or _hang_events(events)
     summary.steps = _count_steps(events, summary.points)
-    summary.first_step = min((p.step for p in summary.points), default=0)
-    summary.steps_run = _steps_run(events, summary.steps) - summary.first_step
+    starts = run_starts(events, own(found.records, None))
+    summary.starts = len(starts)
+    summary.first_step = starts[0].begin if starts else 0
+    summary.steps_run = (
+        sum(s.steps for s in starts) if starts else _steps_run(events, summary.steps)
+    )
     summary.decisions = _decisions(summary)
     if run is not None:
         summary.runs = [_listed(found, info, summary) for info in found.runs]

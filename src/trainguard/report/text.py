@@ -56,10 +56,14 @@ def _steps(summary: RunSummary, ranks: str) -> str:
     line = f"{summary.steps}{ranks}; {len(summary.points)} in the metrics log"
     first = summary.first_step
     if first:
-        line += f"; started at step {first} (a loaded state)"
+        line += f"; started at step {first} (a saved state)"
     again = summary.steps_run - (summary.steps - first)
-    if again:
-        return line + f"; {summary.steps_run} run ({again} again after rollbacks)"
+    if again > 0:
+        causes = [
+            c for c, n in (("restarts", summary.starts > 1), ("rollbacks", summary.rollbacks)) if n
+        ]
+        after = " and ".join(causes) or "restarts"
+        return line + f"; {summary.steps_run} run ({again} again after {after})"
     return line + (f"; {summary.steps_run} run" if first else "")
 
 

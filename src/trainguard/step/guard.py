@@ -298,6 +298,7 @@ class Guard(GuardAssembly):
         """Restore ``state_dict()``'s counters, step, spike state and LR backoff."""
         load_guard_state(state, self.state, self.recovery.state if self.recovery else None)
         self.progress.enter(self.progress.phase, self.state.step)
+        self.events.write("state_loaded", self.state.step)  # the report: where the run began
 
     @property
     def global_step(self) -> int:

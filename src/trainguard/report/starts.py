@@ -1,0 +1,80 @@
+"""The starts of a run and the steps each ran: a torchrun restart, a resume from a checkpoint,
+a new run from a loaded state.
+
+A run's events (one rank's, the lowest that wrote a ``start``) are cut at its ``start``
+events. Each start begins at its ``start`` event's step (0, or the step a ``resume=True``
+checkpoint restored), or at the step of a state it loaded later (a ``state_loaded`` event,
+``guard.load_state_dict``); it reached
+the highest step its events and metrics lines name (a checked step ``s`` counts as reached
+``s + 1``). A restart without a resume runs its steps again from 0; a killed start whose
+metrics lines were lost still counts to its last event (a checkpoint, a skip).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+CHECKED = ("nonfinite", "spike", "skip", "overflow")
+"""Events of a step that was checked: the start reached the step after it."""
+
+
+@dataclass
+class Start:
+    begin: int
+    """The step it started at."""
+    end: int
+    """The step it reached after its last rollback (the next step it would have checked)."""
+    again: int = 0
+    """Steps its rollbacks ran again (from the restored step through the failing one)."""
+
+    @property
+    def steps(self) -> int:
+        """The steps it ran, those run again after a rollback counted again."""
+        return max(self.end - self.begin, 0) + self.again
+
+
+def run_starts(events: list[dict[str, Any]], records: list[dict[str, Any]]) -> list[Start]:
+    """The run's starts in time order (none: its events hold no ``start``)."""
+    ranks = [_int(e.get("rank")) for e in events if e["kind"] == "start"]
+    if not ranks:
+        return []
+    rank = min(ranks)
+    own = [e for e in events if _int(e.get("rank")) == rank]  # in time order
+    cuts = [i for i, e in enumerate(own) if e["kind"] == "start"]
+    out = []
+    for first, after in zip(cuts, [*cuts[1:], len(own)], strict=True):
+        t1 = _time(own[after]) if after < len(own) else math.inf
+        out.append(_start(own[first:after], records, _time(own[first]), t1))
+    return out
+
+
+def _start(
+    inside: list[dict[str, Any]], records: list[dict[str, Any]], t0: float, t1: float
+) -> Start:
+    """``inside``: the start's events, its ``start`` first (written once a resume restored
+    the state: its step is where it began; the ``resume`` event comes just before it)."""
+    begin = _int(inside[0].get("step"))
+    for e in inside:
+        if e["kind"] == "state_loaded":  # guard.load_state_dict: the loop's own checkpoint
+            begin = _int(e.get("step"))
+    rollbacks = [e for e in inside if e["kind"] == "rollback" and "restored_step" in e]
+    again = sum(_int(e.get("step")) + 1 - _int(e.get("restored_step")) for e in rollbacks)
+    since = max((_time(e) for e in rollbacks), default=t0)  # the steps after the last one
+    reached = [begin, *(_int(e.get("restored_step")) for e in rollbacks[-1:])]
+    for e in inside:
+        if e["kind"] in ("resume", "state_loaded", "rollback") or _time(e) < since:
+            continue
+        reached.append(_int(e.get("step")) + (1 if e["kind"] in CHECKED else 0))
+    reached += [_int(r.get("step")) + 1 for r in records if since <= _time(r) < t1]
+    return Start(begin, max(reached), again)
+
+
+def _time(item: dict[str, Any]) -> float:
+    value = item.get("time")
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
