@@ -337,7 +337,8 @@ class TrainerRerun:
             if not last and not _syncs_each_batch(trainer):
                 stack.enter_context(trainer.accelerator.no_sync(model=wrapped))
             loss: Tensor = trainer.training_step(wrapped, batch, num_items_in_batch)
-        return backpropagated(loss)
+        window = int(getattr(trainer, "current_gradient_accumulation_steps", 1) or 1)
+        return backpropagated(loss * window if window > 1 else loss)  # as after_micro_batch
 
 
 def _syncs_each_batch(trainer: Any) -> bool:
