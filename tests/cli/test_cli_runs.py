@@ -64,28 +64,39 @@ def test_the_report_shows_the_latest_run_and_says_there_is_another(two_runs: Pat
 
 
 @pytest.mark.timeout(120)
-def test_runs_lists_them_and_run_picks_one_or_all(two_runs: Path) -> None:
-    listed = trainguard("report", str(two_runs), "--runs", "--json")
-    assert listed.returncode == 0, listed.stderr
-    data = json.loads(listed.stdout)
+def test_runs_lists_them_and_run_picks_one_or_all(
+    two_runs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In process (``cli.main``): the command's own path, without a Python start per call
+    (the test above runs the real command)."""
+    from trainguard.cli import main
+
+    def report(*args: str) -> tuple[int, str, str]:
+        code = main(["report", str(two_runs), *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, err = report("--runs", "--json")
+    assert code == 0, err
+    data = json.loads(out)
     first, second = (r["id"] for r in data["runs"])
     assert first < second and data["latest"] == second
     assert [r["steps"] for r in data["runs"]] == [10, 10]
-    text = trainguard("report", str(two_runs), "--runs").stdout
+    text = report("--runs")[1]
     assert first in text and f"{second} " in text and "(latest: shown by default)" in text
 
-    chosen = json.loads(trainguard("report", str(two_runs), "--run", first, "--json").stdout)
+    chosen = json.loads(report("--run", first, "--json")[1])
     assert chosen["run"] == first and chosen["decisions"] == {"ok": 9, "skip": 1}
     assert [r["id"] for r in chosen["runs"]] == [first, second]
 
-    every = trainguard("report", str(two_runs), "--run", "all", "--no-html")
-    assert every.returncode == 0, every.stderr
-    assert every.stdout.count("decisions   ok 9, skip 1") == 2
-    assert f"run         {first}" in every.stdout and f"run         {second}" in every.stdout
+    code, out, err = report("--run", "all", "--no-html")
+    assert code == 0, err
+    assert out.count("decisions   ok 9, skip 1") == 2
+    assert f"run         {first}" in out and f"run         {second}" in out
 
-    unknown = trainguard("report", str(two_runs), "--run", "nope")
-    assert unknown.returncode == 2 and unknown.stdout == ""
-    lines = unknown.stderr.strip().splitlines()
+    code, out, err = report("--run", "nope")
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and f"has no run 'nope'; its runs: {first}, {second}" in lines[0]
 
 
@@ -97,10 +108,15 @@ def test_runs_lists_them_and_run_picks_one_or_all(two_runs: Path) -> None:
         (["--steps", "4"], "--steps", "from 5 to 100000"),
     ],
 )
-def test_demo_rejects_bad_options_up_front(args: list[str], option: str, allowed: str) -> None:
-    done = trainguard("demo", *args, "--run-dir", "/nonexistent/never-written")
-    assert done.returncode == 2
-    assert done.stdout == ""  # no banner
-    lines = done.stderr.strip().splitlines()
+def test_demo_rejects_bad_options_up_front(
+    args: list[str], option: str, allowed: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trainguard.cli import main  # in process: the check comes before any launch
+
+    code = main(["demo", *args, "--run-dir", "/nonexistent/never-written"])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""  # no banner
+    lines = err.strip().splitlines()
     assert len(lines) == 1
     assert lines[0].startswith(f"trainguard: demo: {option}: use an integer {allowed}")

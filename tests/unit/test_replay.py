@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
+import runpy
 import sys
 import textwrap
 from pathlib import Path
@@ -377,7 +377,12 @@ def test_a_batch_type_of_the_script_is_rebuilt_from_the_factory_file(tmp_path: P
     (it used to come back as a dict: ``'dict' object has no attribute 'x'``)."""
     script = tmp_path / "train_batch_type.py"
     script.write_text(textwrap.dedent(_SCRIPT_WITH_A_BATCH_TYPE))
-    subprocess.run([sys.executable, str(script), str(tmp_path / "run")], check=True, timeout=120)
+    argv = sys.argv
+    sys.argv = [str(script), str(tmp_path / "run")]
+    try:  # as `python train_batch_type.py RUN`: its module is __main__ while it runs
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = argv
     (bundle,) = (tmp_path / "run" / "captures").glob("step-*")
     report = tg.replay(bundle, f"{script}:make_replay")
     assert report.verdict == "bad_input"
