@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import runpy
 import sys
 import textwrap
@@ -51,6 +52,37 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
     (bundle,) = (run_dir / "captures").glob("step-*")
     out["transient"] = tg.replay(bundle, models.clean_factory).to_dict()
     return out
+
+
+class _Siamese(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Linear(6, 4)
+
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        za, zb = self.enc(a), self.enc(b)
+        return torch.sqrt(((za - zb) ** 2).sum(-1))  # a distance of 0: its gradient is 0/0
+
+
+def _siamese_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    return model(*batch).pow(2).mean()
+
+
+def test_the_path_holds_the_steps_ops_not_the_replays_own() -> None:
+    """Non-finite gradients only: the replay's reads of the loss and the gradients (detach,
+    double, pow, sum) run outside the tracer, and an op of the autograd engine itself (the
+    gradient's accumulation) names no source: no hop points into trainguard, where the path
+    used to end (``cli.py:131``, float64 ``pow``/``sum``)."""
+    a, b = torch.randn(8, 6), torch.randn(8, 6)
+    b[3] = a[3]  # a duplicated pair
+    report = tg.diagnose(_Siamese(), _siamese_loss, (a, b)).to_dict()
+    assert report["phase"] == "backward" and report["path"]
+    lines, first = inspect.getsourcelines(_Siamese.forward)  # the model's own lines
+    model_lines = {f"test_replay.py:{first + i}" for i in range(len(lines))}
+    sources = [hop.get("source") for hop in report["path"] if hop.get("op")]
+    assert all(s is None or s.endswith(tuple(model_lines)) for s in sources), sources
+    assert not any(hop.get("dtype") == "float64" for hop in report["path"]), report["path"]
 
 
 def _sample(position: int = 5, step: int = 2) -> dict[str, int]:

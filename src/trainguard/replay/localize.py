@@ -244,6 +244,8 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
             custom = isinstance(node, torch.autograd.function.BackwardCFunction)
             if forward is not None and not (custom and source):
                 source, code = forward.source, forward.code  # a custom backward: its own line
+            elif forward is None and not custom:  # the engine's own op (AccumulateGrad's
+                source, code = None, None  # detach): the frame is only backward()'s caller
             grad_fn = node.name() if node is not None else None
             return OpSite(
                 op, str(func), "backward", module, in_model, source, code, grad_fn, forward

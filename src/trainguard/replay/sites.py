@@ -22,7 +22,7 @@ from torch import nn
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
 _SITE_DIRS = tuple({sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib")})
-_OWN_DIR = os.path.dirname(__file__) + os.sep
+_OWN_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep  # the trainguard package
 _OWN_USER_FILES = ("demo.py",)  # trainguard files that hold user-level model code
 
 

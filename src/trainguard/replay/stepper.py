@@ -8,6 +8,7 @@ and the loss run under the step's autocast state (``autocast.py``), the backward
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from trainguard.capture import batchtree
 from trainguard.capture.rng import rng_state, set_rng_state
@@ -150,13 +152,15 @@ class StepRunner:
                 return result
             if keep_loss:
                 result.loss_tensor = loss
-            sums.append(loss.detach().double())
-            value = float(loss.detach().float())
+            with _untraced(tracer):
+                sums.append(loss.detach().double())
+                value = float(loss.detach().float())
             result.losses.append(value)
             if not math.isfinite(value) and result.loss_finite:
                 result.loss_finite = False
                 result.first_bad_micro = m
-        self._read_grads(result, sums, backward)
+        with _untraced(tracer):  # the replay's own reads are no hop of the step's values
+            self._read_grads(result, sums, backward)
         return result
 
     def _forward_backward(
@@ -201,6 +205,13 @@ class StepRunner:
             if self.run(micro=m).bad:
                 return m
         return None
+
+
+def _untraced(tracer: NonFiniteTracer | None) -> contextlib.AbstractContextManager[Any]:
+    """Outside the tracer (a dispatch mode) while the replay reads the loss and gradients."""
+    if tracer is None:
+        return contextlib.nullcontext()
+    return _disable_current_modes()
 
 
 def _one_line(exc: BaseException) -> str:
