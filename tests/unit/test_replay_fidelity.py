@@ -68,6 +68,22 @@ def test_fp16_overflow_under_loop_autocast_is_overflow_fp16_naming_the_linear(
     assert "in float32 (autocast off) the step is finite" in text
 
 
+def test_no_float32_claim_when_loss_fn_enters_autocast_itself(fp16_bundle: Path) -> None:
+    """The factory's loss_fn enters float16 autocast itself: the replay's run "without
+    autocast" still runs float16, so it says nothing about float32 (it said "non-finite
+    too", against its own verdict)."""
+    model, loss = cases.overflow_factory()
+
+    def own_autocast(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out: torch.Tensor = loss(m, batch)
+        return out
+
+    r = tg.replay(fp16_bundle, lambda: (model, own_autocast), repeats=1, bisect=False)
+    assert r.verdict == "overflow_fp16" and r.details["float32_reproduced"] is None
+    assert "in float32 (autocast off) the step" not in str(r)
+
+
 def test_autocast_off_replays_in_float32_where_the_step_is_finite(fp16_bundle: Path) -> None:
     r = tg.replay(fp16_bundle, cases.overflow_factory, autocast="off", repeats=1).to_dict()
     assert (r["reproduced"], r["verdict"]) == (False, "not_reproduced")

@@ -148,3 +148,11 @@ def otherwise_summary(used: Autocast) -> str | None:
         f"{recorded.get('device_type')} autocast {recorded.get('dtype')}: replay without "
         "--autocast to run it as it ran."
     )
+
+
+def any_autocast(device_type: str) -> bool:
+    """Whether autocast is in force now for ``device_type`` or the CPU."""
+    try:
+        return any(torch.is_autocast_enabled(kind) for kind in dict.fromkeys((device_type, "cpu")))
+    except TypeError:  # torch < 2.4: no device argument
+        return bool(torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled())

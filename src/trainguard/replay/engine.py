@@ -13,9 +13,12 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+
 from trainguard.capture import batchtree
 from trainguard.capture.forward_inputs import made_in_loop
-from trainguard.replay.autocast import OFF
+from trainguard.replay.autocast import OFF, any_autocast
 from trainguard.replay.bisect import find_culprits
 from trainguard.replay.chain import path_of, roots_of
 from trainguard.replay.diagnosis import (
@@ -98,11 +101,24 @@ def diagnose_runs(
 
 def float32_reproduces(runner: StepRunner) -> bool | None:
     """Under float16 / bfloat16 autocast: is the step non-finite in float32 too (one more
-    run without autocast)? None when the runner uses no such autocast."""
+    run without autocast)? None when the runner uses no such autocast, or when that run is
+    no float32 run: a module was called under autocast anyway (``loss_fn`` or the model
+    enters it itself, which the replay cannot turn off)."""
     if runner.autocast.half is None:
         return None
-    with runner.autocast_as(OFF):
-        return runner.run().bad
+    seen: list[bool] = []
+
+    def note(module: nn.Module, args: Any) -> None:
+        if not seen and any_autocast(runner.device.type):
+            seen.append(True)
+
+    handle = register_module_forward_pre_hook(note)
+    try:
+        with runner.autocast_as(OFF):
+            bad = runner.run().bad
+    finally:
+        handle.remove()
+    return None if seen else bad
 
 
 def report_of(
