@@ -136,7 +136,8 @@ def _replay(args: argparse.Namespace) -> int:
             device=args.device,
             autocast=args.autocast,
         ).to_dict()
-    save_replay_result(args.bundle, report)  # for `trainguard report`
+    if args.rank is None and args.autocast is None:  # the bundle's own diagnosis, not a
+        save_replay_result(args.bundle, report)  # look at another rank or autocast: the report
     if args.json:
         _print_json(report)
     else:

@@ -72,6 +72,21 @@ def test_replay_text(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "culprits       5 (index 1021)" in out
 
 
+def test_only_the_bundles_own_diagnosis_is_kept_for_the_report(
+    bundle: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A replay with --rank or --autocast (a look at another rank or precision) does not
+    replace the kept diagnosis (replay.json) that `trainguard report` shows."""
+    kept = bundle / "replay.json"
+    args = ["replay", str(bundle), "--factory", "tg_capture_models:forward_factory"]
+    assert main([*args, "--repeats", "1"]) == EXIT_FINDING
+    before = kept.read_text()
+    main([*args, "--repeats", "1", "--rank", "0", "--autocast", "off"])
+    main([*args, "--repeats", "1", "--autocast", "bfloat16"])
+    capsys.readouterr()
+    assert kept.read_text() == before
+
+
 def test_replay_not_reproduced_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from trainguard.testing import Fault, FaultPlan
 
