@@ -2,7 +2,8 @@
 
 The file is not part of the bundle's manifest (the bundle stays as captured); a second replay
 replaces it. ``trainguard replay`` keeps only the bundle's own diagnosis (no ``--rank``, no
-``--autocast``): a look at another rank or another autocast does not replace it. Writing is best effort: a read-only bundle only loses the note.
+``--autocast``): a look at another rank or another autocast does not replace it. Writing is
+best effort: a read-only bundle only loses the note.
 """
 
 from __future__ import annotations
