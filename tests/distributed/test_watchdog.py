@@ -321,6 +321,39 @@ def test_a_sigkilled_watcher_is_reported_by_the_other_watcher(tmp_path: Path) ->
         assert len(failures) == 1 and failures[0]["culprits"] == [2]
 
 
+# -- torchrun names the rank that raised as the root cause ---------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_names_the_rank_that_raised_not_a_peer(tmp_path: Path) -> None:
+    """The peers wait for the failing process on their host to end before they exit with 92:
+    torchrun's first observed failure is the rank that raised (exit 1), not a peer's 92 (a
+    helper saw the peer named in 3 of 3 runs before)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        str(WORKER),
+        str(tmp_path),
+        "--timeout=10",
+        "--steps=30",
+        "--raise-rank=1",
+        "--raise-step=3",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
+    log = done.stdout + done.stderr
+    root = log.split("Root Cause (first observed failure):", 1)[1]
+    assert "rank      : 1 (local_rank: 1)" in root and "exitcode  : 1 " in root, log[-3000:]
+    report = only_report(tmp_path)
+    assert report["kind"] == "peer_failure" and report["culprits"] == [1]
+    (failure,) = [e for e in tg.read_events(tmp_path, 0) if e["kind"] == "peer_failure"]
+    assert failure["culprits"] == [1]  # written before rank 0 waited
+
+
 # -- torchrun restarts a job that hung once ---------------------------------------------------
 
 

@@ -12,9 +12,13 @@
    ``peer_failure`` event,
 5. waits (at most ``ACK_WAIT_S``) until every live rank has dumped: the first rank to exit
    makes torchrun terminate the others, which must not cut a dump short,
-6. flushes the event log, the logging handlers and stdout/stderr, and ends the process with
-   ``os._exit(EXIT_HANG)`` or ``os._exit(EXIT_PEER_FAILURE)``: the main thread may be blocked
-   in a collective forever, so exiting the process is the only way out.
+6. flushes the event log, the logging handlers and stdout/stderr,
+7. after a failure the failing rank published itself, waits (at most ``FAILED_EXIT_WAIT_S``)
+   until the failing processes on this host have ended, so that torchrun sees their own
+   exit first (``_await_failed_processes``),
+8. ends the process with ``os._exit(EXIT_HANG)`` or ``os._exit(EXIT_PEER_FAILURE)``: the
+   main thread may be blocked in a collective forever, so exiting the process is the only
+   way out.
 
 An ``offline`` verdict (the store itself stopped answering) skips the store's counters.
 """
@@ -36,7 +40,7 @@ from trainguard.exitcodes import EXIT_HANG, EXIT_PEER_FAILURE
 from trainguard.hang.channel import StoreChannel
 from trainguard.hang.collective_record import CollectiveRecord, describe
 from trainguard.hang.report import stack_file, write_report
-from trainguard.hang.rules import HANG, Verdict
+from trainguard.hang.rules import HANG, PEER_FAILURE, Verdict
 from trainguard.hang.stacks import FrozenDump, write_stack_dump
 from trainguard.progress import Progress
 
@@ -44,6 +48,11 @@ logger = logging.getLogger(__name__)
 
 ACK_WAIT_S = 5.0
 """How long a rank waits for the others to read a verdict, or to dump their stacks."""
+
+FAILED_EXIT_WAIT_S = 5.0
+"""How long a rank waits for a failed rank's process on its host to end before it exits."""
+FAILED_EXIT_GRACE_S = 1.5
+"""... and then, for the launcher to see that exit first (``_await_failed_processes``)."""
 
 SAFETY_EXIT_S = 30.0
 """A rank acting on a verdict exits after this long even if dumping or writing hangs."""
@@ -64,6 +73,17 @@ def attempt(action: Callable[[], Any]) -> Any:
     except Exception as exc:
         logger.warning("trainguard watchdog: %s", exc)
         return None
+
+
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` runs (Linux ``/proc``: an exited one not yet reaped, a zombie,
+    has ended). Without ``/proc``: False (nothing to wait for)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rpartition(")")[2].split()
+    return bool(fields) and fields[0] not in ("Z", "X")
 
 
 class ExitPath:
@@ -136,8 +156,36 @@ class ExitPath:
         if not offline:
             self._await_dumps(len(self.members) - len(set(verdict.silent)))
         self._flush()
+        if not offline:
+            self._await_failed_processes(verdict)
         self._exit_fn(code)
         safety.cancel()
+
+    def _await_failed_processes(self, verdict: Verdict) -> None:
+        """A rank that failed with an exception published it and goes on ending its own
+        process (its exception, the interpreter's and gloo's teardown: about a second). A
+        launcher that ends every worker at the first exit it sees (torchrun's agent, one
+        per host) would see this rank's 92 first and name it as the root cause, and end the
+        failing rank with SIGTERM. So wait, at most ``FAILED_EXIT_WAIT_S``, until the failing
+        processes on this host have ended (the ones on other hosts have their own agent)."""
+        if verdict.kind != PEER_FAILURE or verdict.by not in verdict.culprits:
+            return  # not a failure the failing rank published itself (a death, a hang)
+        beats = attempt(lambda: self.channel.read(list(verdict.culprits))[0]) or {}
+        pids = [
+            b.pid
+            for b in beats.values()
+            if b is not None and b.host == self._host and b.pid and b.pid != self._pid
+        ]
+        if not pids:
+            return
+        deadline = time.monotonic() + FAILED_EXIT_WAIT_S
+        while pids and time.monotonic() < deadline:
+            pids = [pid for pid in pids if process_running(pid)]
+            if pids:
+                time.sleep(0.05)
+        # then long enough for the launcher to see that exit on its own (torchrun polls every
+        # 0.1 s and stamps failures to the second): it ends this process itself, with SIGTERM
+        time.sleep(FAILED_EXIT_GRACE_S)
 
     def _dump_stacks(self, verdict: Verdict) -> tuple[Path, bool]:
         """This process's stacks under the verdict's header; whether py-spy's are in it."""

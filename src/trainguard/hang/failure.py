@@ -47,7 +47,6 @@ class FailurePublisher:
         progress: Progress,
         events: EventLog,
         exiting: threading.Event,
-        store_host: int | None,
         ack_wait_s: float,
         await_exit: Callable[[float], bool],
         comm_grace: Callable[[], float],
@@ -57,7 +56,6 @@ class FailurePublisher:
         self.members = list(channel.members)
         self.progress = progress
         self.events = events
-        self.store_host = store_host
         self.failed = False
         """This rank published its own failure (its final heartbeat says ``failed``)."""
         self.closed = False
@@ -92,7 +90,7 @@ class FailurePublisher:
             self._await_exit(SAFETY_EXIT_S)
             return
         self.events.write("failure_published", self.progress.step, reason=mine.reason)
-        self._await_acks(len(self.members) - 1)
+        self._await_dumps(len(self.members) - 1)
 
     def _verdict_published(self) -> bool:
         try:
@@ -100,14 +98,15 @@ class FailurePublisher:
         except Exception:
             return False
 
-    def _await_acks(self, expected: int) -> None:
-        """The rank whose process serves the store waits (briefly) until the others have
-        read the verdict: once it exits, nobody can read anything."""
-        if self.store_host != self.rank:
-            return
+    def _await_dumps(self, expected: int) -> None:
+        """Wait (briefly) until the other ranks have read the verdict and dumped their stacks
+        before this process goes on to end: the rank serving the store must not take it away
+        before they read it, and under torchrun this process's exit makes the agent end the
+        others (which wait for it: ``ExitPath._await_failed_processes``), so they must have
+        dumped and written their report by then."""
         deadline = time.monotonic() + self._ack_wait
         while time.monotonic() < deadline:
-            count = attempt(self.channel.acks)
+            count = attempt(self.channel.dumps)
             if count is None or count >= expected:
                 return
             time.sleep(0.05)

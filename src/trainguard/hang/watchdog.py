@@ -134,7 +134,6 @@ class Watchdog:
             progress=self.progress,
             events=self.events,
             exiting=self._exit.exiting,
-            store_host=self.store_host,
             ack_wait_s=ack_wait_s,
             await_exit=self._await_exit,
             comm_grace=lambda: self.dead_after + 3.0 * self.tick + 1.0,

@@ -11,6 +11,7 @@ without ``with``: an exception escaping it reaches the chained ``sys.excepthook`
 
 Files in RUN_DIR: ``progress-rank{r}`` (the step reached), ``stalled-rank{r}`` (unix time of
 the stall), ``done-rank{r}`` (JSON: attempt, steps) when the job completes.
+``--raise-rank R --raise-step S``: rank R raises at step S (escaping the loop).
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def main() -> None:
     parser.add_argument("--stall-rank", type=int, default=-1)
     parser.add_argument("--stall-step", type=int, default=-1)
     parser.add_argument("--once", action="store_true")
+    parser.add_argument("--raise-rank", type=int, default=-1)
+    parser.add_argument("--raise-step", type=int, default=-1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -75,6 +78,8 @@ def main() -> None:
     guard = tg.Guard(model, optimizer, run_dir=args.run_dir, hang_timeout=args.timeout)
     progress = args.run_dir / f"progress-rank{rank}"
     for batch in guard.watch(loader(args, rank)):
+        if rank == args.raise_rank and guard.state.step == args.raise_step:
+            raise RuntimeError(f"boom on rank {rank} at step {args.raise_step}")
         loss = loss_fn(model, batch)
         loss.backward()
         guard.step(loss)
