@@ -89,6 +89,11 @@ def _autocast_dtype(kind: str) -> torch.dtype:
         return torch.get_autocast_gpu_dtype()
 
 
+AUTOCAST_PROBES = 2
+"""Forwards of a step, after its start outside autocast, that look at the autocast in force:
+the model's own and its first hooked child's (inside an autocast the model's forward enters)."""
+
+
 class StepStart:
     """Records, once per step, the state at the step's first training forward."""
 
@@ -109,6 +114,8 @@ class StepStart:
         """Whether a hook has fired at all (then the stream need not take RNG states)."""
         self._rng: RngSnapshot | dict[str, Any] | None = None
         self.autocast: dict[str, Any] | None = None
+        self._autocast_probes = 0
+        """Later forwards of the step that may still look for its autocast (``_pre_hook``)."""
         self._forward_args: list[ForwardInputs] = []
         """The inputs of the recorded step's training forwards (references)."""
         self._args_module: nn.Module | None = None
@@ -165,11 +172,15 @@ class StepStart:
             # A later micro-batch's forward, or the first forward of a step that started at a
             # record_batch or a fetch: its inputs are the step's too. (Under torch.compile
             # this runs eagerly, or not at all inside a compile wrapper: user_hooks.py.)
-            if self.autocast is self._autocast_off and torch.is_grad_enabled():
+            if self._autocast_probes and torch.is_grad_enabled():
                 # started outside the forward's autocast (Lightning's precision context,
                 # entered after record_batch), or autocast entered inside the model's own
-                # forward (accelerate wraps it): a hooked child sees it
+                # forward (accelerate wraps it): the root's or the first hooked child's
+                # forward sees it (at most AUTOCAST_PROBES probes a step)
+                self._autocast_probes -= 1
                 self.autocast = self._autocast_now()
+                if self.autocast is not self._autocast_off:
+                    self._autocast_probes = 0
             if module is self._args_module or (
                 self._args_module is None and id(module) in self._root_ids
             ):
@@ -224,6 +235,7 @@ class StepStart:
         self.buffers.begin(step)
         self._rng = RngSnapshot.take()
         self.autocast = self._autocast_now()
+        self._autocast_probes = 0 if self.autocast is not self._autocast_off else AUTOCAST_PROBES
 
     def _autocast_now(self) -> dict[str, Any]:
         """``autocast_state`` of the model's device type; the same dict at every step that
