@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from tg_dist import run_ranks, values
-from tg_recovery import train
+from tg_recovery import rollback_config, train
 
 from trainguard.events import read_events
 
@@ -18,22 +18,11 @@ POISON = {5: 1e37}  # step 5 applies a huge finite update: every later step is n
 
 
 def _rollback_job(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
-    import trainguard as tg
 
     base = Path(root)
 
     def cfg(name: str, **extra: Any) -> dict[str, Any]:
-        return {
-            "config": tg.GuardConfig(
-                run_dir=base / name,
-                on_escalation="rollback",
-                max_consecutive=3,
-                snapshot_every=2,
-                good_after=2,
-                hang_timeout=0,
-                **extra,
-            )
-        }
+        return {"config": rollback_config(base / name, **extra)}
 
     return {
         "clean": train(rank, mode, base / "clean", BATCHES, {}, **cfg("clean")),
@@ -108,20 +97,11 @@ def test_ddp_rollback_skips_the_bad_batch_and_finishes(tmp_path: Path) -> None:
 
 
 def _fsdp_job(rank: int, world: int, root: str) -> dict[str, Any]:
-    import trainguard as tg
 
     base = Path(root)
 
     def cfg(name: str) -> dict[str, Any]:
-        config = tg.GuardConfig(
-            run_dir=base / name,
-            on_escalation="rollback",
-            max_consecutive=3,
-            snapshot_every=2,
-            good_after=2,
-            hang_timeout=0,
-        )
-        return {"config": config}
+        return {"config": rollback_config(base / name)}
 
     return {
         "clean": train(rank, "fsdp", base / "clean", BATCHES, {}, **cfg("clean")),
@@ -159,19 +139,11 @@ STATEFUL = {"adam": {"step", "exp_avg", "exp_avg_sq"}, "sgd_momentum": {"momentu
 
 
 def _stateful_job(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
-    import trainguard as tg
 
     out = {}
     for name in STATEFUL:
         run_dir = Path(root) / name
-        config = tg.GuardConfig(
-            run_dir=run_dir,
-            on_escalation="rollback",
-            max_consecutive=3,
-            snapshot_every=2,
-            good_after=2,
-            hang_timeout=0,
-        )
+        config = rollback_config(run_dir)
         out[name] = train(
             rank,
             mode,
@@ -255,17 +227,9 @@ def test_fsdp2_rollback_restores_the_optimizer_state_shards(tmp_path: Path) -> N
 
 
 def _zero_job(rank: int, world: int, root: str) -> dict[str, Any]:
-    import trainguard as tg
 
     run_dir = Path(root) / "zero"
-    config = tg.GuardConfig(
-        run_dir=run_dir,
-        on_escalation="rollback",
-        max_consecutive=3,
-        snapshot_every=2,
-        good_after=2,
-        hang_timeout=0,
-    )
+    config = rollback_config(run_dir)
     out = train(rank, "ddp", run_dir, BATCHES, POISON_INF, optimizer="zero_adam", config=config)
     out["captures"] = sorted(p.name for p in (run_dir / "captures").glob("step-*"))
     out["failed"] = [e for e in read_events(run_dir, rank) if e["kind"] == "capture_failed"]

@@ -19,6 +19,20 @@ from trainguard.events import read_events
 W_TRUE = torch.Generator().manual_seed(7)
 
 
+def rollback_config(run_dir: Path, **changes: Any) -> tg.GuardConfig:
+    """The recovery tests' rollback set-up: escalate after 3 bad steps, a snapshot every 2
+    steps, good after 2 healthy ones, no watchdog."""
+    options: dict[str, Any] = dict(
+        run_dir=run_dir,
+        on_escalation="rollback",
+        max_consecutive=3,
+        snapshot_every=2,
+        good_after=2,
+        hang_timeout=0,
+    )
+    return tg.GuardConfig(**{**options, **changes})
+
+
 def make_data(rank: int, n: int, poison: dict[int, float]) -> list[tuple[Tensor, Tensor, float]]:
     """``n`` batches (x, y, corrupt); batch ``i`` in ``poison`` either corrupts the update
     (a huge finite value, or Inf, written into every gradient after the check, as a bad kernel or an
@@ -106,6 +120,7 @@ def train(
     optimizer: str = "sgd",
     watch_optimizer: bool = False,
     prefetch: bool = False,
+    give_scheduler: bool = True,
     **guard_kwargs: Any,
 ) -> dict[str, Any]:
     """``watch_optimizer``: copy the optimizer state at the start of every step and, when a
@@ -118,7 +133,10 @@ def train(
     model = wrap(TinyNet(), mode)
     opt = OPTIMIZERS[optimizer](model.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
-    guard = tg.Guard(model, opt, run_dir=run_dir, scheduler=sched, hang_timeout=0, **guard_kwargs)
+    scheduler = sched if give_scheduler else None  # False: the loop steps one the guard lacks
+    guard = tg.Guard(
+        model, opt, run_dir=run_dir, scheduler=scheduler, hang_timeout=0, **guard_kwargs
+    )
     out: dict[str, Any] = {"error": None}
     at_start: dict[int, dict[str, Any]] = {}  # step -> state when it last started
     rollbacks: list[dict[str, Any]] = []

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tg_recovery import rollback_config, train
 
 from trainguard.recovery.backoff import Backoff, LrFactor
 from trainguard.recovery.ladder import Rung, rung_for
@@ -109,35 +110,17 @@ def test_a_scheduler_the_guard_was_not_given_is_named(
     """A torch LR scheduler steps the optimizer but is not ``scheduler=``: the guard says at
     construction and at the rollback that its schedule is not restored (the rollback event
     records it); given, it is restored and nothing is said."""
-    import json
-
-    from tg_models import TinyNet
-    from tg_recovery import make_data
-
-    import trainguard as tg
-
-    torch.manual_seed(0)
-    model = TinyNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
-    config = tg.GuardConfig(
-        run_dir=tmp_path, on_escalation="rollback", max_consecutive=3, snapshot_every=2
-    )
     with caplog.at_level("WARNING", logger="trainguard"):
-        guard = tg.Guard(model, opt, config=config, scheduler=sched if given else None)
-        with guard:
-            for x, y, scale in guard.watch(make_data(0, 16, {5: 1e37})):
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                loss.backward()
-                if guard.check(loss):
-                    if scale != 1.0:
-                        for p in model.parameters():
-                            p.grad.fill_(scale)  # type: ignore[union-attr]
-                    opt.step()
-                    sched.step()
-                opt.zero_grad(set_to_none=True)
-    lines = (tmp_path / "events" / "rank-0.jsonl").read_text().splitlines()
-    rollbacks = [e for e in map(json.loads, lines) if e["kind"] == "rollback"]
+        out = train(
+            0,
+            "plain",
+            tmp_path,
+            16,
+            {5: 1e37},
+            give_scheduler=given,
+            config=rollback_config(tmp_path),
+        )
+    rollbacks = [e for e in out["events"] if e["kind"] == "rollback"]
     assert rollbacks and all(e["scheduler_restored"] is given for e in rollbacks)
     named = [r.getMessage() for r in caplog.records if "LR scheduler" in r.getMessage()]
     assert len(named) == (0 if given else 1 + len(rollbacks))

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from tg_recovery import train
+from tg_recovery import rollback_config, train
 
 import trainguard as tg
 from trainguard.report.runs import LEGACY
@@ -99,14 +99,7 @@ def test_a_dir_of_one_legacy_run_reads_as_before(three_runs: Path) -> None:
 
 
 def _rollback_run(run_dir: Path, batches: int, poison: dict[int, float]) -> dict[str, Any]:
-    config = tg.GuardConfig(
-        run_dir=run_dir,
-        on_escalation="rollback",
-        max_consecutive=3,
-        snapshot_every=2,
-        good_after=2,
-        hang_timeout=0,
-    )
+    config = rollback_config(run_dir)
     torch.manual_seed(0)
     return train(0, "plain", run_dir, batches, poison, config=config)
 

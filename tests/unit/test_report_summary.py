@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -90,19 +91,25 @@ def test_empty_or_foreign_directory_is_empty(tmp_path: Path) -> None:
     assert summarize(tmp_path / "missing").empty
 
 
-def test_events_written_by_every_rank_are_merged(tmp_path: Path) -> None:
-    folder = tmp_path / "events"
+def _two_ranks_wrote(run_dir: Path, *events: dict[str, Any]) -> None:
+    """``events`` (without ``rank``) in both ranks' event logs, as every rank writes them."""
+    folder = run_dir / "events"
     folder.mkdir()
     for rank in (0, 1):
-        lines = [
-            {"time": 1.0, "rank": rank, "step": 0, "kind": "start", "world_size": 2},
-            {"time": 2.0, "rank": rank, "step": 3, "kind": "nonfinite", "where": "loss",
-             "ranks": [1], "action": "skip"},
-            {"time": 2.1, "rank": rank, "step": 3, "kind": "spike", "metric": "loss"},
-            {"time": 2.1, "rank": rank, "step": 3, "kind": "spike", "metric": "grad_norm"},
-            {"time": 3.0, "rank": rank, "step": 5, "kind": "close"},
-        ]  # fmt: skip
-        (folder / f"rank-{rank}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        lines = "".join(json.dumps({**e, "rank": rank}) + "\n" for e in events)
+        (folder / f"rank-{rank}.jsonl").write_text(lines)
+
+
+def test_events_written_by_every_rank_are_merged(tmp_path: Path) -> None:
+    _two_ranks_wrote(
+        tmp_path,
+        {"time": 1.0, "step": 0, "kind": "start", "world_size": 2},
+        {"time": 2.0, "step": 3, "kind": "nonfinite", "where": "loss", "ranks": [1],
+         "action": "skip"},
+        {"time": 2.1, "step": 3, "kind": "spike", "metric": "loss"},
+        {"time": 2.1, "step": 3, "kind": "spike", "metric": "grad_norm"},
+        {"time": 3.0, "step": 5, "kind": "close"},
+    )  # fmt: skip
     summary = summarize(tmp_path)
     assert summary.world_size == 2 and summary.steps == 5
     assert len(summary.nonfinite) == 1 and len(summary.spikes) == 2
@@ -113,18 +120,15 @@ def test_events_written_by_every_rank_are_merged(tmp_path: Path) -> None:
 def test_a_capture_that_failed_is_reported_with_its_error(tmp_path: Path) -> None:
     """Every capture failed (e.g. an optimizer whose state_dict() raised): the report says
     so instead of 'captures none', once per step, with the error."""
-    folder = tmp_path / "events"
-    folder.mkdir()
-    for rank in (0, 1):
-        lines = [
-            {"time": 1.0, "rank": rank, "step": 0, "kind": "start", "world_size": 2},
-            {"time": 2.0, "rank": rank, "step": 6, "kind": "nonfinite", "where": "loss",
-             "ranks": [1], "action": "skip"},
-            {"time": 2.1, "rank": rank, "step": 6, "kind": "capture_failed",
-             "error": "RuntimeError: not consolidated", "reason": "first_bad_step"},
-            {"time": 3.0, "rank": rank, "step": 9, "kind": "close"},
-        ]  # fmt: skip
-        (folder / f"rank-{rank}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    _two_ranks_wrote(
+        tmp_path,
+        {"time": 1.0, "step": 0, "kind": "start", "world_size": 2},
+        {"time": 2.0, "step": 6, "kind": "nonfinite", "where": "loss", "ranks": [1],
+         "action": "skip"},
+        {"time": 2.1, "step": 6, "kind": "capture_failed",
+         "error": "RuntimeError: not consolidated", "reason": "first_bad_step"},
+        {"time": 3.0, "step": 9, "kind": "close"},
+    )  # fmt: skip
     text = report_text(summarize(tmp_path))
     assert (
         "captures    step 6 (first_bad_step): capture failed on rank 0: "
