@@ -2,6 +2,8 @@
 
 - ``readers``  tolerant JSONL/JSON reading: torn or garbage lines are counted, not fatal
 - ``summary``  events, the metrics log, capture bundles and hang reports into a RunSummary
+- ``starts``   a run's starts (restarts, resumes, loaded states) and the steps each ran
+- ``decisions`` the ``decisions`` line: ok steps and the steps of each bad decision
 - ``text``     the printed summary
 - ``plot``     the timeline picture (matplotlib, the ``plot`` extra, imported lazily)
 - ``html``     ``RUN_DIR/report.html``, the picture inlined (no network)

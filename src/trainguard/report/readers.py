@@ -13,6 +13,16 @@ REPLAY_RESULT = "replay.json"
 """A bundle's replay result, written by ``trainguard replay`` next to the manifest."""
 
 
+def int_of(value: Any) -> int:
+    """A JSON field as an int (0 when it is missing or no int: a torn or foreign line)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def float_of(value: Any) -> float:
+    """A JSON field as a float (0.0 when it is missing or no number)."""
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
 @dataclass
 class Skipped:
     """Lines or files that could not be read, by path (relative to the run dir)."""

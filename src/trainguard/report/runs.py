@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from trainguard.report.readers import float_of
+
 LEGACY = "legacy"
 """The run of events that carry no run id (written before runs had ids)."""
 ALL = "all"
@@ -93,5 +95,4 @@ class Timeline:
 
 
 def _time(event: dict[str, Any]) -> float:
-    value = event.get("time")
-    return float(value) if isinstance(value, (int, float)) else 0.0
+    return float_of(event.get("time"))

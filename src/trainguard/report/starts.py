@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from trainguard.report.readers import float_of, int_of
+
 CHECKED = ("nonfinite", "spike", "skip", "overflow")
 """Events of a step that was checked: the start reached the step after it."""
 
@@ -36,45 +38,45 @@ class Start:
 
 
 def run_starts(events: list[dict[str, Any]], records: list[dict[str, Any]]) -> list[Start]:
-    """The run's starts in time order (none: its events hold no ``start``)."""
-    ranks = [_int(e.get("rank")) for e in events if e["kind"] == "start"]
-    if not ranks:
-        return []
-    rank = min(ranks)
-    own = [e for e in events if _int(e.get("rank")) == rank]  # in time order
+    """The run's starts in time order: one for a log written before runs had ``start``
+    events (it began at step 0), none for an empty run."""
+    ranks = [int_of(e.get("rank")) for e in events if e["kind"] == "start"]
+    ranks = ranks or [int_of(e.get("rank")) for e in events]
+    own = [e for e in events if int_of(e.get("rank")) == min(ranks)] if ranks else []
     cuts = [i for i, e in enumerate(own) if e["kind"] == "start"]
+    if not cuts:
+        return [_start(own, records, -math.inf, math.inf, 0)] if own or records else []
     out = []
     for first, after in zip(cuts, [*cuts[1:], len(own)], strict=True):
+        inside = own[first:after]  # its ``start`` first: written once a resume restored the
+        # state, so its step is where the start began (the ``resume`` event comes before it)
         t1 = _time(own[after]) if after < len(own) else math.inf
-        out.append(_start(own[first:after], records, _time(own[first]), t1))
+        out.append(_start(inside, records, _time(inside[0]), t1, int_of(inside[0].get("step"))))
     return out
 
 
 def _start(
-    inside: list[dict[str, Any]], records: list[dict[str, Any]], t0: float, t1: float
+    inside: list[dict[str, Any]],
+    records: list[dict[str, Any]],
+    t0: float,
+    t1: float,
+    begin: int,
 ) -> Start:
-    """``inside``: the start's events, its ``start`` first (written once a resume restored
-    the state: its step is where it began; the ``resume`` event comes just before it)."""
-    begin = _int(inside[0].get("step"))
+    """The start of the events ``inside`` and the metrics lines from ``t0`` to ``t1``."""
     for e in inside:
         if e["kind"] == "state_loaded":  # guard.load_state_dict: the loop's own checkpoint
-            begin = _int(e.get("step"))
+            begin = int_of(e.get("step"))
     rollbacks = [e for e in inside if e["kind"] == "rollback" and "restored_step" in e]
-    again = sum(_int(e.get("step")) + 1 - _int(e.get("restored_step")) for e in rollbacks)
+    again = sum(int_of(e.get("step")) + 1 - int_of(e.get("restored_step")) for e in rollbacks)
     since = max((_time(e) for e in rollbacks), default=t0)  # the steps after the last one
-    reached = [begin, *(_int(e.get("restored_step")) for e in rollbacks[-1:])]
+    reached = [begin, *(int_of(e.get("restored_step")) for e in rollbacks[-1:])]
     for e in inside:
         if e["kind"] in ("resume", "state_loaded", "rollback") or _time(e) < since:
             continue
-        reached.append(_int(e.get("step")) + (1 if e["kind"] in CHECKED else 0))
-    reached += [_int(r.get("step")) + 1 for r in records if since <= _time(r) < t1]
+        reached.append(int_of(e.get("step")) + (1 if e["kind"] in CHECKED else 0))
+    reached += [int_of(r.get("step")) + 1 for r in records if since <= _time(r) < t1]
     return Start(begin, max(reached), again)
 
 
 def _time(item: dict[str, Any]) -> float:
-    value = item.get("time")
-    return float(value) if isinstance(value, (int, float)) else 0.0
-
-
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+    return float_of(item.get("time"))

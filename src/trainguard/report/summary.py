@@ -16,8 +16,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainguard.report.decisions import decision_counts
 from trainguard.report.readers import (
     Skipped,
+    float_of,
+    int_of,
     number,
     read_captures,
     read_hangs,
@@ -62,7 +65,7 @@ class RunSummary:
     """The step the run started at: 0, or the step of the state it loaded (a new run from a
     checkpoint, ``guard.load_state_dict``) or resumed from (``report/starts.py``)."""
     starts: int = 0
-    """Its starts: 1, or more after torchrun restarts and resumes (0: no ``start`` event)."""
+    """Its starts: 1, or more after torchrun restarts and resumes (0: nothing was read)."""
     steps_run: int = 0
     """Steps run, every start's (``report/starts.py``), those a restart or a rollback ran
     again counted again."""
@@ -106,7 +109,7 @@ class RunSummary:
     def nonfinite_cells(self) -> list[tuple[int, int]]:
         """(rank, step) pairs where a non-finite value appeared (events and metrics)."""
         flagged = [*self.nonfinite, *self.bad_input]
-        cells = {(r, _int(e.get("step"))) for e in flagged for r in e.get("ranks") or []}
+        cells = {(r, int_of(e.get("step"))) for e in flagged for r in e.get("ranks") or []}
         cells |= {(r, p.step) for p in self.points for r in p.bad_ranks}
         return sorted(cells)
 
@@ -196,10 +199,11 @@ def _summary(found: _RunDir, run: str | None) -> RunSummary:
     starts = run_starts(events, own(found.records, None))
     summary.starts = len(starts)
     summary.first_step = starts[0].begin if starts else 0
-    summary.steps_run = (
-        sum(s.steps for s in starts) if starts else _steps_run(events, summary.steps)
+    summary.steps_run = sum(s.steps for s in starts)
+    overflows = len(_merged(events, "overflow"))
+    summary.decisions = decision_counts(
+        summary.nonfinite, overflows, summary.spikes, summary.steps_run, summary.steps
     )
-    summary.decisions = _decisions(summary)
     if run is not None:
         summary.runs = [_listed(found, info, summary) for info in found.runs]
     return summary
@@ -241,7 +245,7 @@ def _read_events(root: Path, skipped: Skipped) -> list[dict[str, Any]]:
         for rec in read_jsonl(path, root, skipped)
         if isinstance(rec.get("kind"), str)
     ]
-    return sorted(records, key=lambda r: (_float(r.get("time")), _int(r.get("rank"))))
+    return sorted(records, key=lambda r: (float_of(r.get("time")), int_of(r.get("rank"))))
 
 
 def _read_records(root: Path, skipped: Skipped) -> list[dict[str, Any]]:
@@ -297,13 +301,13 @@ def _merged(
     for event in events:  # in time order
         if event["kind"] not in kinds:
             continue
-        rank = _int(event.get("rank"))
+        rank = int_of(event.get("rank"))
         key = (event["kind"], event.get("step"), *(str(event.get(f)) for f in keys))
         occurrences[(rank, key)] += 1
         key = (*key, occurrences[(rank, key)])
-        if key not in seen or rank < _int(seen[key].get("rank")):
+        if key not in seen or rank < int_of(seen[key].get("rank")):
             seen[key] = event
-    return sorted(seen.values(), key=lambda e: (_int(e.get("step")), _float(e.get("time"))))
+    return sorted(seen.values(), key=lambda e: (int_of(e.get("step")), float_of(e.get("time"))))
 
 
 def _fill_from_events(summary: RunSummary, events: list[dict[str, Any]]) -> None:
@@ -314,7 +318,7 @@ def _fill_from_events(summary: RunSummary, events: list[dict[str, Any]]) -> None
     fields = ("step", "where", "ranks", "action", "params")
     summary.nonfinite = [{k: e.get(k) for k in fields} for e in nonfinite]
     if nonfinite:  # the first in time (after a rollback a lower step number comes later)
-        first = min(nonfinite, key=lambda e: _float(e.get("time")))
+        first = min(nonfinite, key=lambda e: float_of(e.get("time")))
         summary.first_bad = {k: first.get(k) for k in fields}
     summary.spikes = _merged(events, "spike")
     summary.rollbacks = _merged(events, "rollback", "rollback_refused")
@@ -327,8 +331,6 @@ def _fill_from_events(summary: RunSummary, events: list[dict[str, Any]]) -> None
     summary.stragglers = _merged(events, "straggler", keys=("phase",))
     summary.reruns = _merged(events, "rerun")
     summary.hosts = _host_counts(summary.reruns, _merged(events, "suspect_host"))
-    overflow = _merged(events, "overflow")
-    summary.decisions = {"overflow": len(overflow)} if overflow else {}
 
 
 def _escalations(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -344,7 +346,7 @@ def _escalations(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         }
         for e in _merged(events, "rollback")
     ]
-    return sorted([*stops, *rolled], key=lambda e: (_int(e.get("step")), _float(e.get("time"))))
+    return sorted([*stops, *rolled], key=lambda e: (int_of(e.get("step")), float_of(e.get("time"))))
 
 
 def _cause(events: list[dict[str, Any]], rollback: dict[str, Any]) -> dict[str, Any]:
@@ -355,7 +357,7 @@ def _cause(events: list[dict[str, Any]], rollback: dict[str, Any]) -> dict[str, 
         if e["kind"] in ("nonfinite", "spike")
         and e.get("rank") == rollback.get("rank")
         and e.get("step") == rollback.get("step")
-        and _float(e.get("time")) <= _float(rollback.get("time"))
+        and float_of(e.get("time")) <= float_of(rollback.get("time"))
     ]
     if not found:
         return {"reason": "escalation"}
@@ -400,58 +402,8 @@ def _host_counts(
 
 
 def _count_steps(events: list[dict[str, Any]], points: list[StepPoint]) -> int:
-    counts = [_int(e.get("step")) for e in events if e["kind"] == "close"]
-    counts += [_int(e.get("step")) + 1 for e in events if e["kind"] in ("nonfinite", "spike")]
+    counts = [int_of(e.get("step")) for e in events if e["kind"] == "close"]
+    counts += [int_of(e.get("step")) + 1 for e in events if e["kind"] in ("nonfinite", "spike")]
     counts += [p.step + 1 for p in points[-1:]]
-    counts += [_int(h.get("step")) for h in _hang_events(events)]
+    counts += [int_of(h.get("step")) for h in _hang_events(events)]
     return max(counts, default=0)
-
-
-def _steps_run(events: list[dict[str, Any]], steps: int) -> int:
-    """``steps`` plus the steps a rollback ran again (from the restored step to the step that
-    rolled back); the count runs to the step the run closed at after its last rollback."""
-    rollbacks = [
-        e
-        for e in _merged(events, "rollback")
-        if isinstance(e.get("step"), int) and isinstance(e.get("restored_step"), int)
-    ]
-    if not rollbacks:
-        return steps
-    last = max(_float(e.get("time")) for e in rollbacks)
-    closes = [e for e in _merged(events, "close") if _float(e.get("time")) > last]
-    end = _int(max(closes, key=lambda e: _float(e.get("time"))).get("step")) if closes else steps
-    return end + sum(_int(e["step"]) + 1 - _int(e["restored_step"]) for e in rollbacks)
-
-
-def _decisions(summary: RunSummary) -> dict[str, int]:
-    bad: Counter[str] = Counter(str(e.get("action") or "?") for e in summary.nonfinite)
-    bad.update(summary.decisions)  # overflow, counted from its own events
-    bad.update(_spike_actions(summary.spikes))
-    ok = max(summary.steps_run - sum(bad.values()), 0)
-    return {"ok": ok, **dict(sorted(bad.items()))} if summary.steps else dict(bad)
-
-
-def _spike_actions(spikes: list[dict[str, Any]]) -> Counter[str]:
-    """Steps a spike skipped (``spike``) or escalated, one per judged step: the loss's and the
-    gradient norm's events of a step are one judgment (a metric seen again at the same step
-    is the step run again after a rollback)."""
-    actions: Counter[str] = Counter()
-    step, metrics = None, set()
-    for event in spikes:  # merged, in (step, time) order
-        metric = event.get("metric")
-        if event.get("step") == step and metric not in metrics:
-            metrics.add(metric)
-            continue
-        step, metrics = event.get("step"), {metric}
-        action = event.get("action")
-        if action in ("spike", "escalate"):  # "warn": applied, an ok step
-            actions[str(action)] += 1
-    return actions
-
-
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-def _float(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) else 0.0
