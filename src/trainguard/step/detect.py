@@ -203,19 +203,18 @@ def loss_value(loss: Tensor) -> Tensor:
     return value.double().mean()
 
 
-def loss_columns(
-    loss: Tensor, micro_losses: list[Tensor], device: torch.device
-) -> tuple[Tensor, Tensor]:
-    """The step's two loss columns on ``device``: the reported loss and the check. One loss:
-    that loss, twice. Under gradient accumulation (``micro_losses``, each micro-batch's once):
-    their mean (reported: the step's loss, NaN/Inf when any is) and their float64 sum."""
-    if len(micro_losses) <= 1:
-        last = loss_value(loss)
-        if last.device != device:
-            last = last.to(device, non_blocking=True)
-        if last.dtype != torch.float64:  # the row is float64: a stack that must promote costs
-            last = last.double()  # several times this conversion (the same value)
-        return last, last
+def loss_columns(micro_losses: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
+    """The step's two loss columns on ``device`` from its losses (each micro-batch's once,
+    ``StepLosses.checked``): the reported loss and the check. One loss: that loss, twice.
+    Under gradient accumulation: their mean (reported: the step's loss, NaN/Inf when any is)
+    and their float64 sum."""
+    if len(micro_losses) == 1:
+        only = loss_value(micro_losses[0])
+        if only.device != device:
+            only = only.to(device, non_blocking=True)
+        if only.dtype != torch.float64:  # the row is float64: a stack that must promote costs
+            only = only.double()  # several times this conversion (the same value)
+        return only, only
     micro = [loss_value(m).to(device, non_blocking=True) for m in micro_losses]
     total = torch.stack(micro).double().sum()
     return total / len(micro), total

@@ -89,7 +89,7 @@ class StepMeasure:
         parts = self._parts
         device = parts.device
         checked = parts.losses.checked(loss)  # ends with the loss, detached (or its twin)
-        reported, check = loss_columns(checked[-1], checked, device)
+        reported, check = loss_columns(checked, device)
         stream = parts.stream()
         batches = parts.evidence.batches_of(step)
         inputs = parts.inputs.value(step, batches, device)
