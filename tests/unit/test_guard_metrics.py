@@ -135,6 +135,10 @@ def test_a_rollback_counts_and_the_backoff_factor_shows(tmp_path: Path) -> None:
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     guard = tg.Guard(model, opt, config=config)
+    used: dict[int, float] = {}  # the LR each optimizer step ran with (after the guard's hook)
+    opt.register_step_pre_hook(
+        lambda o, args, kwargs: used.__setitem__(guard.state.step - 1, o.param_groups[0]["lr"])
+    )
     seen: list[dict[str, float | int]] = []
     ruined = 0
     for x, y, scale in guard.watch(make_data(0, 24, {5: 1e37, 9: 1e37})):
@@ -160,6 +164,11 @@ def test_a_rollback_counts_and_the_backoff_factor_shows(tmp_path: Path) -> None:
     assert rollbacks[1]["lr_factor"] == pytest.approx(0.5)
     assert 0.5 < seen[-1]["trainguard/lr_factor"] < 1.0  # ramping back to 1
     assert seen[-1]["trainguard/skipped_steps"] == seen[-1]["trainguard/nonfinite_steps"] == 6
+    # each step's record holds the LR its update used: the schedule's times the factor
+    recorded = {r.step: r.lr for r in guard.history.records() if r.decision == "ok"}
+    backed_off = [s for s in recorded if used[s] < 0.05]
+    assert len(backed_off) > 10
+    assert all(recorded[s] == pytest.approx(used[s], rel=1e-12) for s in recorded)
 
 
 def test_a_grad_scaler_adds_its_scale_and_overflows(tmp_path: Path) -> None:

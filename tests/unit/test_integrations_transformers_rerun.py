@@ -68,9 +68,11 @@ class OneOff:
         return output * float("nan")
 
 
-def _train(tmp_path: Path, fault: str | None) -> tuple[dict[str, Tensor], TrainGuardCallback]:
+def _train(
+    tmp_path: Path, fault: str | None, **args: Any
+) -> tuple[dict[str, Tensor], TrainGuardCallback]:
     """``fault``: None, ``"once"`` (one poisoned forward) or ``"always"`` (a NaN weight in
-    the step: every forward of it is bad, the rerun's too)."""
+    the step: every forward of it is bad, the rerun's too); ``args``: TrainingArguments."""
     ex = _example()
     torch.manual_seed(0)
     model = ex.tiny_gpt2()
@@ -87,7 +89,7 @@ def _train(tmp_path: Path, fault: str | None) -> tuple[dict[str, Tensor], TrainG
         model.transformer.h[0].mlp.register_forward_hook(poison)
     trainer = ex.GuardedTrainer(
         model=model,
-        args=_args(tmp_path),
+        args=_args(tmp_path, **args),
         train_dataset=ex.Tokens(masked=None),
         callbacks=[callback],
     )
@@ -99,9 +101,12 @@ def _kinds(tmp_path: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in tg.read_events(tmp_path / "run", 0) if e["kind"] == kind]
 
 
-def test_a_one_off_nan_is_rerun_and_costs_nothing(tmp_path: Path) -> None:
-    clean, _ = _train(tmp_path / "clean", None)
-    weights, callback = _train(tmp_path / "fault", "once")
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_a_one_off_nan_is_rerun_and_costs_nothing(tmp_path: Path, bf16: bool) -> None:
+    """bf16: the Trainer's step enters its own autocast and runs its backward outside it; the
+    rerun must not put that backward inside one (its gradients would differ)."""
+    clean, _ = _train(tmp_path / "clean", None, bf16=bf16)
+    weights, callback = _train(tmp_path / "fault", "once", bf16=bf16)
     reruns = _kinds(tmp_path / "fault", "rerun")
     assert [(e["step"], e["verdict"]) for e in reruns] == [(FAULT_STEP, "transient")]
     assert not _kinds(tmp_path / "fault", "skip")

@@ -103,3 +103,21 @@ def test_resume_in_a_prefetching_loop_continues_at_the_checkpoints_batch(tmp_pat
     assert (event["from_step"], event["position"]) == (6, 6)
     assert again["trained"] == whole["trained"][6:]  # steps 6.. again: none lost or repeated
     assert torch.equal(again["params"], whole["params"])
+
+
+def test_a_new_run_in_the_same_run_dir_feeds_the_batches_an_earlier_run_skipped(
+    tmp_path: Path,
+) -> None:
+    """The skip ledger is read back only by a resume of its own run: a re-run of the script
+    (a new run) in the same ``run_dir`` trains on every batch of its data."""
+    rollback = dict(on_escalation="rollback", snapshot_every=2, good_after=1, max_consecutive=2)
+    _prefetching(tmp_path, _data(bad=(7, 8)), **rollback)
+    [event] = [e for e in read_events(tmp_path, 0) if e["kind"] == "rollback"]
+    assert event["batches_skipped"] == [6, 7, 8]
+    again = _prefetching(tmp_path, _data(), **rollback)
+    assert [index for _, index in again["trained"]] == list(range(14))
+    torch.testing.assert_close(again["params"], _plain(list(range(14))))
+    # the same run continued without the guard's resume (a loop resuming from its own
+    # checkpoint: the stream's positions are the loop's), the same
+    more = _prefetching(tmp_path, _data()[6:], run=event["run"], **rollback)
+    assert [index for _, index in more["trained"]] == list(range(6, 14))

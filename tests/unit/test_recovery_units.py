@@ -66,8 +66,17 @@ def test_skip_ledger_persists_and_survives_a_torn_line(tmp_path: Path) -> None:
         fh.write('{"epoch": 1, "bat')  # a crash mid-write
     again = SkipLedger(tmp_path, rank=1)
     assert again.entries()[0].samples == [10, 11]
-    assert again.positions(0) == {4} and again.positions(1) == {2}
+    assert again.positions(0, "r1") == {4} and again.positions(1, None) == {2}
     assert SkipLedger(tmp_path, rank=0).entries() == []
+
+
+def test_skip_ledger_positions_are_the_run_s_own(tmp_path: Path) -> None:
+    """An entry names its run; one written before runs had ids counts for any run."""
+    ledger = SkipLedger(tmp_path, rank=0)
+    ledger.append([SkipEntry(0, 4, 8, "rollback", None, "a"), SkipEntry(0, 5, 8, "rollback")])
+    ledger.append([SkipEntry(0, 6, 9, "rollback", None, "b")])
+    assert ledger.positions(0, "a") == {4, 5}
+    assert ledger.positions(0, "b") == {5, 6}
 
 
 def test_sample_indices_from_a_dataloader() -> None:

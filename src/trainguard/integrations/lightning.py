@@ -286,6 +286,9 @@ class LightningRerun:
     is muted meanwhile: the step's logged metrics stay the first pass's (a second ``log`` of
     the same key in one step would count an epoch-aggregated metric twice)."""
 
+    runs_own_autocast = True
+    """The step enters the framework's precision context itself (``StepRerun`` adds none)."""
+
     def __init__(self, trainer: pl.Trainer, micro: StepMicroBatches) -> None:
         self._trainer = trainer
         self._micro = micro

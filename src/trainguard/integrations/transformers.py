@@ -323,6 +323,9 @@ class TrainerRerun:
     ``accelerator.no_sync(model)`` for every micro-batch but the window's last, unless the
     accelerator syncs each batch (``sync_each_batch``), as the Trainer's loop does."""
 
+    runs_own_autocast = True
+    """The step enters the framework's precision context itself (``StepRerun`` adds none)."""
+
     def __init__(self, trainer: Any, micro: StepMicroBatches) -> None:
         self._trainer = trainer
         self._micro = micro

@@ -1,9 +1,12 @@
 """The skip ledger: which batches (and, when the loader says, which samples) were skipped, why.
 
 One JSON line per skipped batch in ``run_dir/recovery/skipped-rank{r}.jsonl`` (each rank its
-own: under a DistributedSampler each rank reads other samples). After a restart the stream
-drops the ledger's batch positions of the epoch it resumes, so a batch skipped after the
-last checkpoint is never fed again. ``samples`` (dataset indices) lets a report list them and
+own: under a DistributedSampler each rank reads other samples). After a restart that
+resumes the run from its checkpoint (``GuardConfig.resume``), the streams drop the run's
+ledger positions of their epochs, so a batch skipped after the last checkpoint is never fed
+again. Nothing else reads them back: a new run in the same ``run_dir``, a run restarted
+without ``resume`` or resumed from the loop's own checkpoint (whose stream positions are
+the loop's) feed every batch. ``samples`` (dataset indices) lets a report list them and
 a person filter them out even under another world size.
 """
 
@@ -28,6 +31,9 @@ class SkipEntry:
     """The step at which the rollback that skipped it happened."""
     reason: str
     samples: list[int] | None = None
+    run: str | None = None
+    """The id of the run that skipped it (``run_identity``); None in a ledger written before
+    runs had ids (read as the current run's)."""
 
 
 class SkipLedger:
@@ -55,8 +61,13 @@ class SkipLedger:
                 continue  # a torn last line after a crash
         return out
 
-    def positions(self, epoch: int) -> frozenset[int]:
-        return frozenset(entry.batch for entry in self.entries() if entry.epoch == epoch)
+    def positions(self, epoch: int, run: str | None) -> frozenset[int]:
+        """The batch positions of ``epoch`` that run ``run`` skipped."""
+        return frozenset(
+            entry.batch
+            for entry in self.entries()
+            if entry.epoch == epoch and entry.run in (None, run)
+        )
 
 
 def replayable(batch_sampler: Any) -> bool:

@@ -114,8 +114,13 @@ class Recovery:
                 first = start
         stateful = self.config.checkpoint_every > 0 and is_stateful(source)
         self._loader = LoaderStates(source) if stateful else None
-        skip = self.ledger.positions(epoch)
+        skip = self._ledger_positions(epoch) if point is not None else frozenset()
         return StreamStart(source, epoch, start, skip, self.step_boundary, first, self._loader)
+
+    def _ledger_positions(self, epoch: int) -> frozenset[int]:
+        """What this run skipped of ``epoch`` before the restart it resumes from."""
+        run = self.events.run
+        return self.ledger.positions(epoch, run.id if run is not None else None)
 
     def _check_restart(self, iterable: Any) -> None:
         """A restart that would resume into the last attempt's stop with nothing changed ends
@@ -383,8 +388,10 @@ class Recovery:
         else:
             stream.view.drop_next(0)  # the counts changed: agree afresh
         samples = sample_indices(stream.iterable, positions)
+        run = self.events.run.id if self.events.run is not None else None
         entries = [
-            SkipEntry(stream.epoch, pos, step, "rollback", samples.get(pos)) for pos in positions
+            SkipEntry(stream.epoch, pos, step, "rollback", samples.get(pos), run)
+            for pos in positions
         ]
         self.ledger.append(entries)
         return entries

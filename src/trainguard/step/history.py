@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,6 +185,10 @@ class StepHistory:
         self._ring: deque[StepRecord] = deque(maxlen=capacity)
         self._metrics = metrics
         self._last_clock: float | None = None
+        self.lr_factor: Callable[[int], float] | None = None
+        """Recovery's LR backoff factor of a step (``Recovery.lr_factor``), None without
+        recovery: a record's ``lr`` is the one the optimizer step uses, the schedule's value
+        times the factor (the optimizer hook scales it only around ``step()``)."""
 
     def record(
         self,
@@ -219,6 +224,9 @@ class StepHistory:
         step builds no ``Agreement``); a decision other than ``"ok"`` is written out at once."""
         now = time.perf_counter()
         last, self._last_clock = self._last_clock, now
+        factor = self.lr_factor
+        if factor is not None and lr is not None:
+            lr *= factor(step)
         rec = StepRecord(
             step,
             losses,

@@ -16,7 +16,11 @@ Finite everywhere: *transient* (a flipped bit, a flaky device): the step counts 
 rerun's gradients. Still bad: *persistent*: the usual policy (skip, rollback...) follows.
 
 ``loss_fn`` is the replay factory's: it returns the loss the loop backpropagates for one
-micro-batch (divided by the accumulation count if the loop divides it).
+micro-batch (divided by the accumulation count if the loop divides it). A ``loss_fn`` that
+runs a framework's whole step (the integrations': forward under the framework's own
+precision context, then its backward) sets ``runs_own_autocast = True``: the rerun then
+enters no autocast around it, which would put the framework's backward inside one (a
+backward the first pass ran outside autocast, and whose gradients then differ in bf16).
 """
 
 from __future__ import annotations
@@ -83,6 +87,8 @@ class StepRerun:
         return context
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if getattr(self._loss_fn, "runs_own_autocast", False):
+            return contextlib.nullcontext()  # the framework's step enters its own
         state = self._start.autocast
         if not state or not state.get("enabled"):
             return contextlib.nullcontext()
