@@ -162,3 +162,22 @@ def test_a_dtensor_leaf_is_read_from_this_ranks_shard_without_a_collective(
         assert ops == []
     finally:
         dist.destroy_process_group()
+
+
+def _tiny_net_factory() -> tuple[torch.nn.Module, Any]:
+    return TinyNet(), lambda model, batch: model(batch["x"]).pow(2).mean()
+
+
+def test_the_replay_of_a_skip_for_an_unread_input_names_the_input_not_the_device(
+    tmp_path: Path,
+) -> None:
+    """The input check skipped a step for a NaN the loss never reads: its replay is finite,
+    and that is the data's doing (``bad_input``, the path and sample), not a transient fault
+    of the device the step ran on."""
+    _run(tmp_path, check_inputs=True)
+    report = tg.replay(tmp_path / "captures" / "step-00000002", _tiny_net_factory, repeats=1)
+    assert (report.verdict, report.reproduced) == ("bad_input", False)
+    assert report.details["batch_nonfinite"] == ["['aux'] (micro-batch 0, samples [3])"]
+    assert [c["position"] for c in report.culprit_samples] == [3]
+    assert "['aux']" in report.summary and "suspect" not in report.summary
+    assert "transient" not in report.summary + report.advice

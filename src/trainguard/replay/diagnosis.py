@@ -300,6 +300,44 @@ def spike_summary(
     )
 
 
+def entry_text(entry: dict[str, Any]) -> str:
+    """One of ``batchtree.nonfinite_tensors``' entries as text: path, micro-batch, samples."""
+    samples = entry.get("dataset_indices") or entry.get("positions") or []
+    which = "dataset indices" if entry.get("dataset_indices") else "samples"
+    shown = f", {which} {samples}" if samples else ""
+    return f"{entry['path']} (micro-batch {entry['micro_batch']}{shown})"
+
+
+def unread_culprits(unread: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The samples holding the non-finite values the loss does not read, as culprits."""
+    culprits: list[dict[str, Any]] = []
+    for entry in unread:
+        indices = entry.get("dataset_indices") or []
+        for n, position in enumerate(entry.get("positions") or []):
+            found = {
+                "micro_batch": entry["micro_batch"],
+                "position": position,
+                "index": indices[n] if n < len(indices) else None,
+            }
+            if found not in culprits:
+                culprits.append(found)
+    return culprits
+
+
+def unread_input_summary(runs: list[RunResult], unread: list[dict[str, Any]], device: str) -> str:
+    """The batch holds non-finite values and the replayed step is finite: the loss does not
+    read them (the guard's input check, which reads every floating-point tensor of the
+    batch, skipped the step)."""
+    where = "; ".join(entry_text(e) for e in unread[:5])
+    more = f" and {len(unread) - 5} more" if len(unread) > 5 else ""
+    return (
+        f"The batch holds non-finite values: {where}{more}. The loss does not read them: "
+        f"{len(runs)} replays on {device} gave a finite loss ({step_loss(runs):.6g}) and "
+        "finite gradients. The input check skipped the step for them; fix the data, or "
+        "leave the field out of the batch if the model never uses it."
+    )
+
+
 def not_reproduced_summary(
     runs: list[RunResult], deterministic: bool, device: str, meta: dict[str, Any]
 ) -> str:

@@ -23,11 +23,14 @@ from trainguard.replay.bisect import find_culprits
 from trainguard.replay.chain import path_of, roots_of
 from trainguard.replay.diagnosis import (
     Finding,
+    entry_text,
     locate,
     made_in_loop_summary,
     not_reproduced_summary,
     spike_summary,
     summarize,
+    unread_culprits,
+    unread_input_summary,
 )
 from trainguard.replay.report import ReplayReport
 from trainguard.replay.stepper import RunResult, StepRunner
@@ -72,18 +75,30 @@ def diagnose_runs(
     }
     if not bad:
         verdict = "not_reproduced"
+        unread = batchtree.nonfinite_tensors(runner.micro_batches)
         if spike:
             verdict, summary = spike_summary(runs, deterministic, device, meta)
+        elif unread:  # the input check's skip: values the loss never reads
+            verdict, summary = "bad_input", unread_input_summary(runs, unread, device)
         elif deterministic and made_in_loop(meta.get("forward_inputs")):
             verdict, summary = "input_made_in_loop", made_in_loop_summary(runs, device, meta)
         else:
             summary = not_reproduced_summary(runs, deterministic, device, meta)
         reproduced = verdict == "spike"  # the spike's loss again
         report = ReplayReport(
-            reproduced, deterministic, None, None, None, None, [], verdict, summary
+            reproduced,
+            deterministic,
+            None,
+            None,
+            None,
+            None,
+            unread_culprits(unread),
+            verdict,
+            summary,
         )
         report.advice = ADVICE[verdict]
         report.details.update(replayed, **finding_details(None), bisection_runs=0)
+        report.details["batch_nonfinite"] = [entry_text(e) for e in unread]
         return report
     micro = bad[0].first_bad_micro or 0
     finding = locate(runner, micro)

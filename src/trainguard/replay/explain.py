@@ -39,6 +39,8 @@ def explain(
         sentence = origin.origin_sentence(found)
         report.summary += f" {sentence}" if sentence else ""
         return
+    if report.verdict == "bad_input":  # this rank's batch: values its loss never reads
+        return
     if (
         bundle.world_size > 1
         and found.method == "option"
