@@ -10,6 +10,7 @@ from trainguard.errors import (
     PeerFailureError,
     ReplayError,
     ReplicaDivergenceError,
+    SpikeError,
     TrainGuardError,
 )
 from trainguard.events import read_events
@@ -40,6 +41,7 @@ __all__ = [
     "PeerFailureError",
     "ReplayError",
     "ReplicaDivergenceError",
+    "SpikeError",
     "TrainGuardError",
     "__version__",
     "ReplayReport",

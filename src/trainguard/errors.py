@@ -6,7 +6,8 @@ catches all of them::
     TrainGuardError
     ├── ConfigError          a Guard option or argument is invalid (also a ValueError)
     ├── NonFiniteError       a step was non-finite and the policy says stop (every rank)
-    ├── LossScaleCollapseError  fp16 loss scale fell below the configured floor (every rank)
+    │   ├── LossScaleCollapseError  fp16 loss scale fell below the configured floor (every rank)
+    │   └── SpikeError       loss or gradient-norm spikes escalated (``on_spike``, every rank)
     ├── BundleError          a capture bundle is missing, damaged or of another format
     ├── ReplayError          a bundle cannot be replayed with the given factory
     ├── PeerFailureError     another rank failed and published why
@@ -65,6 +66,12 @@ def _rebuild_nonfinite(
 
 class LossScaleCollapseError(NonFiniteError):
     """The fp16 loss scale fell below ``min_loss_scale``: the gradients overflow at any scale."""
+
+
+class SpikeError(NonFiniteError):
+    """Loss or gradient-norm spikes escalated (``on_spike``): raised on every rank. The
+    step's values were finite; it is a ``NonFiniteError`` so that one ``except`` stops on
+    every escalation."""
 
 
 class BundleError(TrainGuardError):

@@ -22,6 +22,7 @@ EXPECTED = {
     "ReplayReport",
     "ReplicaDivergenceError",
     "ReplaySpec",
+    "SpikeError",
     "TrainGuardError",
     "__version__",
     "load_bundle",

@@ -215,6 +215,30 @@ def test_a_loop_without_watch_has_no_measured_data_time(tmp_path: Path) -> None:
             loss.backward()
             guard.step(loss)
     text = report_text(summarize(tmp_path / "recorded"))
-    assert "data time not measured: the loop fetched its batches without watch()" in text
+    assert "data time not measured (0 at every step): the loop fetched its batches" in text
     row = next(line for line in text.splitlines() if line.strip().startswith("0 "))
     assert row.split()[1] == "-"
+
+
+def test_fetches_under_a_microsecond_are_measured_data_time(tmp_path: Path) -> None:
+    """A ``watch()`` over an in-memory list: most fetches log 0 (under a microsecond), the
+    median is 0, and the report shows 0.00 ms rather than "not measured"."""
+    from trainguard.report.timing import StepTimes, rank_table
+
+    times = [StepTimes(data=[d], compute=[0.01]) for d in (0.0, 1e-6, 0.0)]
+    [row] = rank_table(times)
+    assert (row["data"], row["data_seen"]) == (0.0, True)
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tg.Guard(model, opt, run_dir=tmp_path) as guard:
+        for batch in guard.watch(make_batches(3, seed=0)):
+            loss = loss_fn(model, batch)
+            loss.backward()
+            guard.step(loss)
+    summary = summarize(tmp_path)
+    summary.timing = [row]
+    text = report_text(summary)
+    assert "data time not measured" not in text
+    line = next(line for line in text.splitlines() if line.strip().startswith("0 "))
+    assert line.split()[1] == "0.00"

@@ -13,8 +13,8 @@ import torch
 from tg_models import TinyNet
 
 import trainguard as tg
+from trainguard.errors import SpikeError
 from trainguard.step.spikes import DeviceSpikeDetector, SpikeDetector, SpikeRule
-from trainguard.step.spikewatch import SpikeError
 
 RULE = SpikeRule(z_threshold=6.0, ratio=2.0, beta=0.98, warmup=100, grace=50)
 

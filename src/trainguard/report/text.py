@@ -235,7 +235,7 @@ def _timing(summary: RunSummary) -> list[str]:
         shown = sorted(slowest[: _MAX_LISTED - 1], key=lambda r: r["rank"])
     steps = rows[0]["steps"]
     lines = [f"{'rank':<6}{'data ms':>9}{'compute ms':>12}  (medians over {steps} logged steps)"]
-    data_measured = any(row["data"] > 0 for row in rows)  # a measured fetch takes some time
+    data_measured = any(row["data"] > 0 or row.get("data_seen") for row in rows)
     for row in shown:
         flag = f"  straggler: {', '.join(named[row['rank']])}" if row["rank"] in named else ""
         data = f"{row['data'] * 1e3:>9.2f}" if data_measured else f"{'-':>9}"
@@ -243,7 +243,10 @@ def _timing(summary: RunSummary) -> list[str]:
     if len(shown) < len(rows):
         lines.append(f"... {len(rows) - len(shown)} faster ranks not listed")
     if not data_measured:
-        lines.append("data time not measured: the loop fetched its batches without watch()")
+        lines.append(
+            "data time not measured (0 at every step): the loop fetched its batches without "
+            "watch(), or each fetch took under a microsecond"
+        )
     return lines
 
 

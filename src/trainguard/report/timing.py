@@ -39,7 +39,9 @@ def step_times(record: dict[str, Any]) -> StepTimes | None:
 
 
 def rank_table(times: Sequence[StepTimes]) -> list[dict[str, Any]]:
-    """Per rank: the median data and compute seconds over the steps that list every rank."""
+    """Per rank: the median data and compute seconds over the steps that list every rank, and
+    whether any of them timed a fetch (``data_seen``: a fetch of under a microsecond is 0 in
+    the log, and a loop without ``watch()`` logs 0 at every step)."""
     listed = [t for t in times if t.data is not None and t.compute is not None]
     if not listed:
         return []
@@ -50,6 +52,7 @@ def rank_table(times: Sequence[StepTimes]) -> list[dict[str, Any]]:
             "rank": rank,
             "data": statistics.median((t.data or [])[rank] for t in full),
             "compute": statistics.median((t.compute or [])[rank] for t in full),
+            "data_seen": any((t.data or [])[rank] > 0 for t in full),
             "steps": len(full),
         }
         for rank in range(world)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from trainguard.config import GuardConfig
-from trainguard.errors import NonFiniteError
+from trainguard.errors import SpikeError
 from trainguard.events import EventLog
 from trainguard.step.consensus import Agreement, Consensus, Reduced
 from trainguard.step.deferred import HostStager
@@ -36,10 +36,6 @@ logger = logging.getLogger(__name__)
 
 Staged = tuple[Tensor, "torch.cuda.Event | None"]
 """A verdict copied (or being copied) to the host, and the event that says it is there."""
-
-
-class SpikeError(NonFiniteError):
-    """Loss or gradient-norm spikes escalated (``on_spike``): raised on every rank."""
 
 
 def rule_of(config: GuardConfig) -> SpikeRule:
