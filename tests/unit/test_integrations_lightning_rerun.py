@@ -98,7 +98,7 @@ def test_a_one_off_nan_is_rerun_through_training_step_and_costs_nothing(
     tmp_path: Path, precision: str
 ) -> None:
     """bf16-mixed too: the rerun runs Lightning's step under Lightning's own precision
-    context (``TrainerRerun.runs_own_autocast``) and ends bit-identical."""
+    context (``LightningRerun.runs_own_autocast``) and ends bit-identical."""
     clean, _ = _fit(tmp_path / "clean", fault=False, precision=precision)
     model, callback = _fit(tmp_path / "fault", fault=True, precision=precision)
     events = tg.read_events(tmp_path / "fault", 0)
