@@ -9,8 +9,10 @@ stacks alone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,15 @@ RUN_LIMIT_S = 100.0
 a busy one; the bound that matters is SLACK_S, from the barrier on."""
 
 
-def train_with_a_lone_barrier(rank: int, world_size: int, run_dir: str) -> str:
+def train_with_a_lone_barrier_in_a_phase(rank: int, world_size: int, run_dir: str) -> str:
+    """The same, the save and the barrier in ``guard.phase("checkpoint")`` (as the docs
+    advise for rank-0 work): a phase excuses slowness, not a deadlock."""
+    return train_with_a_lone_barrier(rank, world_size, run_dir, in_phase=True)
+
+
+def train_with_a_lone_barrier(
+    rank: int, world_size: int, run_dir: str, in_phase: bool = False
+) -> str:
     progress = Path(run_dir, f"progress-rank{rank}")
     progress.write_text("started")
     torch.manual_seed(0)
@@ -46,7 +56,8 @@ def train_with_a_lone_barrier(rank: int, world_size: int, run_dir: str) -> str:
             progress.write_text(f"step {guard.state.step}")
             if rank == 0 and guard.state.step == BARRIER_STEP:
                 Path(run_dir, "barrier").write_text(repr(time.time()))
-                dist.barrier()  # BARRIER
+                with guard.phase("checkpoint") if in_phase else contextlib.nullcontext():
+                    dist.barrier()  # BARRIER
     return "finished"
 
 
@@ -66,9 +77,11 @@ def progress_of(run_dir: Path) -> dict[str, str]:
     return {p.name: p.read_text() for p in sorted(run_dir.glob("progress-rank*"))}
 
 
-def run_and_check(run_dir: Path, source: str) -> tuple[dict[str, Any], str]:
+def run_and_check(
+    run_dir: Path, source: str, train: Callable[[int, int, str], str] = train_with_a_lone_barrier
+) -> tuple[dict[str, Any], str]:
     try:
-        results = run_ranks(train_with_a_lone_barrier, 4, str(run_dir), timeout=RUN_LIMIT_S)
+        results = run_ranks(train, 4, str(run_dir), timeout=RUN_LIMIT_S)
     except TimeoutError as exc:  # where each rank got to: a slow start or a missed hang?
         raise AssertionError(f"{exc}; progress: {progress_of(run_dir)}") from exc
     gone = time.time()
@@ -130,3 +143,14 @@ def test_a_lone_barrier_is_named_from_the_stacks_with_the_recorder_off(
     assert report["collective_mismatch"]["seq"] is None
     assert "ranks 0-3: flight recorder off (TORCH_FR_BUFFER_SIZE=0)" in text
     assert all("TORCH_FR_BUFFER_SIZE=0" in r["collective"]["note"] for r in report["ranks"])
+
+
+@pytest.mark.timeout(120)
+def test_a_lone_barrier_in_a_user_phase_is_named_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    report, _ = run_and_check(tmp_path, "flight_recorder", train_with_a_lone_barrier_in_a_phase)
+    assert "in a user phase, collective mismatch" in report["reason"]
+    phases = {r["rank"]: r["phase"] for r in report["ranks"]}
+    assert phases[0] == "checkpoint"

@@ -274,3 +274,41 @@ def test_a_hang_waits_briefly_for_ranks_whose_record_has_not_come_yet() -> None:
     verdict = assess(views(3.1), me=0, timeout=2.0, dead_after=2.0)  # waited half the timeout
     assert verdict is not None and verdict.culprits == [0]
     assert "while ranks 2, 3 wait in" in verdict.reason
+
+
+def _in_phase(v: RankView, phase: str = "checkpoint") -> RankView:
+    return RankView(**{**v.__dict__, "phase": phase, "user_phase": True})
+
+
+def test_a_phase_excuses_no_lone_collective() -> None:
+    """Rank 0 saves a checkpoint in ``guard.phase`` and calls a barrier the others never call;
+    they wait in the next step's gradient all-reduce: a deadlock, rank 0's."""
+    views = [_in_phase(view(0, recorded(barrier(), line=19)))]
+    views += [view(1, recorded(bucket(), DDP))]  # a tie of two: the phase decides
+    verdict = assess(views, me=1, timeout=2.0, dead_after=2.0)
+    assert verdict is not None and verdict.kind == HANG and verdict.culprits == [0]
+    assert "in a user phase, collective mismatch at sequence id 12: rank 0 waits in barrier" in (
+        verdict.reason
+    )
+
+
+def test_a_phase_working_outside_a_collective_is_no_hang() -> None:
+    """A long evaluation in a phase (in no collective) while the others wait: no hang; nor
+    while the phase's collective is the one the others wait in."""
+    views = [_in_phase(view(0, recorded(None, line=40), phase="eval"))]
+    views += [view(r, recorded(bucket(), DDP)) for r in (1, 2)]
+    assert assess(views, me=1, timeout=2.0, dead_after=2.0) is None
+    same = [_in_phase(view(0, recorded(bucket(), DDP)))] + views[1:]
+    assert assess(same, me=1, timeout=2.0, dead_after=2.0) is None
+
+
+def test_a_rank_that_left_its_loop_is_the_culprit_whatever_the_records_say() -> None:
+    """Rank 1 broke out of its loop early and waits in a barrier (outside the loop it
+    publishes no record); ranks 0 and 2 disagree about the DDP buffer broadcast its barrier
+    took the place of. Rank 1 is the one they wait for."""
+    views = [view(0, recorded(None, line=30))]
+    views.append(view(1, None, phase="done"))
+    views.append(view(2, recorded(bucket(), DDP)))
+    verdict = assess(views, me=0, timeout=2.0, dead_after=2.0)
+    assert verdict is not None and verdict.culprits == [1]
+    assert verdict.reason.startswith("no rank made progress for 2s; behind: rank 1 at step 15")

@@ -169,6 +169,8 @@ def test_a_failing_rank_names_itself_and_the_lowest_other_rank_reports() -> None
         (RuntimeError("CUDA out of memory"), True),
         (tg.NonFiniteError("nan", step=3, ranks=[0]), False),
         (tg.LossScaleCollapseError("scale", step=3, ranks=[0]), False),
+        (tg.SpikeError("spike", step=3, ranks=[]), False),
+        (tg.ReplicaDivergenceError("differ", step=3, ranks=[1], params=["w"]), False),
         (tg.PeerFailureError("peer"), False),
         (KeyboardInterrupt(), False),
         (SystemExit(1), False),

@@ -6,10 +6,13 @@
 * **Hang**: no rank that is still training made progress for the timeout (the largest
   timeout any rank publishes), unless a rank is in a user phase (``guard.phase(...)``) or
   every rank has finished its loop (``done``: between ``watch()`` loops or after the last).
+  A phase excuses no deadlock (``phase_deadlock``): a rank in one waiting in a collective
+  while every other rank waits in another is a hang, its culprit the rank in the phase.
 * **Culprits of a hang**: the ranks furthest behind, ordered by ``(step, phase)`` with
   ``init = done < data < step < check`` (a rank stuck fetching data at step 5 is behind
-  ranks waiting in step 5's check; a rank still between two loops is behind ranks already
-  in the next loop). When every training rank is at the same place, the culprits
+  ranks waiting in step 5's check; a rank still between two loops, or one that broke out of
+  its loop early, is behind ranks already in the next step, whatever the others' collective
+  records say: it publishes none). When every training rank is at the same place, the culprits
   are the ranks that already closed or failed (the others wait for them) or, failing that,
   every rank: nobody is behind, so nobody can be singled out.
 * **Collective mismatch** (``mismatch.find_mismatch``): when the stalled ranks' collective
@@ -23,12 +26,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch.distributed as dist
 
-from trainguard.errors import NonFiniteError, PeerFailureError
+from trainguard.errors import NonFiniteError, PeerFailureError, ReplicaDivergenceError
 from trainguard.hang.collective_record import CollectiveRecord
 from trainguard.hang.heartbeat import RankView
 from trainguard.hang.mismatch import BEHIND, Mismatch, find_mismatch
@@ -116,11 +119,36 @@ def effective_timeout(views: Sequence[RankView], timeout: float) -> float:
 
 
 def detection_suspended(views: Sequence[RankView]) -> bool:
-    """A user phase runs somewhere, or every rank finished its loop: no hang is declared."""
+    """A user phase runs somewhere, or every rank finished its loop: no hang is declared
+    (but see ``phase_deadlock``)."""
     training = [v for v in views if v.state == "running"]
     if any(v.registered and v.user_phase for v in training):
         return True
     return bool(training) and all(v.registered and v.phase == "done" for v in training)
+
+
+def phase_deadlock(views: Sequence[RankView]) -> Mismatch | None:
+    """What no phase excuses: a rank in a user phase waits in a collective and every other
+    training rank waits in another one (ops or sizes differ: a lone ``barrier`` in a rank-0
+    checkpoint while the others wait in the next step's all-reduce). Each waits for a
+    collective that can never start. None while any rank works outside a collective (a long
+    evaluation: the phase may still end) or the collectives agree. The culprits are the
+    ranks in the phase on the mismatch's sides (all of them when every side is in one)."""
+    training = [v for v in views if v.state == "running"]
+    phased = {v.rank for v in training if v.registered and v.user_phase}
+    if not phased:
+        return None
+    records = collective_records(views)
+    if any(v.rank not in records or records[v.rank].op is None for v in training):
+        return None
+    mismatch = find_mismatch(records)
+    if mismatch is None or mismatch.kind == BEHIND:
+        return None
+    sides = {r for side in mismatch.sides for r in side.ranks}
+    culprits = sorted(phased & sides)
+    if not culprits or set(culprits) == sides:
+        return mismatch
+    return replace(mismatch, culprits=culprits)
 
 
 def assess(views: Sequence[RankView], me: int, timeout: float, dead_after: float) -> Verdict | None:
@@ -135,7 +163,9 @@ def assess(views: Sequence[RankView], me: int, timeout: float, dead_after: float
             "interpreter is frozen"
         )
         return Verdict(PEER_FAILURE, stopped, reason, by=me, reporter=me, silent=stopped)
-    if detection_suspended(views):
+    suspended = detection_suspended(views)
+    deadlock = phase_deadlock(views) if suspended else None
+    if suspended and deadlock is None:
         return None
     training = [v for v in views if v.state == "running"]
     if not training:
@@ -143,9 +173,12 @@ def assess(views: Sequence[RankView], me: int, timeout: float, dead_after: float
     limit = effective_timeout(views, timeout)
     if not all(v.progress_age >= limit for v in training):
         return None
-    if records_pending(training, limit):
+    if deadlock is not None:
+        culprits, reason = deadlock.culprits, f"in a user phase, {deadlock.line()}"
+    elif records_pending(training, limit):
         return None
-    culprits, reason = hang_culprits(views)
+    else:
+        culprits, reason = hang_culprits(views)
     # no dump to wait for from a rank that never registered or whose watchdog stopped
     absent = [v.rank for v in views if not v.registered or v.state in ("closed", "failed")]
     reason = f"no rank made progress for {limit:g}s; {reason}"
@@ -155,7 +188,8 @@ def assess(views: Sequence[RankView], me: int, timeout: float, dead_after: float
 def records_pending(training: Sequence[RankView], limit: float) -> bool:
     """Some stalled ranks published their collective and others not yet (a starved
     watchdog thread, a slow first read): wait for them, at most ``RECORD_WAIT_S`` or half
-    the timeout past it. Ranks in a user phase or outside the loop publish none."""
+    the timeout past it. Ranks outside the loop publish none (in a user phase, one only
+    while it waits in a collective: not expected)."""
     expected = [
         v for v in training if v.registered and not v.user_phase and v.phase not in ("init", "done")
     ]
@@ -167,17 +201,30 @@ def records_pending(training: Sequence[RankView], limit: float) -> bool:
 
 
 def hang_culprits(views: Sequence[RankView]) -> tuple[list[int], str]:
-    """The culprits of a hang and why: a collective mismatch when the records show one,
-    else the ranks furthest behind."""
+    """The culprits of a hang and why: the ranks furthest behind when some are outside
+    their loop (they publish no collective: the records cannot see them), else a collective
+    mismatch when the records show one, else the ranks furthest behind."""
     mismatch = collective_mismatch(views)
-    if mismatch is not None and mismatch.kind != BEHIND:
+    outside = outside_the_loop(views)
+    if mismatch is not None and mismatch.kind != BEHIND and not outside:
         return mismatch.culprits, mismatch.line()
-    culprits = mismatch.culprits if mismatch is not None else pick_culprits(views)
+    culprits = pick_culprits(views) if mismatch is None or outside else mismatch.culprits
     where = "; ".join(
         f"rank {v.rank} at step {v.step} in {v.phase!r}" for v in views if v.rank in culprits
     )
     reason = f"behind: {where}"
-    return culprits, reason if mismatch is None else f"{reason}; {mismatch.line()}"
+    if mismatch is None:
+        return culprits, reason
+    among = "among the ranks in their loop, " if outside else ""
+    return culprits, f"{reason}; {among}{mismatch.line()}"
+
+
+def outside_the_loop(views: Sequence[RankView]) -> bool:
+    """Some training ranks are outside their loop (``init``/``done``: a rank that broke out
+    early, one still between two loops) while others are inside it."""
+    training = [v for v in views if v.state == "running" and v.registered]
+    outside = [v for v in training if v.phase in ("init", "done")]
+    return bool(outside) and len(outside) < len(training)
 
 
 def collective_records(views: Sequence[RankView]) -> dict[int, CollectiveRecord]:
@@ -204,12 +251,19 @@ def failure_verdict(rank: int, members: Sequence[int], exc: BaseException) -> Ve
     return Verdict(PEER_FAILURE, [rank], message, by=rank, reporter=reporter, silent=[rank])
 
 
+EVERY_RANK_ERRORS = (NonFiniteError, ReplicaDivergenceError)
+"""Raised on every rank at the same step by design (an agreed decision): no rank's own news."""
+
+
 def should_publish(exc: BaseException) -> bool:
     """Whether a rank's exception is news for the other ranks.
 
-    Not ``NonFiniteError`` (raised on every rank by design), not ``PeerFailureError`` (the
-    rank stops because of another rank), not ``KeyboardInterrupt`` / ``SystemExit``."""
-    return isinstance(exc, Exception) and not isinstance(exc, (NonFiniteError, PeerFailureError))
+    Not ``EVERY_RANK_ERRORS`` (``NonFiniteError`` and its kin, ``ReplicaDivergenceError``:
+    raised on every rank at the same step), not ``PeerFailureError`` (the rank stops because
+    of another rank), not ``KeyboardInterrupt`` / ``SystemExit``."""
+    return isinstance(exc, Exception) and not isinstance(
+        exc, (*EVERY_RANK_ERRORS, PeerFailureError)
+    )
 
 
 def is_comm_error(exc: BaseException) -> bool:
