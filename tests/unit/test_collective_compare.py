@@ -298,7 +298,7 @@ def test_a_phase_working_outside_a_collective_is_no_hang() -> None:
     views = [_in_phase(view(0, recorded(None, line=40), phase="eval"))]
     views += [view(r, recorded(bucket(), DDP)) for r in (1, 2)]
     assert assess(views, me=1, timeout=2.0, dead_after=2.0) is None
-    same = [_in_phase(view(0, recorded(bucket(), DDP)))] + views[1:]
+    same = [_in_phase(view(0, recorded(bucket(), DDP))), *views[1:]]
     assert assess(same, me=1, timeout=2.0, dead_after=2.0) is None
 
 
