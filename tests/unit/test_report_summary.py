@@ -137,6 +137,28 @@ def test_a_capture_that_failed_is_reported_with_its_error(tmp_path: Path) -> Non
     assert text.count("capture failed") == 1
 
 
+def test_replica_divergences_are_reported(tmp_path: Path) -> None:
+    """Every rank writes the ``replica_divergence`` event: one line a check, with the
+    ranks, the majority, the parameters and the action."""
+    _two_ranks_wrote(
+        tmp_path,
+        {"time": 1.0, "step": 0, "kind": "start", "world_size": 2},
+        {"time": 2.0, "step": 8, "kind": "replica_divergence", "ranks": [1],
+         "params": ["fc.weight", "fc.bias", "head.weight", "head.bias"], "params_differing": 4,
+         "majority_rank": 0, "tie": False, "action": "resync"},
+        {"time": 3.0, "step": 12, "kind": "replica_divergence", "ranks": [0, 1],
+         "params": ["fc.weight"], "params_differing": 1, "majority_rank": 0, "tie": True,
+         "action": "warn"},
+        {"time": 4.0, "step": 16, "kind": "close"},
+    )  # fmt: skip
+    text = report_text(summarize(tmp_path))
+    assert (
+        "replicas    step 8: ranks [1] differ from rank 0 in fc.weight, fc.bias, head.weight "
+        "and 1 more (resync)" in text
+    )
+    assert "step 12: ranks [0, 1] differ from a tie: no majority in fc.weight (warn)" in text
+
+
 def test_page_is_self_contained_with_the_picture(run_dir: Path) -> None:
     page = report_html(summarize(run_dir))
     assert "http://" not in page and "https://" not in page

@@ -88,6 +88,8 @@ class RunSummary:
     uneven_data: list[dict[str, Any]] = field(default_factory=list)
     stragglers: list[dict[str, Any]] = field(default_factory=list)
     """``straggler`` events (one copy per step and phase), in step order."""
+    replicas: list[dict[str, Any]] = field(default_factory=list)
+    """``replica_divergence`` events (replicated weights that differ across ranks)."""
     reruns: list[dict[str, Any]] = field(default_factory=list)
     """``rerun`` events (a bad step recomputed in place: transient or persistent)."""
     hosts: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -329,6 +331,7 @@ def _fill_from_events(summary: RunSummary, events: list[dict[str, Any]]) -> None
     summary.stood_aside = _merged(events, "stand_aside", keys=())
     summary.uneven_data = _merged(events, "uneven_data")
     summary.stragglers = _merged(events, "straggler", keys=("phase",))
+    summary.replicas = _merged(events, "replica_divergence")
     summary.reruns = _merged(events, "rerun")
     summary.hosts = _host_counts(summary.reruns, _merged(events, "suspect_host"))
 

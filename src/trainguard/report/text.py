@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainguard.report.readers import number
+from trainguard.report.readers import int_of, number
 from trainguard.report.runs import LEGACY
 from trainguard.report.summary import RunSummary
 
@@ -38,6 +38,7 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
         ("hangs", _listed(summary.hangs, _hang)),
         ("uneven data", _listed(summary.uneven_data, _uneven)),
         ("stragglers", _listed(summary.stragglers, _straggler)),
+        ("replicas", _listed(summary.replicas, _replica)),
         ("reruns", _listed(summary.reruns, _rerun)),
         ("hosts", _hosts(summary.hosts)),
         ("timing", _timing(summary)),
@@ -209,6 +210,18 @@ def _hosts(hosts: dict[str, dict[str, int]]) -> list[str]:
         + ("  SUSPECT (drained: exit 94)" if row.get("suspect") else "")
         for host, row in hosts.items()
     ]
+
+
+def _replica(e: dict[str, Any]) -> str:
+    """A replica divergence: who differs from whom, in what, and what was done."""
+    params = e.get("params") or []
+    count = int_of(e.get("params_differing")) or len(params)
+    shown = ", ".join(map(str, params[:3])) + (f" and {count - 3} more" if count > 3 else "")
+    against = "a tie: no majority" if e.get("tie") else f"rank {e.get('majority_rank')}"
+    return (
+        f"step {e.get('step')}: ranks {e.get('ranks')} differ from {against} in {shown} "
+        f"({e.get('action')})"
+    )
 
 
 def _straggler(e: dict[str, Any]) -> str:
