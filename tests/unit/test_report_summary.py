@@ -264,3 +264,18 @@ def test_fetches_under_a_microsecond_are_measured_data_time(tmp_path: Path) -> N
     assert "data time not measured" not in text
     line = next(line for line in text.splitlines() if line.strip().startswith("0 "))
     assert line.split()[1] == "0.00"
+
+
+def test_a_run_killed_before_its_metrics_were_flushed_counts_its_steps(tmp_path: Path) -> None:
+    """SIGKILL in a rank-0 evaluation at step 10: the metrics log holds nothing yet, the
+    events say step 10 was reached; no restart is made up to explain the difference."""
+    _two_ranks_wrote(
+        tmp_path,
+        {"time": 1.0, "step": 0, "kind": "start", "world_size": 2},
+        {"time": 2.0, "step": 10, "kind": "phase", "phase": "eval", "state": "enter"},
+    )
+    summary = summarize(tmp_path)
+    assert (summary.steps, summary.steps_run, summary.starts) == (10, 10, 1)
+    text = report_text(summary)
+    assert "steps       10 (2 ranks); 0 in the metrics log\n" in text
+    assert "again" not in text

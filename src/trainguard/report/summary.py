@@ -197,8 +197,10 @@ def _summary(found: _RunDir, run: str | None) -> RunSummary:
     _fill_from_events(summary, events)
     summary.captures = own(found.captures, "run")
     summary.hangs = own(found.hangs, None) or _hang_events(events)
-    summary.steps = _count_steps(events, summary.points)
     starts = run_starts(events, own(found.records, None))
+    # a run killed before its batched metrics lines were flushed: its events still say
+    # how far each start got (a phase entered at step N: N steps were checked)
+    summary.steps = max([_count_steps(events, summary.points), *(s.end for s in starts[-1:])])
     summary.starts = len(starts)
     summary.first_step = starts[0].begin if starts else 0
     summary.steps_run = sum(s.steps for s in starts)
