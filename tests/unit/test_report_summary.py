@@ -279,3 +279,18 @@ def test_a_run_killed_before_its_metrics_were_flushed_counts_its_steps(tmp_path:
     text = report_text(summary)
     assert "steps       10 (2 ranks); 0 in the metrics log\n" in text
     assert "again" not in text
+
+
+def test_ranks_that_failed_too_are_listed_under_the_verdict(tmp_path: Path) -> None:
+    folder = tmp_path / "events"
+    folder.mkdir()
+    for rank in (0, 1):
+        lines = [
+            {"time": 1.0, "rank": rank, "step": 0, "kind": "start", "world_size": 2},
+            {"time": 2.0, "rank": rank, "step": 3, "kind": "failed_too",
+             "reason": f"rank {rank} failed too: ValueError: bad"},
+        ]  # fmt: skip
+        (folder / f"rank-{rank}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    text = report_text(summarize(tmp_path))
+    assert "hangs       step 3: rank 0 failed too: ValueError: bad\n" in text
+    assert "            step 3: rank 1 failed too: ValueError: bad\n" in text

@@ -207,6 +207,31 @@ def test_a_published_exception_ends_the_others_at_their_next_tick(tmp_path: Path
     assert json.loads(store.data["tg/0/hb/0"])["state"] == "failed"
 
 
+def test_a_rank_failing_after_another_keeps_its_own_error_in_the_log_and_the_events(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same bug on every rank: rank 0's verdict stands; rank 2's own exception is logged
+    with its traceback and written as ``failed_too`` (the report lists it), not dropped;
+    a collective's error on rank 1 is a symptom, not news."""
+    store, clock = FakeStore(), Clock()
+    r0, r1, r2 = (Rank(r, 3, store, clock, tmp_path, timeout=60.0) for r in range(3))
+    r0.wd.publish_failure(ValueError("bad metric shape"))
+    try:
+        raise KeyError("labels")
+    except KeyError as exc:
+        with caplog.at_level("ERROR", logger="trainguard"):
+            r2.wd.publish_failure(exc)
+    r1.wd.publish_failure(RuntimeError("Connection closed by peer [gloo]"))
+    [record] = [r for r in caplog.records if "failed too" in r.getMessage()]
+    assert record.getMessage() == "trainguard: rank 2 failed too: KeyError: 'labels'"
+    assert record.exc_info is not None and record.exc_info[1] is not None
+    [event] = [e for e in read_events(tmp_path, 2) if e["kind"] == "failed_too"]
+    assert event["reason"] == "rank 2 failed too: KeyError: 'labels'"
+    assert not [e for e in read_events(tmp_path, 1) if e["kind"] == "failed_too"]
+    run(clock, [r0, r1, r2], 1.0)
+    assert report_of(tmp_path)["culprits"] == [0]  # the first failure is the verdict
+
+
 def test_nonfinite_errors_are_not_published(tmp_path: Path) -> None:
     store, clock = FakeStore(), Clock()
     r0, r1 = (Rank(r, 2, store, clock, tmp_path) for r in range(2))

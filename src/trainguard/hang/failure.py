@@ -6,6 +6,10 @@ proposes a ``peer_failure`` verdict naming itself; the others' watchdogs read it
 next tick and act on it (``exit_path``). This is the only time the main thread touches the
 store, over its own connection (``main_channel``).
 
+When several ranks fail at once (the same bug everywhere), the first verdict stands and
+names its rank; each other failing rank logs its own exception with its traceback and
+writes a ``failed_too`` event (then exits with the others), so no rank's error is lost.
+
 Not published: exceptions raised on every rank by design (``NonFiniteError``) and
 ``PeerFailureError``. An error from a collective or the store is likely a symptom of
 another rank's death: the watchdog first gets the chance to find that rank (and to end the
@@ -14,6 +18,7 @@ process with ``EXIT_PEER_FAILURE``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -69,11 +74,13 @@ class FailurePublisher:
         """Publish nothing from now on (the watchdog stopped)."""
         self.closed = True
 
-    def publish(self, exc: BaseException) -> None:
-        """This rank is going down with ``exc``: tell the other ranks so they exit now."""
+    def publish(self, exc: BaseException, printed: bool = False) -> None:
+        """This rank is going down with ``exc``: tell the other ranks so they exit now.
+        ``printed``: its traceback was printed already (the excepthook)."""
         if self.closed or not should_publish(exc):
             return
         if self._exiting.is_set() or self._verdict_published():
+            self._failed_too(exc, printed)
             self._await_exit(SAFETY_EXIT_S)
             return
         if is_comm_error(exc) and self._await_exit(self._comm_grace()):
@@ -87,10 +94,23 @@ class FailurePublisher:
             return
         if held != mine:  # another rank's verdict came first: act on it
             self.failed = False
+            self._failed_too(exc, printed)
             self._await_exit(SAFETY_EXIT_S)
             return
         self.events.write("failure_published", self.progress.step, reason=mine.reason)
         self._await_dumps(len(self.members) - 1)
+
+    def _failed_too(self, exc: BaseException, printed: bool) -> None:
+        """This rank failed on its own while another rank's failure (or a hang) ends the
+        job: its exception is not the verdict's, but it is not lost either (logged with its
+        traceback, and a ``failed_too`` event the report lists). A collective's error then
+        is a symptom of the other rank's failure: not news."""
+        if is_comm_error(exc):
+            return
+        reason = f"rank {self.rank} failed too: {type(exc).__name__}: {exc}"[:2000]
+        logger.error("trainguard: %s", reason, exc_info=None if printed else exc)
+        with contextlib.suppress(Exception):  # the log may be closing: the traceback counts
+            self.events.write("failed_too", self.progress.step, reason=reason)
 
     def _verdict_published(self) -> bool:
         try:
@@ -133,7 +153,7 @@ class FailurePublisher:
         if not symptom:
             previous(exc_type, exc, tb)
         try:
-            self.publish(exc)
+            self.publish(exc, printed=not symptom)
         finally:
             if symptom:
                 previous(exc_type, exc, tb)

@@ -85,6 +85,9 @@ class RunSummary:
     ``stopped``) and those a rollback answered (``outcome`` ``rolled back to step N``)."""
     bad_input: list[dict[str, Any]] = field(default_factory=list)
     hangs: list[dict[str, Any]] = field(default_factory=list)
+    failed_too: list[dict[str, Any]] = field(default_factory=list)
+    """``failed_too`` events: ranks that failed on their own while another rank's failure
+    was the verdict (each rank's own)."""
     uneven_data: list[dict[str, Any]] = field(default_factory=list)
     stragglers: list[dict[str, Any]] = field(default_factory=list)
     """``straggler`` events (one copy per step and phase), in step order."""
@@ -332,6 +335,7 @@ def _fill_from_events(summary: RunSummary, events: list[dict[str, Any]]) -> None
     summary.capture_failures = _merged(events, "capture_failed", keys=())
     summary.stood_aside = _merged(events, "stand_aside", keys=())
     summary.uneven_data = _merged(events, "uneven_data")
+    summary.failed_too = _merged(events, "failed_too", keys=("rank",))
     summary.stragglers = _merged(events, "straggler", keys=("phase",))
     summary.replicas = _merged(events, "replica_divergence")
     summary.reruns = _merged(events, "rerun")

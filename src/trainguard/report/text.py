@@ -35,7 +35,7 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
         ("checkpoints", _listed(summary.checkpoints, _checkpoint)),
         ("escalations", _listed(summary.escalations, _escalation)),
         ("bad input", _listed(summary.bad_input, _bad_input)),
-        ("hangs", _listed(summary.hangs, _hang)),
+        ("hangs", _listed(summary.hangs, _hang) + _listed(summary.failed_too, _failed_too)),
         ("uneven data", _listed(summary.uneven_data, _uneven)),
         ("stragglers", _listed(summary.stragglers, _straggler)),
         ("replicas", _listed(summary.replicas, _replica)),
@@ -189,6 +189,10 @@ def _hang(h: dict[str, Any]) -> str:
     return (
         f"step {h.get('step')}: {h.get('kind')}, culprit ranks {culprits}: {h.get('reason')}{where}"
     )
+
+
+def _failed_too(e: dict[str, Any]) -> str:
+    return f"step {e.get('step')}: {e.get('reason')}"
 
 
 def _uneven(e: dict[str, Any]) -> str:
