@@ -84,6 +84,29 @@ def test_guard_marks_good_after_healthy_steps_and_resume_continues(tmp_path: Pat
     assert resumed.state.step == 10  # batches 8 and 9 only, not the whole list again
 
 
+def test_a_checkpoint_of_another_world_size_is_refused_before_anything_loads(
+    tmp_path: Path,
+) -> None:
+    """Written by 2 ranks (its manifest says so), resumed by 1: each rank's data position
+    and loader state are its own. A ConfigError naming the checkpoint, both sizes and the
+    fix, and the model untouched (no half-resumed fresh start)."""
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(3, 4, generator=gen) for _ in range(6)]
+    _run(tmp_path, batches, checkpoint_every=2, good_after=1)
+    [newest, *_] = ckpt.good_checkpoints(tmp_path)
+    manifest = newest / ckpt.MANIFEST
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "world_size": 2}))
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = tg.GuardConfig(run_dir=tmp_path, hang_timeout=0, resume=True, checkpoint_every=2)
+    with pytest.raises(tg.ConfigError, match=r"resume: .*step-0+4 was written by 2 ranks and "
+                       r"this job has 1: .*run with 2 ranks, or start a new run"):  # fmt: skip
+        tg.Guard(model, opt, config=config)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
 def test_rollback_to_a_good_checkpoint_on_disk_without_snapshots(tmp_path: Path) -> None:
     from tg_recovery import train
 

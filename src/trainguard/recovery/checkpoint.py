@@ -229,3 +229,12 @@ def first_loss(path: Path) -> float | None:
     except (OSError, json.JSONDecodeError):
         return None
     return float(value) if value is not None else None
+
+
+def world_size_of(path: Path) -> int | None:
+    """The number of ranks that wrote the checkpoint (its manifest), None when unreadable."""
+    try:
+        value = json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("world_size")
+    except (OSError, json.JSONDecodeError):
+        return None
+    return value if isinstance(value, int) else None

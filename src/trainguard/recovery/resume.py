@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from trainguard.errors import ConfigError
 from trainguard.events import EventLog
 from trainguard.recovery import checkpoint as ckpt
 from trainguard.recovery.agree import same_on_every_rank, true_on_every_rank
@@ -41,6 +42,23 @@ def _try_load(path: Path, objects: TrainingObjects, rank: int) -> tuple[dict[str
         return {}, f"{type(exc).__name__}: {exc}"[:500]
 
 
+def _same_world_size(path: Path, group: dist.ProcessGroup | None) -> None:
+    """Refuse (on every rank: they read the same manifest) a checkpoint written by another
+    number of ranks: each rank's data position, loader state and buffers are its own."""
+    written = ckpt.world_size_of(path)
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if written is None or written == world:
+        return
+    ranks = f"{written} rank" + ("s" if written != 1 else "")
+    raise ConfigError(
+        "resume",
+        f"{path} was written by {ranks} and this job has {world}: a resume goes on with "
+        "each rank's own data position, loader state and buffers, which another world size "
+        f"cannot do (samples would be trained twice or skipped); run with {ranks}, or start "
+        "a new run (resume=False, or another run_dir) from its weights",
+    )
+
+
 def resume(
     run_dir: Path,
     objects: TrainingObjects,
@@ -58,6 +76,7 @@ def resume(
             "(the run folder must be shared by every rank)"
         )
     for path in candidates:
+        _same_world_size(path, group)
         step = ckpt.step_of(path)
         extras, error = _try_load(path, objects, rank)
         if true_on_every_rank(not error, group, device):
