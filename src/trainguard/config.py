@@ -302,3 +302,23 @@ def _check_spikes(config: GuardConfig) -> None:
         raise ConfigError(
             "spike_max_consecutive", f"got {config.spike_max_consecutive!r}; use an integer >= 1"
         )
+
+
+def config_of(
+    config: GuardConfig | None, options: dict[str, object], defaults: dict[str, object]
+) -> GuardConfig:
+    """``Guard``'s configuration: ``config`` when given, else one built from the keyword
+    ``options``. Keywords changed from their ``defaults`` beside ``config`` are refused,
+    not dropped (which one would win is a guess)."""
+    if config is None:
+        return GuardConfig(**options)  # type: ignore[arg-type]
+    given = [name for name, value in options.items() if value != defaults[name]]
+    if given:
+        keywords = ", ".join(f"{name}=..." for name in given)
+        raise ConfigError(
+            "config",
+            f"Guard(..., {keywords}, config=GuardConfig(...)): pass the options either as "
+            f"keywords or in the GuardConfig, not both; move {', '.join(given)} into the "
+            "GuardConfig",
+        )
+    return config

@@ -134,9 +134,9 @@ def train(
     opt = OPTIMIZERS[optimizer](model.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
     scheduler = sched if give_scheduler else None  # False: the loop steps one the guard lacks
-    guard = tg.Guard(
-        model, opt, run_dir=run_dir, scheduler=scheduler, hang_timeout=0, **guard_kwargs
-    )
+    if "config" not in guard_kwargs:  # a config holds its own run_dir and hang_timeout
+        guard_kwargs = {"run_dir": run_dir, "hang_timeout": 0, **guard_kwargs}
+    guard = tg.Guard(model, opt, scheduler=scheduler, **guard_kwargs)
     out: dict[str, Any] = {"error": None}
     at_start: dict[int, dict[str, Any]] = {}  # step -> state when it last started
     rollbacks: list[dict[str, Any]] = []

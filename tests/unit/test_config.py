@@ -29,3 +29,31 @@ def test_guard_rejects_non_module(tmp_path: object) -> None:
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     with pytest.raises(tg.ConfigError, match="model"):
         tg.Guard("not a model", opt)  # type: ignore[arg-type]
+
+
+def test_keywords_beside_a_config_are_refused_not_dropped(tmp_path: object) -> None:
+    """They were silently ignored: run_dir went to runs/trainguard, on_nonfinite stayed
+    skip. The same keywords with their default values, or a config alone, are fine."""
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = tg.GuardConfig(run_dir=f"{tmp_path}/cfg", hang_timeout=0)
+    with pytest.raises(
+        tg.ConfigError,
+        match=r"config: Guard\(\.\.\., run_dir=\.\.\., on_nonfinite=\.\.\., config=GuardConfig"
+        r".*move run_dir, on_nonfinite into the GuardConfig",
+    ):
+        tg.Guard(model, opt, run_dir=f"{tmp_path}/kw", on_nonfinite="raise", config=config)
+    with tg.Guard(model, opt, on_nonfinite="skip", config=config) as guard:
+        assert str(guard.config.run_dir).endswith("cfg")
+
+
+def test_an_optimizer_that_updates_none_of_the_model_is_refused(tmp_path: object) -> None:
+    """A GAN's pair swapped: the guard would check the generator's gradients while the
+    discriminator's optimizer steps. A model it partly updates (frozen layers) is fine."""
+    gen, disc = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
+    with pytest.raises(tg.ConfigError, match=r"optimizer: the SGD updates none of the "
+                       r"parameters of the Linear it was given with"):  # fmt: skip
+        tg.Guard(gen, opt_d, run_dir=tmp_path, hang_timeout=0)
+    both = torch.nn.Sequential(gen, disc)
+    tg.Guard(both, opt_d, run_dir=tmp_path, hang_timeout=0).close()

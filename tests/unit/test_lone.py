@@ -183,7 +183,9 @@ def test_lone_path_is_built_for_a_world_of_one_only(tmp_path: Path) -> None:
 def _loop(run_dir: Path, steps: int, body: Any, **options: Any) -> tuple[tg.Guard, list[int]]:
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    guard = tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0, **options)
+    if "config" not in options:
+        options = {"run_dir": run_dir, "hang_timeout": 0, **options}
+    guard = tg.Guard(model, opt, **options)
     full = _FullPathCount(guard)
     gen = torch.Generator().manual_seed(0)
     data = [

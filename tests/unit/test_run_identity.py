@@ -28,7 +28,9 @@ def _train(run_dir: Path, steps: int = 6, bad: int | None = None, **options: Any
     torch.manual_seed(0)
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0, **options) as guard:
+    if "config" not in options:
+        options = {"run_dir": run_dir, "hang_timeout": 0, **options}
+    with tg.Guard(model, opt, **options) as guard:
         for batch in guard.watch(make_batches(steps, seed=1)):
             loss = loss_fn(model, batch)
             if guard.state.step == bad:

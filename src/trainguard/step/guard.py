@@ -11,6 +11,7 @@ applied in few calls (``lone.LoneStep``); every other step takes the full path.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import sys
 from collections.abc import Iterable, Iterator
@@ -28,6 +29,7 @@ from trainguard.config import (
     GuardConfig,
     NonFiniteAction,
     SpikeAction,
+    config_of,
 )
 from trainguard.errors import ConfigError
 from trainguard.step import amp
@@ -84,23 +86,28 @@ class Guard(GuardAssembly):
             raise ConfigError(
                 "optimizer", f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
-        self.config = config or GuardConfig(
-            run_dir=run_dir,
-            on_nonfinite=on_nonfinite,
-            max_consecutive=max_consecutive,
-            capture=capture,
-            grad_clip=grad_clip,
-            hang_timeout=hang_timeout,
-            accumulation_steps=accumulation_steps,
-            min_loss_scale=min_loss_scale,
-            on_escalation=on_escalation,
-            checkpoint_every=checkpoint_every,
-            keep_checkpoints=keep_checkpoints,
-            resume=resume,
-            on_spike=on_spike,
-            replica_check_every=replica_check_every,
-            on_divergence=on_divergence,
-            run=run,
+        _check_pair(model, optimizer)
+        self.config = config_of(
+            config,
+            dict(
+                run_dir=run_dir,
+                on_nonfinite=on_nonfinite,
+                max_consecutive=max_consecutive,
+                capture=capture,
+                grad_clip=grad_clip,
+                hang_timeout=hang_timeout,
+                accumulation_steps=accumulation_steps,
+                min_loss_scale=min_loss_scale,
+                on_escalation=on_escalation,
+                checkpoint_every=checkpoint_every,
+                keep_checkpoints=keep_checkpoints,
+                resume=resume,
+                on_spike=on_spike,
+                replica_check_every=replica_check_every,
+                on_divergence=on_divergence,
+                run=run,
+            ),
+            _KEYWORD_DEFAULTS,
         )
         self.model = model
         self.optimizer = optimizer
@@ -356,3 +363,27 @@ class Guard(GuardAssembly):
         if exc is not None and self._watchdog is not None:
             self._watchdog.publish_failure(exc)  # tell the other ranks (not NonFiniteError)
         self._close(raise_errors=exc is None)
+
+
+def _check_pair(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer must update some of the model's parameters: the guard checks the
+    model's gradients before the optimizer's step (a swapped pair of a GAN would check one
+    network and let the other one's update through)."""
+    updated = {id(p) for group in optimizer.param_groups for p in group.get("params", [])}
+    own = {id(p) for p in model.parameters()}
+    if updated and own and not updated & own:
+        raise ConfigError(
+            "optimizer",
+            f"the {type(optimizer).__name__} updates none of the parameters of the "
+            f"{type(model).__name__} it was given with: the guard checks the model's gradients "
+            "before that optimizer steps; pass the model the optimizer was built over (with "
+            "two models and two optimizers, one Guard per pair, each with its own run_dir)",
+        )
+
+
+_KEYWORD_DEFAULTS: dict[str, object] = {
+    name: param.default
+    for name, param in inspect.signature(Guard.__init__).parameters.items()
+    if param.default is not inspect.Parameter.empty
+}
+"""``Guard``'s keyword defaults (``config_of`` compares the options given beside ``config``)."""
