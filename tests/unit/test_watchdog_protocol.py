@@ -232,6 +232,26 @@ def test_a_rank_failing_after_another_keeps_its_own_error_in_the_log_and_the_eve
     assert report_of(tmp_path)["culprits"] == [0]  # the first failure is the verdict
 
 
+def test_a_broken_collective_names_the_peer_that_closed_its_guard(tmp_path: Path) -> None:
+    """Rank 1 ended with sys.exit (or Ctrl-C) inside its guard on another host: its
+    heartbeat says closed, and rank 0's collective breaks. Rank 0 names rank 1 at once,
+    instead of waiting for a dead peer that never comes and then blaming itself."""
+    store, clock = FakeStore(), Clock()
+    r0, r1 = (Rank(r, 2, store, clock, tmp_path, timeout=60.0) for r in range(2))
+    run(clock, [r0, r1], 1.0)
+    r1.wd.publish_failure(SystemExit(3))  # not published: the rank just leaves
+    r1.wd.stop()
+    r0.wd.publish_failure(RuntimeError("Connection closed by peer [gloo]"))
+    run(clock, [r0], 0.5)
+    assert r0.exits == [tg.EXIT_PEER_FAILURE]
+    report = report_of(tmp_path)
+    assert report["culprits"] == [1] and report["reporter"] == 0
+    assert str(report["reason"]).startswith("ranks [1] left the job (their guard closed")
+    assert "while rank 0 waited in a collective (RuntimeError: Connection closed" in str(
+        report["reason"]
+    )
+
+
 def test_nonfinite_errors_are_not_published(tmp_path: Path) -> None:
     store, clock = FakeStore(), Clock()
     r0, r1 = (Rank(r, 2, store, clock, tmp_path) for r in range(2))

@@ -30,7 +30,13 @@ from typing import Any
 from trainguard.events import EventLog
 from trainguard.hang.channel import StoreChannel
 from trainguard.hang.exit_path import SAFETY_EXIT_S, attempt
-from trainguard.hang.rules import failure_verdict, is_comm_error, should_publish
+from trainguard.hang.rules import (
+    Verdict,
+    failure_verdict,
+    is_comm_error,
+    left_verdict,
+    should_publish,
+)
 from trainguard.progress import Progress
 
 logger = logging.getLogger(__name__)
@@ -83,8 +89,13 @@ class FailurePublisher:
             self._failed_too(exc, printed)
             self._await_exit(SAFETY_EXIT_S)
             return
-        if is_comm_error(exc) and self._await_exit(self._comm_grace()):
-            return
+        if is_comm_error(exc):
+            left = self._peers_that_left()
+            if left:  # their guard closed mid-run: they are why the collective broke
+                self._publish_verdict(left_verdict(self.rank, left, exc))
+                return
+            if self._await_exit(self._comm_grace()):
+                return
         self.failed = True
         mine = failure_verdict(self.rank, self.members, exc)
         try:
@@ -111,6 +122,28 @@ class FailurePublisher:
         logger.error("trainguard: %s", reason, exc_info=None if printed else exc)
         with contextlib.suppress(Exception):  # the log may be closing: the traceback counts
             self.events.write("failed_too", self.progress.step, reason=reason)
+
+    def _peers_that_left(self) -> list[int]:
+        """Peers whose guard closed (``sys.exit``, Ctrl-C, an exception the guard did not
+        see) while this rank still trains: their heartbeats say ``closed``."""
+        read = attempt(self.channel.read)
+        if read is None:
+            return []
+        beats, _ = read
+        return sorted(
+            rank
+            for rank, beat in beats.items()
+            if rank != self.rank and beat is not None and beat.state == "closed"
+        )
+
+    def _publish_verdict(self, verdict: Verdict) -> None:
+        """Propose ``verdict`` (or find another rank's first) and let the watchdog act on it."""
+        try:
+            self.channel.propose(verdict)
+        except Exception as err:
+            logger.warning("trainguard: could not publish the verdict: %s", err)
+            return
+        self._await_exit(SAFETY_EXIT_S)
 
     def _verdict_published(self) -> bool:
         try:

@@ -251,6 +251,18 @@ def failure_verdict(rank: int, members: Sequence[int], exc: BaseException) -> Ve
     return Verdict(PEER_FAILURE, [rank], message, by=rank, reporter=reporter, silent=[rank])
 
 
+def left_verdict(rank: int, left: Sequence[int], exc: BaseException) -> Verdict:
+    """The verdict of a rank whose collective broke because ``left`` closed their guards
+    mid-run (a ``sys.exit``, Ctrl-C or an exception outside the guard on another host):
+    they are the culprits, not this rank."""
+    message = (
+        f"ranks {list(left)} left the job (their guard closed: sys.exit, Ctrl-C or an "
+        f"exception the guard did not see) while rank {rank} waited in a collective "
+        f"({type(exc).__name__}: {exc})"
+    )[:2000]
+    return Verdict(PEER_FAILURE, list(left), message, by=rank, reporter=rank, silent=list(left))
+
+
 EVERY_RANK_ERRORS = (NonFiniteError, ReplicaDivergenceError)
 """Raised on every rank at the same step by design (an agreed decision): no rank's own news."""
 
