@@ -294,3 +294,22 @@ def test_ranks_that_failed_too_are_listed_under_the_verdict(tmp_path: Path) -> N
     text = report_text(summarize(tmp_path))
     assert "hangs       step 3: rank 0 failed too: ValueError: bad\n" in text
     assert "            step 3: rank 1 failed too: ValueError: bad\n" in text
+
+
+def test_the_ended_line_says_how_the_last_start_ended(tmp_path: Path) -> None:
+    from trainguard.report.ending import ending
+
+    start = {"time": 1.0, "rank": 0, "step": 0, "kind": "start"}
+    hang = {"kind": "hang", "step": 39}
+    closed = {"time": 2.0, "rank": 0, "step": 9, "kind": "close"}
+    raised = {**closed, "rank": 1, "error": "ValueError: bad"}
+    dropped = {**closed, "closed": False}
+    assert ending([start, closed], []) == "step 9: closed"
+    assert ending([start, closed, raised], []) == "step 9: ValueError: bad (ranks [1])"
+    assert ending([start, dropped], []).startswith("step 9: the guard was never closed")
+    assert ending([start], [hang]) == "step 39: hang (see hangs)"
+    assert ending([start, {**closed, "kind": "skip"}], []).startswith(
+        "no close event: the process was killed"
+    )
+    # a close of an earlier start (before a torchrun restart) does not count
+    assert ending([start, closed, {**start, "time": 3.0}], []).startswith("no close event")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.report.decisions import decision_counts
+from trainguard.report.ending import ending
 from trainguard.report.readers import (
     Skipped,
     float_of,
@@ -69,6 +70,8 @@ class RunSummary:
     steps_run: int = 0
     """Steps run, every start's (``report/starts.py``), those a restart or a rollback ran
     again counted again."""
+    ended: str = ""
+    """How the run's last start ended (``report/ending.py``)."""
     decisions: dict[str, int] = field(default_factory=dict)
     first_bad: dict[str, Any] | None = None
     nonfinite: list[dict[str, Any]] = field(default_factory=list)
@@ -200,6 +203,7 @@ def _summary(found: _RunDir, run: str | None) -> RunSummary:
     _fill_from_events(summary, events)
     summary.captures = own(found.captures, "run")
     summary.hangs = own(found.hangs, None) or _hang_events(events)
+    summary.ended = ending(events, summary.hangs)
     starts = run_starts(events, own(found.records, None))
     # a run killed before its batched metrics lines were flushed: its events still say
     # how far each start got (a phase entered at step N: N steps were checked)

@@ -26,6 +26,7 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
             if summary.stood_aside
             else []
         ),
+        *([("ended", [summary.ended])] if _unusual(summary.ended) else []),
         ("decisions", [_decisions(summary.decisions)]),
         ("first bad", [_first_bad(summary.first_bad)]),
         ("non-finite", _listed(summary.nonfinite, _nonfinite)),
@@ -189,6 +190,11 @@ def _hang(h: dict[str, Any]) -> str:
     return (
         f"step {h.get('step')}: {h.get('kind')}, culprit ranks {culprits}: {h.get('reason')}{where}"
     )
+
+
+def _unusual(ended: str) -> bool:
+    """The ``ended`` line is shown unless the run simply closed."""
+    return bool(ended) and not ended.endswith(": closed")
 
 
 def _failed_too(e: dict[str, Any]) -> str:

@@ -30,7 +30,7 @@ from trainguard.progress import Progress
 from trainguard.recovery import TrainingObjects, build_recovery, recovery_enabled
 from trainguard.run_dirs import claim as claim_run_dir
 from trainguard.run_identity import RunIdentity, identify_run
-from trainguard.step import amp
+from trainguard.step import amp, unclosed
 from trainguard.step.apply import ApplyParts, DecisionApply
 from trainguard.step.capturer import Capturer
 from trainguard.step.consensus import Agreement, Consensus
@@ -55,6 +55,7 @@ from trainguard.step.start import StepStart
 from trainguard.step.state import GuardState
 from trainguard.step.syncfree import SyncFreeParts, SyncFreeStep
 from trainguard.step.transient import RerunParts, TransientFaults
+from trainguard.step.unclosed import UnclosedParts
 from trainguard.step.usage import NoGradientsCheck
 from trainguard.user_hooks import eager_module
 
@@ -86,8 +87,9 @@ class GuardAssembly:
         self.progress = Progress()
         self._stream: BatchStream | None = None
         self._recorded = RecordedBatches()  # record_batch(): loops without watch()
+        state = self.state  # not the guard: the hooks' closures must not keep it alive
         self._start = StepStart(
-            model, lambda: self.state.step, restore_buffers=self.config.restore_buffers
+            model, lambda: state.step, restore_buffers=self.config.restore_buffers
         )
         self._losses = StepLosses()  # record_loss() and check()'s loss: step/losses.py
         self._loss_known = True  # False inside check_gradients(): no loss is recorded
@@ -177,6 +179,9 @@ class GuardAssembly:
         )
         if self._watchdog is not None:  # a hang exits with os._exit: keep the metrics
             self._watchdog.before_exit(self.history.flush)
+        closers = [c for c in (self._watchdog, self._start, self._timer) if c is not None]
+        parts = UnclosedParts(self.progress, self.state, self.events, self.history, closers)
+        self._unclosed = unclosed.watch(self, parts)  # dropped or never closed: step/unclosed.py
 
     # -- the views each part gets of the others -------------------------------------------
 

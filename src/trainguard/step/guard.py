@@ -42,6 +42,7 @@ from trainguard.step.losses import LossLike
 from trainguard.step.policy import Decision
 from trainguard.step.rerun import LossFn
 from trainguard.step.saved import guard_state_dict, load_guard_state
+from trainguard.step.unclosed import error_text
 
 logger = logging.getLogger(__name__)
 
@@ -328,12 +329,13 @@ class Guard(GuardAssembly):
         failing = sys.exc_info()[1]
         if failing is not None and self._watchdog is not None and not self._closed:
             self._watchdog.publish_failure(failing)
-        self._close(raise_errors=True)
+        self._close(raise_errors=True, ended_by=failing)
 
-    def _close(self, raise_errors: bool) -> None:
+    def _close(self, raise_errors: bool, ended_by: BaseException | None = None) -> None:
         if self._closed:
             return
         self._closed = True
+        self._unclosed.detach()
         try:
             self._resolve_pending(raise_errors=raise_errors)
             if raise_errors and self.recovery is not None:
@@ -342,7 +344,10 @@ class Guard(GuardAssembly):
             self.progress.enter("closed")
             if self._watchdog is not None:
                 self._watchdog.stop()
-            self.events.write("close", self.state.step, total_nonfinite=self.state.total_nonfinite)
+            error = {} if ended_by is None else {"error": error_text(ended_by)}
+            self.events.write(
+                "close", self.state.step, total_nonfinite=self.state.total_nonfinite, **error
+            )
             self.events.close()
             self.history.close()
             self._start.close()
@@ -362,7 +367,7 @@ class Guard(GuardAssembly):
     ) -> None:
         if exc is not None and self._watchdog is not None:
             self._watchdog.publish_failure(exc)  # tell the other ranks (not NonFiniteError)
-        self._close(raise_errors=exc is None)
+        self._close(raise_errors=exc is None, ended_by=exc)
 
 
 def _check_pair(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
