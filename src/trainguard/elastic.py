@@ -20,6 +20,9 @@ import signal
 from collections.abc import Mapping
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 SHARE_OFF_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 RESTART_HAZARD_FIX = (
     f"export {SHARE_OFF_VAR}=1 before torchrun (a fresh store per restart; pytorch/pytorch#135712)"
@@ -48,12 +51,36 @@ def restart_store_hazard(env: Mapping[str, str]) -> str | None:
     )
 
 
+RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
+_agreed: list[int] = []
+"""The job's attempt as every rank agreed on it (``agree_attempt``), once known."""
+
+
 def restart_count(env: Mapping[str, str]) -> int:
-    """Which attempt this is: torchrun's restarts so far (0: the first attempt, or no torchrun)."""
+    """Which attempt this is: torchrun's restarts so far (0: the first attempt, or no torchrun).
+    For this process's own environment, the attempt the ranks agreed on once they have."""
     try:
-        return int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        local = int(env.get(RESTART_VAR, "0"))
     except ValueError:
-        return 0
+        local = 0
+    return max(local, _agreed[0]) if env is os.environ and _agreed else local
+
+
+def agree_attempt(group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Collective (every rank of ``group``, under torchrun): agree on the job's attempt.
+
+    torchrun counts restarts per node: when a worker on one node fails, that node's agent
+    counts a restart, while the other nodes' agents restart their workers (the rendezvous
+    changed) with their count unchanged. The attempt is then the highest count any rank
+    sees (one all-reduce per Guard); the watchdog's store keys, the run's identity
+    and the restart checks read it through ``restart_count(os.environ)``."""
+    distributed = dist.is_available() and dist.is_initialized()
+    if RESTART_VAR not in os.environ or not distributed or dist.get_world_size(group) < 2:
+        return
+    _agreed.clear()  # this Guard's ranks decide
+    count = torch.tensor([restart_count(os.environ)], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    _agreed.append(int(count.item()))
 
 
 # How torch's elastic launcher shows in its process's command line: ``torchrun`` (the console

@@ -48,3 +48,36 @@ def test_every_rank_writes_rank_0s_run_id(tmp_path: Path) -> None:
         (1, first),
         (1, new),
     ]
+
+
+def _restarted_on_one_node(rank: int, world: int, run_dir: str) -> dict[str, Any]:
+    """A first attempt, then a restart that only rank 1's node counted (torchrun counts
+    restarts per node: the other node's workers restart with their count unchanged)."""
+    from trainguard.hang import keys
+
+    seen: dict[str, Any] = {}
+    for attempt, count in enumerate(("0", "1" if rank == 1 else "0")):
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = count
+        torch.manual_seed(0)
+        model = DDP(TinyNet())
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0) as guard:
+            for batch in guard.watch(make_batches(2, seed=rank)):
+                guard.step(loss_fn(model, batch))
+            seen[f"prefix{attempt}"] = keys.store_prefix(0)
+    seen["starts"] = [
+        (e["run"], e["run_origin"]) for e in read_events(run_dir, rank) if e["kind"] == "start"
+    ]
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_a_restart_counted_on_one_node_is_a_restart_on_every_rank(tmp_path: Path) -> None:
+    """The ranks agree on the attempt (the highest count): the same watchdog keys (a hang
+    is judged from one set of heartbeats, not two) and the same run, continued."""
+    ranks: list[Any] = values(run_ranks(_restarted_on_one_node, 2, str(tmp_path), timeout=50))
+    assert ranks[0]["prefix1"] == ranks[1]["prefix1"]
+    assert ranks[0]["prefix1"].endswith("attempt1/0")
+    assert ranks[0]["starts"] == ranks[1]["starts"]
+    (first, new), (again, restart) = ranks[0]["starts"]
+    assert (new, restart) == ("new", "restart") and again == first

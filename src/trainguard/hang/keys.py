@@ -7,6 +7,8 @@ import os
 import secrets
 import time
 
+from trainguard.elastic import RESTART_VAR, restart_count
+
 
 def store_host() -> int | None:
     """The rank whose process serves the store: rank 0 for ``init_process_group``'s own
@@ -19,7 +21,7 @@ def store_prefix(generation: int) -> str:
     """Keys of one Guard: torchrun's store outlives a restart, so the run id and the restart
     count are part of the prefix (``generation`` counts the Guards of this process)."""
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    attempt = _attempt()
     if run or attempt:
         return f"trainguard/{run}/attempt{attempt}/{generation}"
     return f"trainguard/{generation}"
@@ -27,6 +29,12 @@ def store_prefix(generation: int) -> str:
 
 def candidate_id() -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    suffix = f"-attempt{attempt}" if attempt is not None else ""
+    attempt = _attempt()
+    suffix = f"-attempt{attempt}" if attempt else ""
     return f"{stamp}{suffix}-{secrets.token_hex(2)}"
+
+
+def _attempt() -> str:
+    """The job's attempt (agreed across ranks: ``elastic.agree_attempt``), "" outside
+    torchrun."""
+    return str(restart_count(os.environ)) if RESTART_VAR in os.environ else ""

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from trainguard.config import GuardConfig
+from trainguard.elastic import agree_attempt
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
 from trainguard.hang.watchdog import Watchdog, start_watchdog
@@ -76,6 +77,7 @@ class GuardAssembly:
         self.rank = self._consensus.rank
         self.world_size = self._consensus.world_size
         self.run_dir = Path(self.config.run_dir)
+        agree_attempt(self._consensus.group, self._consensus.device)  # torchrun counts per node
         identity = identify_run(self.run_dir, self.config.resume, self.config.run, self._consensus)
         self.events = EventLog(self.run_dir, self.rank, identity)  # every event names its run
         self._run_dir_claim = claim_run_dir(self, self.run_dir, identity.id)  # run_dirs.py
