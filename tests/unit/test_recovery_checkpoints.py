@@ -105,6 +105,7 @@ def test_a_checkpoint_of_another_world_size_is_refused_before_anything_loads(
                        r"this job has 1: .*run with 2 ranks, or start a new run"):  # fmt: skip
         tg.Guard(model, opt, config=config)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert not model._forward_pre_hooks and not model._forward_hooks  # no hook left behind
 
 
 def test_rollback_to_a_good_checkpoint_on_disk_without_snapshots(tmp_path: Path) -> None:

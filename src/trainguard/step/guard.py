@@ -115,9 +115,15 @@ class Guard(GuardAssembly):
         self.scaler = scaler
         self._closed = False
         identity = self._join(model, process_group)
-        self._build_step_path(model, optimizer)
-        self._build_health(model, optimizer, process_group)
-        self._build_decision(model, optimizer, scheduler, rerun, process_group)
+        try:
+            self._build_step_path(model, optimizer)
+            self._build_health(model, optimizer, process_group)
+            self._build_decision(model, optimizer, scheduler, rerun, process_group)
+        except BaseException:  # a refused option or resume: the model keeps no hook of ours
+            for part in (getattr(self, "_start", None), getattr(self, "_timer", None)):
+                if part is not None:
+                    part.close()
+            raise
         self._start_run(identity, process_group)
 
     # -- the loop -------------------------------------------------------------------------
