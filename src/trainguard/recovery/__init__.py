@@ -10,18 +10,15 @@
 - ``stop``       the stop record (``run_dir/stop.json``) the guard's final stop writes
 - ``restart``    a restart into the same stop with nothing changed is refused (exit 93)
 - ``manager``    ``Recovery``: the part the guard composes (``types``: what it passes around)
+- ``build``      ``build_recovery`` (when an option is on) and the final stop record
 
 Offers: ``Recovery``, ``build_recovery``, ``recovery_enabled``, ``record_final_stop``,
 ``TrainingObjects``.
 Imports the base modules and ``capture`` only, never the step path.
 """
 
-from trainguard.recovery.manager import (
-    Recovery,
-    build_recovery,
-    record_final_stop,
-    recovery_enabled,
-)
+from trainguard.recovery.build import build_recovery, record_final_stop, recovery_enabled
+from trainguard.recovery.manager import Recovery
 from trainguard.recovery.snapshot import TrainingObjects
 
 __all__ = ["Recovery", "TrainingObjects", "build_recovery", "record_final_stop", "recovery_enabled"]

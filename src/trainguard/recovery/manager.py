@@ -19,8 +19,7 @@ import torch.distributed as dist
 
 from trainguard.capture.rng import rng_state, set_rng_state
 from trainguard.config import GuardConfig
-from trainguard.elastic import RESTART_HAZARD_FIX, restart_count, restart_store_hazard
-from trainguard.errors import NonFiniteError
+from trainguard.elastic import RESTART_HAZARD_FIX, restart_store_hazard
 from trainguard.events import EventLog
 from trainguard.optim_state import clear_optimizer_state
 from trainguard.recovery import checkpoint as ckpt
@@ -33,7 +32,7 @@ from trainguard.recovery.ledger import SkipEntry, SkipLedger, sample_indices
 from trainguard.recovery.loader import LoaderStates, is_stateful
 from trainguard.recovery.restart import RestartCheck
 from trainguard.recovery.resume import resume
-from trainguard.recovery.stop import record_stop, relative_checkpoint
+from trainguard.recovery.stop import relative_checkpoint
 from trainguard.recovery.types import (
     DataPoint,
     RecoveryState,
@@ -405,48 +404,6 @@ class Recovery:
         tolerance = self.config.loss_tolerance * max(abs(saved), 1e-12)
         if abs(loss - saved) > tolerance:
             self.events.write("loss_mismatch", step, after=why, loss=loss, saved_loss=saved)
-
-
-def record_final_stop(
-    config: GuardConfig,
-    rank: int,
-    error: NonFiniteError,
-    recovery: Recovery | None,
-    cause: str | None = None,
-) -> None:
-    """The guard's final stop (an escalation it does not roll back): rank 0 writes
-    ``run_dir/stop.json``, which a restart into the same failure is refused by. ``cause``:
-    ``"spike"`` for a spike escalation, else taken from the error. Never raises."""
-    watched = recovery.watched if recovery is not None else None
-    record_stop(config, rank, error, watched, restart_count(os.environ), cause)
-
-
-def recovery_enabled(config: GuardConfig) -> bool:
-    return config.on_escalation == "rollback" or config.checkpoint_every > 0 or config.resume
-
-
-def build_recovery(
-    config: GuardConfig,
-    objects: snap.TrainingObjects,
-    guard_state: Stateful,
-    events: EventLog,
-    group: dist.ProcessGroup | None,
-    device: torch.device,
-    rank: int,
-) -> Recovery | None:
-    """The guard's recovery part, or None when no recovery option is on."""
-    if not recovery_enabled(config):
-        return None
-    recovery = Recovery(config, objects, guard_state, events, group, device, rank)
-    if objects.scheduler is None and unknown_scheduler(objects.optimizer) and rank == 0:
-        logger.warning(
-            "trainguard: an LR scheduler steps this optimizer but was not given to the guard: "
-            "rollbacks, checkpoints and resume will not restore its schedule; pass it as "
-            "Guard(..., scheduler=...)"
-        )
-    if config.resume:
-        recovery.resume()
-    return recovery
 
 
 def unknown_scheduler(optimizer: torch.optim.Optimizer) -> bool:
