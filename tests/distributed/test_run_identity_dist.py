@@ -16,20 +16,29 @@ import trainguard as tg
 from trainguard.events import read_events
 
 
+def _attempt(rank: int, run_dir: str, restart_count: str, steps: int) -> str:
+    """One guarded DDP run of ``steps`` steps as torchrun's attempt ``restart_count`` (this
+    rank's ``TORCHELASTIC_RESTART_COUNT``); the watchdog's store prefix it used."""
+    from trainguard.hang import keys
+
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = restart_count
+    torch.manual_seed(0)
+    model = DDP(TinyNet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0) as guard:
+        for batch in guard.watch(make_batches(steps, seed=rank)):
+            loss = loss_fn(model, batch)
+            loss.backward()
+            guard.step(loss)
+        return keys.store_prefix(0)
+
+
 def _job(rank: int, world: int, run_dir: str) -> list[str]:
     """Three guards in turn in one run dir: a run, the same run restarted by torchrun, and a
     new run; every event's run id, per guard."""
     ids = []
     for restart in ("0", "1", "0"):
-        os.environ["TORCHELASTIC_RESTART_COUNT"] = restart
-        torch.manual_seed(0)
-        model = DDP(TinyNet())
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        with tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0) as guard:
-            for batch in guard.watch(make_batches(3, seed=rank)):
-                loss = loss_fn(model, batch)
-                loss.backward()
-                guard.step(loss)
+        _attempt(rank, run_dir, restart, steps=3)
         runs = {e["run"] for e in read_events(run_dir, rank=rank)} - set(ids)
         ids.append(runs.pop() if runs else ids[-1])
         assert not runs, f"rank {rank}: one guard wrote several run ids"
@@ -53,18 +62,9 @@ def test_every_rank_writes_rank_0s_run_id(tmp_path: Path) -> None:
 def _restarted_on_one_node(rank: int, world: int, run_dir: str) -> dict[str, Any]:
     """A first attempt, then a restart that only rank 1's node counted (torchrun counts
     restarts per node: the other node's workers restart with their count unchanged)."""
-    from trainguard.hang import keys
-
     seen: dict[str, Any] = {}
     for attempt, count in enumerate(("0", "1" if rank == 1 else "0")):
-        os.environ["TORCHELASTIC_RESTART_COUNT"] = count
-        torch.manual_seed(0)
-        model = DDP(TinyNet())
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        with tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0) as guard:
-            for batch in guard.watch(make_batches(2, seed=rank)):
-                guard.step(loss_fn(model, batch))
-            seen[f"prefix{attempt}"] = keys.store_prefix(0)
+        seen[f"prefix{attempt}"] = _attempt(rank, run_dir, count, steps=2)
     seen["starts"] = [
         (e["run"], e["run_origin"]) for e in read_events(run_dir, rank) if e["kind"] == "start"
     ]
