@@ -42,6 +42,13 @@ from trainguard.recovery.types import (
     StreamView,
     epoch_of,
 )
+from trainguard.recovery.undone import (
+    EndedStream,
+    EndedStreams,
+    earlier_batches,
+    ended_entries,
+    sampler_epoch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +79,11 @@ class Recovery:
         self.ledger = SkipLedger(Path(config.run_dir), rank)
         self.stream: Stream | None = None
         self._streams = 0
+        self._ended = EndedStreams()
+        """The ``watch()`` passes that ended: a rollback into one skips the rest of it."""
+        self._optimizer_steps = 0
+        """Optimizer steps taken in this process, rolled back or not (``state.applied``
+        counts those the weights hold): a scheduler the guard does not know follows it."""
         self._loader: LoaderStates | None = None  # for the stream ``watch()`` starts next
         self._expect_loss: tuple[int, float, str] | None = None
         self.resume_point: DataPoint | None = None
@@ -136,8 +148,16 @@ class Recovery:
         check.run()
 
     def watch(self, view: StreamView, iterable: Any, epoch: int) -> None:
+        ended = self.stream
+        if ended is not None:
+            end = ended.view.position
+            self._ended.add(
+                EndedStream(ended.ident, ended.epoch, end, ended.iterable, ended.sampler_epoch)
+            )
         self._streams += 1
-        self.stream = Stream(view, iterable, epoch, self._streams, self._loader)
+        self.stream = Stream(
+            view, iterable, epoch, self._streams, self._loader, sampler_epoch(iterable)
+        )
 
     def step_boundary(self) -> None:
         """At a step's start (its first training forward, else when its first batch is handed
@@ -181,6 +201,9 @@ class Recovery:
             self.snapshots.bad_step()
             return
         self.snapshots.healthy_step(step, loss)
+        self._optimizer_steps += 1
+        if self.state.applied is not None:
+            self.state.applied += 1
         self._check_loss(step, loss)
         failed_at = self.state.failed_at
         if failed_at is not None and step >= failed_at + self.config.good_after:
@@ -278,6 +301,7 @@ class Recovery:
         self.resumed_from = relative_checkpoint(run_dir, found.path)
         self.guard_state.load_state_dict(extras["guard"])
         self.state.load_state_dict(extras["recovery"])
+        self._optimizer_steps = self.state.applied or 0
         data = extras["data"]
         loader = data.get("loader")
         self.resume_point = DataPoint(int(data["epoch"]), int(data["position"]), loader)
@@ -314,6 +338,7 @@ class Recovery:
         if targets.from_disk(target):  # the position is in the checkpoint: load it first
             targets.restore(self.objects, target, self.rank)
         skipped = self._skip_batches(target, step)
+        epoch = self.stream.epoch if self.stream is not None else None
         self._restore(target, attempt, rung, step)
         if self.stream is not None:  # the restored state now reads on from here
             target.position = self.stream.view.untrained_position
@@ -326,8 +351,9 @@ class Recovery:
             source="disk" if targets.from_disk(target) else "memory",
             rung=rung.value,
             attempt=attempt,
-            epoch=self.stream.epoch if self.stream is not None else None,
-            batches_skipped=[entry.batch for entry in skipped],
+            epoch=epoch,
+            batches_skipped=[entry.batch for entry in skipped if entry.epoch == epoch],
+            earlier_batches_skipped=earlier_batches(skipped, epoch),
             samples_skipped=[i for entry in skipped for i in (entry.samples or [])] or None,
             lr_factor=self.state.backoff.at(target.step),
         )
@@ -336,11 +362,21 @@ class Recovery:
         if self.objects.scheduler is None and unknown_scheduler(self.objects.optimizer):
             log(
                 "trainguard: an LR scheduler steps this optimizer but the guard does not know "
-                "it: its schedule was not rolled back with the weights (it runs %d step(s) "
-                "ahead now); pass it as Guard(..., scheduler=...) to save and restore it too",
-                step + 1 - target.step,
+                "it: its schedule was not rolled back with the weights (%s); pass it as "
+                "Guard(..., scheduler=...) to save and restore it too",
+                self._scheduler_lead(),
             )
         return True
+
+    def _scheduler_lead(self) -> str:
+        """How far a scheduler stepped with the optimizer is ahead of the restored weights."""
+        held = self.state.applied
+        if held is None:
+            return "how far it runs ahead is unknown: the checkpoint predates the count"
+        return (
+            f"the optimizer has taken {self._optimizer_steps - held} step(s) the weights no "
+            "longer hold: a scheduler stepped with it runs that far ahead"
+        )
 
     def _target(self, first_bad: int) -> snap.Snapshot | None:
         memory = self.snapshots.target(first_bad)
@@ -359,6 +395,7 @@ class Recovery:
         if not targets.from_disk(target):
             snap.restore(self.objects, target)
         self.guard_state.load_state_dict({**target.guard, **cumulative})
+        self.state.applied = target.extra.get("recovery", {}).get("applied")
         self.snapshots.drop_after(target.step)
         self.state.attempts = attempt
         self.state.failed_at = step
@@ -377,6 +414,8 @@ class Recovery:
         stream = self.stream
         if stream is None:
             return []
+        run = self.events.run.id if self.events.run is not None else None
+        entries = ended_entries(self._ended, target, step, run)
         start = target.position if target.stream_id == stream.ident else 0
         # Up to the loop's next batch: one it fetched ahead trains the restored step.
         positions = list(range(start, stream.view.untrained_position))
@@ -387,8 +426,7 @@ class Recovery:
         else:
             stream.view.drop_next(0)  # the counts changed: agree afresh
         samples = sample_indices(stream.iterable, positions)
-        run = self.events.run.id if self.events.run is not None else None
-        entries = [
+        entries += [
             SkipEntry(stream.epoch, pos, step, "rollback", samples.get(pos), run)
             for pos in positions
         ]

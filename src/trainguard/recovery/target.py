@@ -54,7 +54,10 @@ def restore(objects: snap.TrainingObjects, target: snap.Snapshot, rank: int) -> 
     set_rng_state(extras["rng"])
     target.guard = extras["guard"]
     data = extras["data"]
-    if int(data["epoch"]) == target.extra["epoch"]:
-        target.position = int(data["position"])
-    else:
-        target.stream_id = -1  # saved in an earlier epoch: this epoch's batches all count
+    target.position = int(data["position"])
+    target.extra["recovery"] = extras.get("recovery", {})
+    if int(data["epoch"]) != target.extra["epoch"]:
+        # saved in an earlier epoch: this epoch's batches all count, and that epoch's from
+        # the position on (``undone.py``: the manager finds its pass by the epoch)
+        target.stream_id = -1
+        target.extra["data_epoch"] = int(data["epoch"])

@@ -71,6 +71,8 @@ class Stream:
     epoch: int
     ident: int
     loader: LoaderStates | None = None
+    sampler_epoch: int | None = None
+    """Its ``DistributedSampler``'s epoch when the pass started (``undone.sampler_epoch``)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,10 @@ class RecoveryState:
     failed_at: int | None = None
     backoff: Backoff = field(default_factory=Backoff)
     rollbacks: int = 0
+    applied: int | None = 0
+    """Optimizer steps the weights hold (good steps of the surviving history): a snapshot or
+    checkpoint keeps its count, a rollback restores it. None: unknown (a checkpoint saved
+    before it was counted)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -98,6 +104,7 @@ class RecoveryState:
             "failed_at": self.failed_at,
             "backoff": self.backoff.state_dict(),
             "rollbacks": self.rollbacks,
+            "applied": self.applied,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -105,3 +112,4 @@ class RecoveryState:
         self.failed_at = state["failed_at"]
         self.backoff = Backoff.from_state(state["backoff"])
         self.rollbacks = int(state.get("rollbacks", 0))
+        self.applied = state.get("applied")
