@@ -84,6 +84,21 @@ def test_run_without_a_command_is_one_line_exit_2(capsys: pytest.CaptureFixture[
     assert len(err) == 1 and err[0].startswith("trainguard: ") and "COMMAND" in err[0]
 
 
+def test_an_unusable_run_dir_is_one_line_exit_2_before_the_command_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    marker = tmp_path / "ran"
+    assert main(["run", "--run-dir", str(a_file), "--", "touch", str(marker)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trainguard: --run-dir: ") and "a-file" in err[0]
+    assert not marker.exists()  # refused before the command started
+    run_dir = tmp_path / "new" / "run"
+    assert main(["run", "--run-dir", str(run_dir), "--", "touch", str(marker)]) == 0
+    assert marker.exists() and run_dir.is_dir()
+
+
 def test_find_model_takes_the_outermost_module_holding_the_optimizers_parameters() -> None:
     net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
     other = nn.Linear(2, 2)

@@ -11,14 +11,17 @@ script's process changes. The attach points need no cooperation from the script:
   every step of that optimizer the gradients are checked (``Guard.check_gradients``; one
   small all-reduce) before the optimizer reads them. A skip clears every gradient
   (``p.grad = None``) so the optimizer's own step leaves the weights and its state alone,
-  and puts back the buffers the step's forward changed. A step given a closure (Lightning,
+  gives them back after that step (code after ``optimizer.step()`` may read them), and puts
+  back the buffers the step's forward changed. A step given a closure (Lightning,
   LBFGS-style loops) is checked when the closure returns, with the loss it returns;
 * the gradient clipping functions (``clip.ClipWatch``): a script's clip over the guarded
   optimizer's parameters checks the step before it clips, so the guard sees the gradients
   as backward made them;
 * a forward pre-hook on the model records each step's micro-batches (the call's
-  arguments, by reference) and marks the loop's progress for the watchdog; the post-step
-  hook marks the data phase (a rank stuck in its loader is named as such);
+  arguments, by reference) and marks the loop's progress for the watchdog, as a forward of
+  the module inside its wrappers outside a training step does (an evaluation through
+  ``model.module``); the post-step hook marks the data phase (a rank stuck in its loader is
+  named as such);
 * ``torch.distributed.destroy_process_group`` (wrapped) closes the guard first, so that
   work after training is not taken for a hang.
 
@@ -49,6 +52,7 @@ from trainguard.attach.discovery import describe, describe_module, existing_guar
 from trainguard.attach.options import RunOptions
 from trainguard.attach.prestart import PreStart, StepZero, batch_of
 from trainguard.errors import ConfigError
+from trainguard.step.capturer import unwrap
 from trainguard.step.guard import Guard
 from trainguard.user_hooks import HookHandle, add_forward_hooks
 
@@ -225,6 +229,7 @@ class Attacher:
         guard = self.guard
         if guard is not None and optimizer is self.optimizer:
             self._clip.stepped()
+            guard._drop_update.give_back()  # a skipped step's gradients: the script's again
             guard.progress.enter("data")  # next: the loop fetches a batch
 
     def _before_update(self, optimizer: torch.optim.Optimizer, loss: Tensor | None) -> None:
@@ -271,12 +276,16 @@ class Attacher:
             self.stand_aside(f"the guard could not start: {type(exc).__name__}: {exc}")
             return False
         self.guard, self.optimizer, self.model = guard, optimizer, model
+        guard._drop_update.keep_dropped = True  # given back after the skipped step
         self._clip.attach(optimizer, functools.partial(self._before_update, optimizer, None))
         _adopt_step_zero(guard, prestart.calls.get(id(model)))
         prestart.calls.clear()
         # a Hook: a copy of the model (EMA, torch.save) carries an inert one; run eagerly
         # around a model compiled in place (user_hooks.add_forward_hooks)
         self._handles.append(add_forward_hooks(model, pre=self._model_pre))
+        inner = unwrap(model)
+        if inner is not model:  # an evaluation through ``model.module`` is progress too
+            self._handles.append(add_forward_hooks(inner, pre=self._inner_pre))
         atexit.register(self.close)
         self._announce(guard, optimizer, model)
         return True
@@ -292,6 +301,13 @@ class Attacher:
         progress.enter("step")
         self._clip.forward()
         guard.record_batch(batch_of(args, kwargs))
+
+    def _inner_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The module inside the model's wrappers (DDP's ``module``): a forward of it outside
+        a training step (rank 0's evaluation through ``model.module``) is progress."""
+        guard = self.guard
+        if guard is not None and (not torch.is_grad_enabled() or not module.training):
+            guard.progress.enter(guard.progress.phase)
 
     def _announce(self, guard: Guard, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
         world = guard.world_size

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -30,7 +31,7 @@ def run_command(command: Sequence[str], options: RunOptions) -> int:
     """Run ``command`` with the guard attached; its exit status (or the guard's, above)."""
     if not command:
         raise ConfigError("COMMAND", "nothing to run; use: trainguard run [OPTIONS] -- COMMAND...")
-    run_dir = Path(options.run_dir).resolve()
+    run_dir = usable_run_dir(Path(options.run_dir).resolve())
     options = RunOptions(
         run_dir=str(run_dir),
         on_nonfinite=options.on_nonfinite,
@@ -56,6 +57,23 @@ def run_command(command: Sequence[str], options: RunOptions) -> int:
     if code != 0:
         return guard_exit_code(run_dir, started) or code
     return code
+
+
+def usable_run_dir(run_dir: Path) -> Path:
+    """``run_dir``, made if missing; a ``ConfigError`` naming ``--run-dir`` when it cannot be
+    written, before the command starts (else every rank would stand aside at its first step
+    and the job would run unguarded)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            "--run-dir",
+            f"cannot use {str(run_dir)!r}: {exc.strerror or exc}; pick a folder "
+            "this user can create and write",
+        ) from None
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise ConfigError("--run-dir", f"{str(run_dir)!r} is not writable; pick another folder")
+    return run_dir
 
 
 def _forward_to(child: subprocess.Popen[bytes]) -> Callable[[int, FrameType | None], None]:

@@ -5,7 +5,8 @@ two process-wide module hooks (``register_module_forward_pre_hook`` and an ``alw
 forward hook) find the *outermost* module calls (depth 0, main thread, gradients on, module
 in training mode) and record, per module, what the guard's ``StepStart`` records at a step's
 first forward: the RNG states (read, not drawn), the autocast state, a copy of the buffers
-(``BufferKeeper``), and every call's arguments (the micro-batches). At the first optimizer
+(``BufferKeeper``), and every call's arguments, positional and keyword (the
+micro-batches). At the first optimizer
 step the model's record is handed to the guard and these hooks are removed: after that no
 module call but the model's own pays anything.
 """
@@ -60,11 +61,15 @@ class PreStart:
         """Calls inside a compile wrapper that ``_pre`` left alone and ``_post`` has not seen."""
         self._main = threading.main_thread()
         self._handles: list[RemovableHandle] = []
+        self._recording: StepZero | None = None
+        """The record of the top-level call in progress (its batch is taken at its end)."""
 
     def install(self) -> None:
         self._handles = [
             module_hooks.register_module_forward_pre_hook(self._pre),
-            module_hooks.register_module_forward_hook(self._post, always_call=True),
+            module_hooks.register_module_forward_hook(
+                self._post, with_kwargs=True, always_call=True
+            ),
         ]
 
     def remove(self) -> None:
@@ -95,13 +100,22 @@ class PreStart:
                 return
             zero = self._start(module)
             self.calls[id(module)] = zero
-        zero.batches.append(batch_of(args, {}))
+        self._recording = zero  # its micro-batch: when the call ends (``_post``)
 
-    def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    def _post(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        """The end of a call: a recorded top-level call's micro-batch is taken here, where a
+        process-wide hook sees the keyword arguments too (``_pre`` sees the positional
+        ones only)."""
         if self._traced and torch.compiler.is_compiling():
             self._traced -= 1  # the end of a call _pre left alone
             return
         if threading.current_thread() is self._main and self._depth > 0:
+            recording = self._recording
+            if self._depth == 1 and recording is not None:
+                recording.batches.append(batch_of(args, kwargs))
+                self._recording = None
             self._depth -= 1
 
     @staticmethod

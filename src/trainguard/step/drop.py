@@ -1,6 +1,7 @@
 """Dropping a step's update: a skipped, spiked or escalated step leaves no trace.
 
-The gradients are cleared (the optimizer's and every parameter's) and the buffers the step's
+The gradients are cleared (the optimizer's and every parameter's; ``trainguard run`` gets
+them back after the script's own optimizer step, ``give_back``) and the buffers the step's
 forward wrote are put back (``buffers.BufferKeeper``: BatchNorm statistics, counters), so
 the model is exactly as before the step. Buffers the forward wrote for the first time (no
 copy was taken yet) cannot be put back: a ``buffers_not_restored`` event and a warning name
@@ -36,9 +37,24 @@ class UpdateDrop:
         self._start = start  # its BufferKeeper is read at each drop: it may be replaced
         self._events = events
         self._rank = rank
+        self.keep_dropped = False
+        """Keep the cleared gradients in ``dropped`` (``trainguard run``: the script's own
+        optimizer step runs after the skip, and its code after that may read them)."""
+        self.dropped: list[tuple[nn.Parameter, torch.Tensor]] = []
+        """With ``keep_dropped``: the last dropped step's gradients, for ``give_back``."""
+
+    def give_back(self) -> None:
+        """Put the last dropped step's gradients back on their parameters (after the
+        optimizer step that must not see them), as the script would have had them."""
+        for param, grad in self.dropped:
+            if param.grad is None:
+                param.grad = grad
+        self.dropped = []
 
     def __call__(self, step: int) -> int:
         """Drop ``step``'s update; returns how many buffers were put back."""
+        if self.keep_dropped:
+            self.dropped = [(p, p.grad) for _, p in self._params if p.grad is not None]
         self._optimizer.zero_grad(set_to_none=True)
         for _, param in self._params:
             param.grad = None

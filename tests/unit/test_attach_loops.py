@@ -1,0 +1,115 @@
+"""``trainguard run``'s hooks in this process, around loops written without trainguard: a model
+called with keyword arguments at the first step, gradients read after a skipped step, and an
+evaluation through the module inside the model's wrapper (progress, not a hang)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from trainguard.attach.hooks import Attacher
+from trainguard.attach.options import RunOptions
+from trainguard.capture.bundle import load_bundle
+
+
+class KeywordNet(nn.Module):
+    """Called as ``model(features=..., labels=...)`` (the Hugging Face style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 1)
+
+    def forward(self, features: Tensor, labels: Tensor) -> Tensor:
+        return (self.body(features) - labels).square().mean()
+
+
+@pytest.fixture
+def attached(tmp_path: Path) -> Iterator[Attacher]:
+    attacher = Attacher(RunOptions(run_dir=str(tmp_path), hang_timeout=0))
+    attacher.install()
+    try:
+        yield attacher
+    finally:
+        attacher.close()
+        attacher._remove_hooks()
+
+
+def _batches(nan_step: int) -> list[tuple[Tensor, Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 4, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(4)]
+    batches[nan_step][0][1, 2] = float("nan")
+    return batches
+
+
+def test_keyword_arguments_of_the_first_step_are_captured(
+    attached: Attacher, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    model = KeywordNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in _batches(nan_step=0):  # the guard exists only from the first optimizer step
+        model(features=x, labels=y).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        opt.zero_grad()
+    assert attached.guard is not None
+    bundle = load_bundle(tmp_path / "captures" / "step-00000000")
+    (batch,) = bundle.batches(0)
+    assert set(batch["kwargs"]) == {"features", "labels"}
+    assert torch.isnan(batch["kwargs"]["features"][1, 2])
+    assert torch.equal(batch["kwargs"]["labels"], _batches(0)[0][1])
+
+
+def test_a_skipped_steps_gradients_are_back_after_the_optimizer_step(attached: Attacher) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    for step, (x, y) in enumerate(_batches(nan_step=2)):
+        (model(x) - y).square().mean().backward()  # type: ignore[no-untyped-call]
+        before = model.weight.detach().clone()
+        opt.step()
+        grad = model.weight.grad  # the script logs its gradients after the step
+        assert grad is not None
+        seen.append(bool(torch.isfinite(grad).all()))
+        if step == 2:
+            assert torch.equal(model.weight, before)  # skipped: the weights did not move
+        opt.zero_grad()
+    assert seen == [True, True, False, True]
+    assert attached.guard is not None and attached.guard.state.total_nonfinite == 1
+
+
+def test_an_evaluation_through_the_inner_module_is_progress(
+    attached: Attacher, tmp_path: Path
+) -> None:
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        inner = nn.Linear(4, 1)
+        model = nn.parallel.DistributedDataParallel(inner)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in _batches(nan_step=3)[:3]:
+            (model(x) - y).square().mean().backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            opt.zero_grad()
+        guard = attached.guard
+        assert guard is not None
+        progress = guard.progress
+        phase, beats = progress.phase, progress.beats
+        inner.eval()
+        with torch.no_grad():
+            for _ in range(5):
+                inner(torch.randn(2, 4))  # rank 0's evaluation through ``model.module``
+        assert (progress.phase, progress.beats) == (phase, beats + 5)
+        inner.train()
+        (model(torch.randn(2, 4)) - 1).square().mean().backward()  # type: ignore[no-untyped-call]
+        assert progress.phase == "step"  # the training forward, through the wrapper
+    finally:
+        attached.close()
+        dist.destroy_process_group()
