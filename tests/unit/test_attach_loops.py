@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+import trainguard as tg
 from trainguard.attach.hooks import Attacher
 from trainguard.attach.options import RunOptions
 from trainguard.capture.bundle import load_bundle
@@ -42,7 +43,9 @@ def attached(tmp_path: Path) -> Iterator[Attacher]:
 
 def _batches(nan_step: int) -> list[tuple[Tensor, Tensor]]:
     gen = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(4, 4, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(4)]
+    batches = [
+        (torch.randn(4, 4, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(4)
+    ]
     batches[nan_step][0][1, 2] = float("nan")
     return batches
 
@@ -113,3 +116,79 @@ def test_an_evaluation_through_the_inner_module_is_progress(
     finally:
         attached.close()
         dist.destroy_process_group()
+
+
+def _refilled_buffer_loop(nan_step: int) -> None:
+    """Two micro-batches a step, each copied into one preallocated input buffer (a staging
+    buffer, a prefetcher); micro-batch 0 of ``nan_step`` holds a NaN."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    buffer = torch.empty(4, 4)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4):
+        for micro in range(2):
+            x = torch.randn(4, 4, generator=gen)
+            if (step, micro) == (nan_step, 0):
+                x[1, 2] = float("nan")
+            buffer.copy_(x)
+            (model(buffer).square().mean() / 2).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("nan_step", [0, 2])
+def test_a_refilled_input_buffer_is_found_and_copied_from_then_on(
+    attached: Attacher, tmp_path: Path, nan_step: int
+) -> None:
+    _refilled_buffer_loop(nan_step)
+    events = [e for e in tg.read_events(tmp_path, 0) if e["kind"] == "batch_overwritten"]
+    assert [(e["step"], e["micro_batches"]) for e in events] == [(0, [0])]  # found at once
+    (batch_0, batch_1) = load_bundle(tmp_path / "captures" / f"step-{nan_step:08d}").batches(0)
+    meta = load_bundle(tmp_path / "captures" / f"step-{nan_step:08d}").meta(0)
+    if nan_step == 2:  # copies by then: micro-batch 0 holds its own data, the NaN
+        assert torch.isnan(batch_0[1, 2]) and not torch.isnan(batch_1).any()
+        assert "overwritten_micro_batches" not in meta
+    else:  # the step where it was found: the bundle says what it does not hold
+        assert meta["overwritten_micro_batches"] == [0]
+
+
+def test_record_batch_copies_a_refilled_buffer_and_not_a_batch_handed_over_twice(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tg.Guard(model, opt, run_dir=tmp_path / "twice", hang_timeout=0) as guard:
+        x = torch.randn(4, 4)
+        for _ in range(3):  # one batch, two forwards (R-Drop style): no refill
+            for _ in range(2):
+                guard.record_batch(x)
+                model(x).square().mean().backward()  # type: ignore[no-untyped-call]
+            guard.step(torch.zeros(()))
+        assert not guard._recorded.copying
+    assert not [e for e in tg.read_events(tmp_path / "twice") if e["kind"] == "batch_overwritten"]
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tg.Guard(model, opt, run_dir=tmp_path / "refill", hang_timeout=0) as guard:
+        _refilled_buffer_loop_with_guard(guard, model, opt)
+    bundle = load_bundle(tmp_path / "refill" / "captures" / "step-00000002")
+    (batch_0, _) = bundle.batches(0)
+    assert torch.isnan(batch_0[1, 2])  # copies since step 0: micro-batch 0 is its own
+    assert "overwritten_micro_batches" not in bundle.meta(0)
+
+
+def _refilled_buffer_loop_with_guard(guard: tg.Guard, model: nn.Module, opt: Any) -> None:
+    buffer = torch.empty(4, 4)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4):
+        for micro in range(2):
+            x = torch.randn(4, 4, generator=gen)
+            if (step, micro) == (2, 0):
+                x[1, 2] = float("nan")
+            buffer.copy_(x)
+            guard.record_batch(buffer)
+            (model(buffer).square().mean() / 2).backward()  # type: ignore[no-untyped-call]
+        if guard.check(torch.zeros(())):
+            opt.step()
+        opt.zero_grad()

@@ -343,5 +343,4 @@ def _adopt_step_zero(guard: Guard, zero: StepZero | None) -> None:
     if guard.config.restore_buffers:
         start.buffers = zero.buffers
     start.step, start.rng, start.autocast, start.seen = 0, zero.rng, zero.autocast, True
-    for batch in zero.batches:
-        guard._recorded.record(batch, 0)
+    guard._recorded.adopt(zero.recorded, 0)

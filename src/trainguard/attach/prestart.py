@@ -24,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from trainguard.capture.rng import rng_state
 from trainguard.step.buffers import BufferKeeper
+from trainguard.step.manual import RecordedBatches
 from trainguard.step.start import autocast_state
 
 MAX_CANDIDATES = 8
@@ -48,7 +49,12 @@ class StepZero:
     rng: dict[str, Any]
     autocast: dict[str, Any]
     buffers: BufferKeeper
-    batches: list[Any] = field(default_factory=list)
+    recorded: RecordedBatches = field(default_factory=RecordedBatches)
+    """The step's micro-batches (a refilled input buffer detected as the guard does)."""
+
+    @property
+    def batches(self) -> list[Any]:
+        return self.recorded.current
 
 
 class PreStart:
@@ -114,7 +120,7 @@ class PreStart:
         if threading.current_thread() is self._main and self._depth > 0:
             recording = self._recording
             if self._depth == 1 and recording is not None:
-                recording.batches.append(batch_of(args, kwargs))
+                recording.recorded.record(batch_of(args, kwargs), 0)
                 self._recording = None
             self._depth -= 1
 

@@ -45,7 +45,7 @@ from trainguard.step.history import StepHistory
 from trainguard.step.inputs import InputCheck
 from trainguard.step.lone import LoneParts, LoneStep
 from trainguard.step.losses import StepLosses
-from trainguard.step.manual import RecordedBatches
+from trainguard.step.manual import RecordedBatches, report_overwritten
 from trainguard.step.measure import MeasureParts, StepMeasure
 from trainguard.step.metrics import MetricsLog, metrics_path
 from trainguard.step.policy import Decision, decide
@@ -88,7 +88,8 @@ class GuardAssembly:
         self.state = GuardState(nonfinite_steps=deque(maxlen=self.config.max_recorded_steps))
         self.progress = Progress()
         self._stream: BatchStream | None = None
-        self._recorded = RecordedBatches()  # record_batch(): loops without watch()
+        # record_batch(): loops without watch() (a refilled input buffer: step/manual.py)
+        self._recorded = RecordedBatches(report_overwritten(self.events, self.rank))
         state = self.state  # not the guard: the hooks' closures must not keep it alive
         self._start = StepStart(
             model, lambda: state.step, restore_buffers=self.config.restore_buffers

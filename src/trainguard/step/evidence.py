@@ -139,6 +139,9 @@ class StepEvidence:
         if forward is not None:
             evidence.extra["forward_inputs"] = forward
             warn_made_in_loop(forward, step, parts.capturer.rank)
+        overwritten = parts.recorded.overwritten_of(step)
+        if overwritten:  # the loop refilled one input buffer: these hold a later one's data
+            evidence.extra["overwritten_micro_batches"] = overwritten
         evidence.history = parts.history.bundle_history()
         evidence.buffers = parts.start.buffers.pre_step(step)
         evidence.extra["autocast"] = autocast

@@ -2,23 +2,47 @@
 
 A framework owns the loop, so the guard cannot hand out the batches; the loop (or an
 integration's hook) hands each micro-batch to ``guard.record_batch(batch)`` before its
-forward instead. This keeps references (never copies) to the micro-batches of the step in
-progress, for the capture of a bad step; a new optimizer step (the guard's step counter moved
-on) starts a new list. The step's start (RNG, autocast, buffers) is ``start.StepStart``'s.
+forward instead. This keeps references to the micro-batches of the step in progress, for
+the capture of a bad step; a new optimizer step (the guard's step counter moved on) starts a
+new list. A loop that copies every micro-batch into one preallocated buffer (a pinned
+staging buffer, a prefetcher) would leave the step's earlier micro-batches holding the last
+one's data: a micro-batch in the storage of an earlier one of the same step is detected, the
+earlier ones are reported as overwritten (a ``batch_overwritten`` event and a warning), and
+from then on every micro-batch is kept as a copy. The step's start (RNG, autocast, buffers)
+is ``start.StepStart``'s.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
+
+from torch import Tensor
+
+from trainguard.capture.batchtree import map_tensors, tensors
+from trainguard.events import EventLog
+
+logger = logging.getLogger(__name__)
 
 
 class RecordedBatches:
     """The micro-batches handed to ``Guard.record_batch`` for the step in progress."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_overwritten: Callable[[int, list[int]], None] | None = None) -> None:
         self.current: list[Any] = []
         """Micro-batches of the step in progress (references, not copies)."""
         self._step = -1
+        self._versions: dict[int, int] = {}
+        """Where the step's recorded tensors live (``untyped_storage().data_ptr()``), and the
+        version of their data when recorded (``Tensor._version``: moved by in-place writes)."""
+        self._on_overwritten = on_overwritten
+        self.overwritten: list[int] = []
+        """The micro-batches found overwritten (the step's earlier ones, when found)."""
+        self._overwritten_step = -1
+        self.copying = False
+        """True once the loop was seen to refill one input buffer for every micro-batch:
+        from then on each micro-batch is kept as a copy."""
 
     @property
     def used(self) -> bool:
@@ -29,9 +53,73 @@ class RecordedBatches:
         """The micro-batches recorded for ``step`` (empty when none were)."""
         return list(self.current) if step == self._step else []
 
+    def overwritten_of(self, step: int) -> list[int]:
+        """The micro-batches of ``step`` found overwritten (a capture does not hold them)."""
+        return list(self.overwritten) if step == self._overwritten_step else []
+
     def record(self, batch: Any, step: int) -> None:
         """Keep ``batch`` as a micro-batch of optimizer step ``step`` (call before its forward)."""
         if step != self._step:
             self._step = step
             self.current = []
+            self._versions = {}
+        if self.copying:
+            batch = map_tensors(batch, Tensor.clone)
+        elif self._refills(batch):
+            self._overwritten(step)
+            batch = map_tensors(batch, Tensor.clone)
         self.current.append(batch)
+
+    def _refills(self, batch: Any) -> bool:
+        """Whether ``batch`` lives where an earlier micro-batch of the step did and that
+        storage was written since (its version moved): the loop copied this micro-batch into
+        the same buffer, and the earlier one is gone. The same tensor handed over again
+        unchanged (a second forward of one batch) is no refill."""
+        versions = self._versions
+        found = False
+        for tensor in tensors(batch):
+            if not tensor.numel():
+                continue
+            where = tensor.untyped_storage().data_ptr()
+            seen = versions.get(where)
+            if seen is not None and seen != tensor._version:
+                found = True
+            versions[where] = tensor._version
+        return found
+
+    def _overwritten(self, step: int) -> None:
+        """Copies from now on; the step's earlier micro-batches hold this one's data."""
+        self.copying = True
+        self.overwritten, self._overwritten_step = list(range(len(self.current))), step
+        if self._on_overwritten is not None:
+            self._on_overwritten(step, self.overwritten)
+
+    def adopt(self, other: RecordedBatches, step: int) -> None:
+        """Take over ``other``'s record of ``step`` (``trainguard run``'s first step,
+        recorded before the guard existed), a refilled buffer it saw included."""
+        self._step, self.current = step, list(other.current)
+        self._versions = dict(other._versions)
+        if other.copying:
+            self.copying = True
+            self.overwritten, self._overwritten_step = other.overwritten, step
+            if self._on_overwritten is not None:
+                self._on_overwritten(step, self.overwritten)
+
+
+def report_overwritten(events: EventLog, rank: int) -> Callable[[int, list[int]], None]:
+    """What ``RecordedBatches`` calls when the loop refilled an input buffer: a
+    ``batch_overwritten`` event (the step, its overwritten micro-batches) and a warning."""
+
+    def report(step: int, earlier: list[int]) -> None:
+        events.write("batch_overwritten", step, micro_batches=earlier)
+        logger.warning(
+            "trainguard: rank %d: step %d: the loop copies each micro-batch into the same "
+            "input buffer, so micro-batch(es) %s of this step were overwritten before it ended "
+            "(a capture of this step would not hold them); every micro-batch is kept as a copy "
+            "from now on",
+            rank,
+            step,
+            earlier,
+        )
+
+    return report
