@@ -4,6 +4,8 @@ evaluation through the module inside the model's wrapper (progress, not a hang).
 
 from __future__ import annotations
 
+import atexit
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,9 @@ def attached(tmp_path: Path) -> Iterator[Attacher]:
     finally:
         attacher.close()
         attacher._remove_hooks()
+        atexit.unregister(attacher.close)  # it holds the model: let it go with the test
+        attacher.model = None
+        gc.collect()
 
 
 def _batches(nan_step: int) -> list[tuple[Tensor, Tensor]]:
@@ -115,7 +120,10 @@ def test_an_evaluation_through_the_inner_module_is_progress(
         assert progress.phase == "step"  # the training forward, through the wrapper
     finally:
         attached.close()
+        attached._remove_hooks()
         dist.destroy_process_group()
+    del model, inner, opt, guard, progress
+    gc.collect()  # no DDP model left alive for later tests (hang/frames.ddp_in_process)
 
 
 def _refilled_buffer_loop(nan_step: int) -> None:

@@ -37,6 +37,7 @@ from trainguard.health.timing import StepTimer
 from trainguard.progress import Progress
 from trainguard.step.batches import StepBatches
 from trainguard.step.consensus import DEVICE_COLUMNS, Agreement, Consensus, LocalReport
+from trainguard.step.refill import RefillProbe, refill_reporter
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,11 @@ class BatchStream:
         self._agreement: Agreement | None = None
         self._agreement_step = -1
         self._in_step = -1
+        self._refills: RefillProbe | None = RefillProbe(
+            (lookahead + 1) * accumulation_steps + 1,
+            refill_reporter(events, consensus.rank, step_of),
+        )
+        """Probes the first batches for an iterable that refills its tensors (``refill.py``)."""
         self.unchecked = StepBatches(accumulation_steps, events, consensus.rank)
         """The batches handed out and not yet decided, in order: the checked step's are the
         first ``accumulation_steps`` of them, however far the loop fetched ahead."""
@@ -231,6 +237,11 @@ class BatchStream:
             position, self._taken = self._taken, self._taken + 1
             if position < self._start_position or position in self._skip_positions:
                 continue
+            refills = self._refills
+            if refills is not None:  # the first batches, or an iterable that refills its own
+                item = refills.take(item)
+                if refills.done:
+                    self._refills = None
             if self._to_drop > 0:
                 self._to_drop -= 1
                 self.dropped.append(position)

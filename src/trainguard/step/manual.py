@@ -22,6 +22,7 @@ from torch import Tensor
 
 from trainguard.capture.batchtree import map_tensors, tensors
 from trainguard.events import EventLog
+from trainguard.step.refill import address
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class RecordedBatches:
         """Micro-batches of the step in progress (references, not copies)."""
         self._step = -1
         self._versions: dict[int, int] = {}
-        """Where the step's recorded tensors live (``untyped_storage().data_ptr()``), and the
+        """Where the step's recorded tensors' data start (``refill.address``), and the
         version of their data when recorded (``Tensor._version``: moved by in-place writes)."""
         self._on_overwritten = on_overwritten
         self.overwritten: list[int] = []
@@ -78,9 +79,9 @@ class RecordedBatches:
         versions = self._versions
         found = False
         for tensor in tensors(batch):
-            if not tensor.numel():
+            where = address(tensor) if tensor.numel() else None
+            if where is None:
                 continue
-            where = tensor.untyped_storage().data_ptr()
             seen = versions.get(where)
             if seen is not None and seen != tensor._version:
                 found = True
