@@ -1,6 +1,7 @@
 """Replay: re-run a captured step anywhere and say what went wrong.
 
 - ``runner``    ``replay()``: rebuild the model, load the bundle, re-run, diagnose
+- ``factory``   ``--factory MODULE:FUNC``: imported and called as a script would run them
 - ``origin``    which rank made the non-finite values, which only received them
 - ``autocast``  the autocast state the step ran under, re-entered on the replay's device
 - ``replicas``  replicated parameters that differ across the bundle's ranks

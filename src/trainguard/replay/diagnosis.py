@@ -271,6 +271,14 @@ def step_loss(runs: list[RunResult]) -> float:
     return sum(losses) / len(losses) if losses else math.nan
 
 
+def recorded_loss_runs(runs: list[RunResult], meta: dict[str, Any]) -> int:
+    """How many of ``runs`` gave the rank's recorded loss again (a spike's bundle)."""
+    recorded = meta.get("loss")
+    if not isinstance(recorded, (int, float)):
+        return 0
+    return sum(math.isclose(recorded, step_loss([r]), rel_tol=1e-5) for r in runs)
+
+
 def spike_summary(
     runs: list[RunResult], deterministic: bool, device: str, meta: dict[str, Any]
 ) -> tuple[str, str]:
@@ -324,17 +332,43 @@ def unread_culprits(unread: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return culprits
 
 
-def unread_input_summary(runs: list[RunResult], unread: list[dict[str, Any]], device: str) -> str:
-    """The batch holds non-finite values and the replayed step is finite: the loss does not
-    read them (the guard's input check, which reads every floating-point tensor of the
-    batch, skipped the step)."""
+def recorded_nonfinite(meta: dict[str, Any]) -> str | None:
+    """What the rank recorded non-finite (``"loss nan and non-finite gradients"``), or None
+    when its recorded loss and gradients were finite (or not seen)."""
+    parts = []
+    if meta.get("loss_finite") is False:
+        parts.append(f"loss {meta.get('loss')}")
+    if meta.get("grad_finite") is False:
+        parts.append("non-finite gradients")
+    return " and ".join(parts) or None
+
+
+def unread_input_verdict(
+    runs: list[RunResult], unread: list[dict[str, Any]], device: str, meta: dict[str, Any]
+) -> tuple[str, str]:
+    """The batch holds non-finite values and the replayed step is finite: ``bad_input``
+    when the recorded loss and gradients were finite too (the loss does not read them: the
+    guard's input check, which reads every floating-point tensor of the batch, skipped the
+    step), ``input_handled`` when the recorded step was non-finite (the factory's loss_fn
+    handles them now: a fix that works, or another loss_fn than the loop's)."""
     where = "; ".join(entry_text(e) for e in unread[:5])
     more = f" and {len(unread) - 5} more" if len(unread) > 5 else ""
-    return (
-        f"The batch holds non-finite values: {where}{more}. The loss does not read them: "
+    replayed = (
         f"{len(runs)} replays on {device} gave a finite loss ({step_loss(runs):.6g}) and "
-        "finite gradients. The input check skipped the step for them; fix the data, or "
-        "leave the field out of the batch if the model never uses it."
+        "finite gradients"
+    )
+    recorded = recorded_nonfinite(meta)
+    if recorded is None:
+        return "bad_input", (
+            f"The batch holds non-finite values: {where}{more}. The loss does not read them: "
+            f"{replayed}. The input check skipped the step for them; fix the data, or leave "
+            "the field out of the batch if the model never uses it."
+        )
+    return "input_handled", (
+        f"The recorded step was non-finite (rank {meta.get('rank')} recorded {recorded}) "
+        f"on a batch holding non-finite values: {where}{more}. This replay is not: "
+        f"{replayed} from the same batch and weights, so the factory's loss_fn handles those "
+        "values: a fix that works on this step, or a loss_fn other than the loop's."
     )
 
 

@@ -27,14 +27,22 @@ from trainguard.replay.diagnosis import (
     locate,
     made_in_loop_summary,
     not_reproduced_summary,
+    recorded_loss_runs,
     spike_summary,
     summarize,
     unread_culprits,
-    unread_input_summary,
+    unread_input_verdict,
 )
 from trainguard.replay.report import ReplayReport
 from trainguard.replay.stepper import RunResult, StepRunner
-from trainguard.replay.verdicts import ADVICE, Growth, classify, growth, verdict_sentence
+from trainguard.replay.verdicts import (
+    ADVICE,
+    SPIKE_NOT_REPRODUCED_ADVICE,
+    Growth,
+    classify,
+    growth,
+    verdict_sentence,
+)
 
 
 @dataclass
@@ -78,8 +86,8 @@ def diagnose_runs(
         unread = batchtree.nonfinite_tensors(runner.micro_batches)
         if spike:
             verdict, summary = spike_summary(runs, deterministic, device, meta)
-        elif unread:  # the input check's skip: values the loss never reads
-            verdict, summary = "bad_input", unread_input_summary(runs, unread, device)
+        elif unread:  # values the loss never reads (input check) or now handles (a fix)
+            verdict, summary = unread_input_verdict(runs, unread, device, meta)
         elif deterministic and made_in_loop(meta.get("forward_inputs")):
             verdict, summary = "input_made_in_loop", made_in_loop_summary(runs, device, meta)
         else:
@@ -99,6 +107,9 @@ def diagnose_runs(
         report.advice = ADVICE[verdict]
         report.details.update(replayed, **finding_details(None), bisection_runs=0)
         report.details["batch_nonfinite"] = [entry_text(e) for e in unread]
+        if spike:  # finite when it ran: "not reproduced" is no transient fault here
+            report.details["recorded_loss_runs"] = recorded_loss_runs(runs, meta)
+            report.advice = SPIKE_NOT_REPRODUCED_ADVICE if not reproduced else report.advice
         return report
     micro = bad[0].first_bad_micro or 0
     finding = locate(runner, micro)

@@ -4,6 +4,8 @@ a replay that stayed finite did.
 - reproduced: the origin rank made it, and which ranks only received it (origin.py);
 - finite on a ``--rank`` that received it from another rank, or was fine while another went
   bad: that, not "suspect its device";
+- finite on a batch holding non-finite values that made the recorded step non-finite
+  (verdict ``input_handled``): the factory's loss_fn handles them, no device is suspected;
 - finite, and the rank's forward had got a non-finite input its fetched batch did not hold
   (verdict ``input_made_in_loop``): the loop's code, so no device is suspected;
 - finite under another ``--autocast`` than the step ran under: that (autocast.py);
@@ -50,8 +52,8 @@ def explain(
         report.summary = origin.elsewhere_summary(found, losses[0] if losses else None)
         report.advice = RECEIVED_ADVICE if found.received else ELSEWHERE_ADVICE
         return
-    if report.verdict == "input_made_in_loop":  # the loop's own code, not the device
-        return
+    if report.verdict in ("input_made_in_loop", "input_handled"):  # the loop's code, or
+        return  # the factory's loss_fn handling the batch's values: not the device
     otherwise = precision.otherwise_summary(autocast)
     note = precision.unrecorded_note(autocast)
     if otherwise is not None:  # replayed under another autocast than the step ran under

@@ -68,9 +68,10 @@ def inspect_text(summary: dict[str, Any]) -> str:
 
 
 def _losses(values: Any) -> str:
+    """A step's losses; none recorded (``trainguard run``'s gradient-only checks): "not seen"."""
     if not isinstance(values, list):
-        return str(values)
-    return "/".join(_num(v) for v in values)
+        return "not seen" if values is None else str(values)
+    return "/".join(_num(v) for v in values) if values else "not seen"
 
 
 def _history_text(history: dict[str, Any] | None) -> list[str]:
@@ -141,9 +142,7 @@ def replay_text(report: dict[str, Any]) -> str:
     def yes(value: bool) -> str:
         return "yes" if value else "no"
 
-    runs = f"{report.get('nonfinite_runs', 0)}/{report.get('repeats', 0)} replays non-finite"
-    if report["verdict"] == "spike":
-        runs = f"{report.get('repeats', 0)} replays gave the recorded loss"
+    runs = _runs_text(report)
     shown = _culprits_text(report)
     module = report["module"] or ("- (outside any module)" if report["op"] else "-")
     op = report["op"] or "-"
@@ -184,6 +183,21 @@ def replay_text(report: dict[str, Any]) -> str:
     if report.get("advice"):
         lines += ["", f"advice: {report['advice']}"]
     return "\n".join(lines)
+
+
+def _runs_text(report: dict[str, Any]) -> str:
+    """What the ``reproduced`` line counts: the non-finite replays, or for a spike's bundle
+    replayed finite the replays that gave the recorded loss again."""
+    repeats = report.get("repeats", 0)
+    if report["verdict"] == "spike" or (report["reproduced"] and "recorded_loss_runs" in report):
+        return f"{repeats} replays gave the recorded loss"
+    if "recorded_loss_runs" in report:
+        loss = (report.get("recorded") or {}).get("loss")
+        return (
+            f"{report['recorded_loss_runs']}/{repeats} replays reached the recorded loss "
+            f"{_num(loss)}"
+        )
+    return f"{report.get('nonfinite_runs', 0)}/{repeats} replays non-finite"
 
 
 def _setup_lines(report: dict[str, Any]) -> list[str]:

@@ -17,30 +17,22 @@ the RNG states, and re-runs forward, loss and backward on the captured micro-bat
 4. a ``verdict`` and a one-sentence ``summary`` (diagnosis.py), and whether the ranks'
    replicated weights agree (replicas.py).
 
-The factory takes no arguments and returns ``(model, loss_fn)`` or a :class:`ReplaySpec`;
-``loss_fn(model, batch)`` returns the scalar loss of one (micro-)batch.
+The factory (factory.py) takes no arguments and returns ``(model, loss_fn)`` or a
+:class:`ReplaySpec`; ``loss_fn(model, batch)`` returns the scalar loss of one (micro-)batch.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import importlib.util
-import io
 import logging
-import os
-import sys
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from trainguard.capture import batchtree
 from trainguard.capture.bundle import Bundle, load_bundle
 from trainguard.capture.rng import rng_state, set_rng_state
 from trainguard.errors import BundleError, ReplayError
@@ -48,6 +40,8 @@ from trainguard.replay import autocast as precision
 from trainguard.replay import origin
 from trainguard.replay.engine import diagnose_runs
 from trainguard.replay.explain import explain
+from trainguard.replay.factory import Factory, ReplaySpec, resolve_factory
+from trainguard.replay.factory import first_line as _line
 from trainguard.replay.replicas import apply_replicas, check_replicas
 from trainguard.replay.report import KEYS, ReplayReport
 from trainguard.replay.stepper import RunResult, StepRunner
@@ -55,139 +49,6 @@ from trainguard.replay.stepper import RunResult, StepRunner
 logger = logging.getLogger(__name__)
 
 __all__ = ["KEYS", "ReplayReport", "ReplaySpec", "load_weights", "replay", "resolve_factory"]
-
-
-@dataclass
-class ReplaySpec:
-    """What a replay factory returns: the model (fresh weights are fine: the bundle's are
-    loaded into it) and ``loss_fn(model, batch) -> scalar loss``."""
-
-    model: nn.Module
-    loss_fn: Callable[[nn.Module, Any], Tensor]
-
-
-Factory = Callable[[], Any]
-
-
-# -- factory ---------------------------------------------------------------------------------
-
-
-def resolve_factory(factory: str | Factory | ReplaySpec) -> ReplaySpec:
-    """A ReplaySpec from ``"module:func"`` / ``"path/to/file.py:func"``, a callable or a spec."""
-    if isinstance(factory, ReplaySpec):
-        return _checked(factory, "the ReplaySpec")
-    name = factory if isinstance(factory, str) else getattr(factory, "__qualname__", "factory")
-    func = _import_factory(factory) if isinstance(factory, str) else factory
-    module = sys.modules.get(getattr(func, "__module__", None) or "")
-    if module is not None:  # the script's own batch types, defined in __main__ when it ran
-        batchtree.main_stand_in(module)
-    try:
-        made = func()
-    except Exception as exc:
-        raise ReplayError(
-            f"--factory {name}: calling it raised {type(exc).__name__}: {_line(exc)}"
-        ) from exc
-    if isinstance(made, ReplaySpec):
-        return _checked(made, name)
-    if isinstance(made, tuple) and len(made) == 2:
-        return _checked(ReplaySpec(made[0], made[1]), name)
-    raise ReplayError(
-        f"--factory {name}: must return (model, loss_fn) or trainguard.ReplaySpec, got "
-        f"{type(made).__name__}"
-    )
-
-
-def _checked(spec: ReplaySpec, name: str) -> ReplaySpec:
-    if not isinstance(spec.model, nn.Module):
-        raise ReplayError(
-            f"--factory {name}: the model must be a torch.nn.Module, got "
-            f"{type(spec.model).__name__}"
-        )
-    if not callable(spec.loss_fn):
-        raise ReplayError(
-            f"--factory {name}: loss_fn must be callable as loss_fn(model, batch), got "
-            f"{type(spec.loss_fn).__name__}"
-        )
-    return spec
-
-
-def _import_factory(spec: str) -> Factory:
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise ReplayError(f"--factory: expected MODULE:FUNC (e.g. train:make_replay), got {spec!r}")
-    module = _import_module(module_name, spec)
-    func = module
-    for part in attr.split("."):
-        func = getattr(func, part, None)
-        if func is None:
-            raise ReplayError(f"--factory {spec}: {module_name} has no attribute {attr!r}")
-    if not callable(func):
-        raise ReplayError(f"--factory {spec}: {attr} is not callable")
-    return cast(Factory, func)
-
-
-def _import_module(name: str, spec: str) -> Any:
-    """Import ``name`` (a file or a module) as ``python FILE`` / ``python -m MODULE`` would
-    see it: ``sys.argv`` holds only the file's name while it runs (a training script that
-    parses its command line at import gets its defaults, not the replay's own options), and a
-    ``sys.exit()`` at import (an argument parser that requires options) is a ReplayError
-    naming the fix and quoting the module's last line on stderr, not the end of the replay
-    (what the module writes to stderr while imported is held back and written out after)."""
-    saved, said = sys.argv, io.StringIO()
-    sys.argv = [name]
-    try:
-        with contextlib.redirect_stderr(said):
-            return _import_module_as_script(name, spec)
-    except SystemExit as exc:
-        last = said.getvalue().strip().splitlines()[-1:]
-        said = io.StringIO()  # quoted below instead
-        raise ReplayError(
-            f"--factory {spec}: importing {name} exited (sys.exit({exc.code!r})"
-            + (f": {last[0][:200]}" if last else "")
-            + "): it runs a script at import; put the factory in a module that only defines "
-            'things, or move the script\'s code under `if __name__ == "__main__":`'
-        ) from None
-    finally:
-        sys.argv = saved
-        sys.stderr.write(said.getvalue())
-
-
-def _import_module_as_script(name: str, spec: str) -> Any:
-    try:
-        if name.endswith(".py") or os.sep in name:
-            path = Path(name)
-            if not path.is_file():
-                raise ReplayError(f"--factory {spec}: no such file {name}")
-            folder = str(path.resolve().parent)
-            if folder not in sys.path:  # like `python file.py`: its sibling modules import
-                sys.path.insert(0, folder)
-            loaded = importlib.util.spec_from_file_location(path.stem, path)
-            if loaded is None or loaded.loader is None:
-                raise ReplayError(f"--factory {spec}: cannot load {name}")
-            module = importlib.util.module_from_spec(loaded)
-            sys.modules.setdefault(path.stem, module)
-            try:
-                loaded.loader.exec_module(module)
-            except BaseException:
-                if sys.modules.get(path.stem) is module:  # no half-run module left behind
-                    del sys.modules[path.stem]
-                raise
-            return module
-        if os.getcwd() not in sys.path and "" not in sys.path:
-            sys.path.insert(0, os.getcwd())  # like `python -m`: modules next to you import
-        return importlib.import_module(name)
-    except ReplayError:
-        raise
-    except Exception as exc:
-        raise ReplayError(
-            f"--factory {spec}: cannot import {name} ({type(exc).__name__}: {_line(exc)}); run "
-            "from the folder that holds it or add it to PYTHONPATH"
-        ) from exc
-
-
-def _line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0][:300] if lines else type(exc).__name__
 
 
 # -- weights ---------------------------------------------------------------------------------

@@ -6,6 +6,9 @@ The classes, checked in this order:
   (replicas.py; decided by the bundle replay, before any class below, whether the step
   reproduces or not).
 - ``bad_input``: the batch itself holds non-finite values.
+- ``input_handled``: the replay was finite on a batch holding non-finite values, and the
+  recorded step was non-finite: the factory's ``loss_fn`` handles those values (a fix
+  under test that works, or another ``loss_fn`` than the loop's).
 - ``nonfinite_weights``: weights or buffers were non-finite before the step.
 - ``masked_row``: the root is a reduction (softmax, logsumexp, max, sum...) over a row that a
   mask covered entirely (masks.py).
@@ -38,6 +41,7 @@ from trainguard.replay.diagnosis import Finding
 VERDICTS = (
     "replica_mismatch",
     "bad_input",
+    "input_handled",
     "nonfinite_weights",
     "masked_row",
     "divergence",
@@ -60,6 +64,12 @@ ADVICE = {
     "one rank, test that GPU.",
     "bad_input": "Fix or filter the data: check the sample named above at its source, and "
     "validate batches before the forward pass.",
+    "input_handled": "The batch's non-finite values made the recorded step non-finite, and "
+    "the factory's loss_fn handles them: if that loss_fn is your fix (nan_to_num, a mask, "
+    "dropping the samples), it works on this step (the replay exits 0); still find where the "
+    "values come from (the samples named above, at their source). If you did not change "
+    "loss_fn, the factory's is not the loop's: replay with the loop's own loss_fn to "
+    "diagnose the step.",
     "nonfinite_weights": "The weights were corrupted before this step (a bad checkpoint or an "
     "earlier silent update): resume from the last good checkpoint and find the step that "
     "wrote them.",
@@ -93,6 +103,18 @@ ADVICE = {
     "this step; if spikes recur, lower the learning rate or its warm-up, clip the gradients "
     '(grad_clip=), or let the guard roll back past them (on_spike="rollback").',
 }
+
+SPIKE_NOT_REPRODUCED_ADVICE = (
+    "The spike did not recur from the same weights and batch: something outside the replayed "
+    "step made it. Look at what the loop does that the replay does not: the loss scaling (a "
+    "loss passed to the guard scaled, by a GradScaler or by hand), the data of that step as "
+    "the loop fetched and transformed it (a transform between the fetch and the forward), a "
+    "loss_fn other than the loop's; or nondeterministic kernels (rerun with more --repeats, "
+    "under torch.use_deterministic_algorithms(True), or on the device it ran on). A spike is "
+    "a finite step: this is no transient fault to suspect a device for."
+)
+"""The advice of a spike's bundle (``"trigger": "spike"``) whose replays do not give the
+recorded loss again (verdict ``not_reproduced``)."""
 
 RECEIVED_ADVICE = (
     "This rank only received the non-finite gradients through the all-reduce: its own step "
