@@ -1,6 +1,7 @@
 """The ``trainguard`` command, a thin layer over the library.
 
-Exit codes: 0 success, 1 a finding (e.g. a failed doctor check), 2 bad input.
+Exit codes: 0 success, 1 a finding (e.g. a failed doctor check), 2 bad input, 141 the
+reader of stdout went away (``| head``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,6 +23,11 @@ from trainguard.events import to_jsonable
 EXIT_OK = 0
 EXIT_FINDING = 1
 EXIT_USAGE = 2
+EXIT_PIPE_CLOSED = 141
+"""Exit status when stdout's reader went away (``trainguard report RUN | head -1``): 128 +
+SIGPIPE, what a shell reports for a tool a closed pipe ended (``yes | head``), so a script
+under ``set -o pipefail`` can tell a cut-short listing from a complete one (0 would say the
+output was complete; Python's own default, 1, reads as a failure of the command)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,12 +57,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_OK
     try:
-        return handler(args)
+        code = handler(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
     except (TrainGuardError, OSError) as exc:
         print(f"trainguard: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+
+
+def _stdout_closed() -> int:
+    """End quietly once the reader of stdout is gone, as Python's docs advise (the ``signal``
+    module's "Note on SIGPIPE"): stdout is pointed at os.devnull, so that the interpreter's
+    final flush of what is still buffered does not fail again and print a traceback."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is no file (an embedding, a test's capture)
+        pass
+    return EXIT_PIPE_CLOSED
 
 
 # -- capture, replay, demo --------------------------------------------------------------------
@@ -155,8 +178,9 @@ def _demo(args: argparse.Namespace) -> int:
     except TrainGuardError as exc:
         print(f"trainguard: demo: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    ranks = f"{args.ranks} rank{'s' if args.ranks != 1 else ''}"
     print(
-        f"trainguard demo: {args.ranks} ranks on CPU (gloo, DDP), launched with "
+        f"trainguard demo: {ranks} on CPU (gloo, DDP), launched with "
         f"torch.distributed.run; {args.steps} steps; run dir {args.run_dir}",
         flush=True,
     )
@@ -268,8 +292,6 @@ def _number(text: str) -> float:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    import os
-
     from trainguard.doctor import DoctorOptions, report_text, run_doctor
 
     report = run_doctor(DoctorOptions(timeout_s=args.timeout, bandwidth_mb=args.bandwidth_mb))

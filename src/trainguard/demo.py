@@ -235,11 +235,25 @@ def run_demo(
     )
 
 
+OUTPUTS = (
+    "events",
+    "metrics",
+    "captures",
+    "hangs",
+    "recovery",
+    "stop.json",
+    "launch.log",
+    "report.html",
+)
+"""What a demo run leaves in its run dir (the guard's folders and stop record, the launcher's
+log, the page of ``trainguard report``): a new demo removes them, and nothing else."""
+
+
 def _clear(folder: Path) -> None:
-    """A fresh run dir; only the demo's own outputs are removed."""
+    """A fresh run dir; only the demo's own outputs (``OUTPUTS``) are removed."""
     import shutil
 
-    for name in ("events", "captures", "hangs", "launch.log"):
+    for name in OUTPUTS:
         target = folder / name
         if target.is_dir():
             shutil.rmtree(target)

@@ -9,6 +9,7 @@ import torch
 
 from trainguard.capture import batchtree
 from trainguard.capture.bundle import Bundle, load_bundle
+from trainguard.errors import BundleError
 
 MAX_PARAMS = 20
 
@@ -93,18 +94,41 @@ def _rank_summary(bundle: Bundle, rank: int) -> dict[str, Any]:
         "batch": None,
     }
     if meta.get("batch_stored", True):
-        micro = bundle.batches(rank, restore_types=False)
-        summary["batch"] = [_describe(b) for b in micro]
+        summary["batch"] = [_describe(b, stored) for b, stored in _stored_batches(bundle, rank)]
     return summary
 
 
-def _describe(batch: Any) -> dict[str, Any]:
+def _stored_batches(bundle: Bundle, rank: int) -> list[tuple[Any, str | None]]:
+    """Each micro-batch, decoded without importing the script's types (a dataclass comes
+    back as a dict), with the type the capture recorded for it (``module:qualname`` of a
+    dataclass, namedtuple or dict subclass; None for anything else)."""
+    path = bundle.rank_dir(rank) / "batch.pt"
+    try:
+        stored = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise BundleError(path, f"cannot load ({type(exc).__name__}: {exc})") from exc
+    micro = stored.get("micro_batches") if isinstance(stored, dict) else None
+    if not isinstance(micro, list):
+        raise BundleError(path, "holds no micro_batches list")
+    return [(batchtree.decode(item, restore_types=False), _type_tag(item)) for item in micro]
+
+
+def _type_tag(item: Any) -> str | None:
+    tag = item.get("type") if isinstance(item, dict) and batchtree.TAG in item else None
+    return tag if isinstance(tag, str) and tag else None
+
+
+def _describe(batch: Any, stored_type: str | None = None) -> dict[str, Any]:
+    """A micro-batch's type (the one it was captured as: ``Batch`` for a dataclass
+    ``__main__:Batch``, not the dict it is read back as), size and leaves."""
     leaves = [
         {"path": path or "(batch)", **batchtree.describe_leaf(leaf)}
         for path, leaf in batchtree.leaves(batch)
     ]
+    name = stored_type.rpartition(":")[2] if stored_type else type(batch).__name__
     return {
-        "type": type(batch).__name__,
+        "type": name,
+        "stored_type": stored_type,
         "batch_size": batchtree.batch_size(batch),
         "leaves": leaves,
     }

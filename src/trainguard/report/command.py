@@ -8,6 +8,7 @@ from pathlib import Path
 
 from trainguard.events import to_jsonable
 from trainguard.report.html import write_html
+from trainguard.report.plot import plot_available, write_png
 from trainguard.report.runs import ALL
 from trainguard.report.summary import RunSummary, UnknownRun, summarize, summarize_all
 from trainguard.report.text import report_text, runs_text
@@ -28,10 +29,9 @@ def run_report(
 ) -> int:
     """Print the summary of one run (``run``: its id, None the latest, ``all`` every run),
     write ``RUN_DIR/report.html`` (and ``png``); or, with ``list_runs``, list the runs."""
-    if not run_dir.is_dir():
-        return _fail(f"{run_dir}: no such directory")
-    if list_runs:
-        run = None  # the listing marks the latest run: the one shown by default
+    problem = _usage_problem(run_dir, png, run, list_runs)
+    if problem is not None:
+        return _fail(problem)
     try:
         summaries = summarize_all(run_dir) if run == ALL else [summarize(run_dir, run)]
     except UnknownRun as exc:
@@ -45,25 +45,64 @@ def run_report(
         return _print_runs(summaries[0], as_json)
     if png is not None and len(summaries) > 1:
         return _fail("--png draws one run: pick it with --run ID (default: the latest)")
+    if png is not None and not plot_available():
+        return _fail("--png needs matplotlib: pip install 'trainguard[plot]'")
     page = _write_page(summaries, run_dir / PAGE) if html else None
-    if png is not None:
-        try:
-            from trainguard.report.plot import write_png
+    _print_summaries(summaries, run_dir, run, as_json, page)
+    return _write_png(summaries[0], png) if png is not None else EXIT_OK
 
-            write_png(summaries[0], png)
-        except ImportError:
-            return _fail("--png needs matplotlib: pip install 'trainguard[plot]'")
-    if as_json:
-        if run == ALL:
-            runs = summaries[0].runs
-            reports = [{**s.to_dict(), "runs": None} for s in summaries]
-            data = {"run_dir": str(run_dir), "run": ALL, "runs": runs, "reports": reports}
-        else:
-            data = summaries[0].to_dict()
-        print(json.dumps(to_jsonable({**data, "page": page}), allow_nan=False))
-    else:
+
+def _usage_problem(run_dir: Path, png: Path | None, run: str | None, list_runs: bool) -> str | None:
+    """What is wrong with the arguments before anything is read (None: nothing)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        return (
+            f"{run_dir} is a file, not a run directory: give the Guard's run_dir (the folder "
+            "holding events/ and metrics/)"
+        )
+    if not run_dir.is_dir():
+        return f"{run_dir}: no such directory"
+    if list_runs and (png is not None or run is not None):
+        option = "--png" if png is not None else "--run"
+        return f"--runs lists the runs and draws nothing: drop {option} (or drop --runs)"
+    return None
+
+
+def _print_summaries(
+    summaries: list[RunSummary], run_dir: Path, run: str | None, as_json: bool, page: str | None
+) -> None:
+    if not as_json:
         print("\n\n".join(report_text(s, page) for s in summaries))
+        return
+    if run == ALL:
+        runs = summaries[0].runs
+        reports = [{**s.to_dict(), "runs": None} for s in summaries]
+        data = {"run_dir": str(run_dir), "run": ALL, "runs": runs, "reports": reports}
+    else:
+        data = summaries[0].to_dict()
+    print(json.dumps(to_jsonable({**data, "page": page}), allow_nan=False))
+
+
+def _write_png(summary: RunSummary, png: Path) -> int:
+    """Draw the timeline to ``png`` (after the summary is printed: a bad path costs only the
+    picture); a path that cannot be written is one line naming ``--png``."""
+    sys.stdout.flush()  # the summary first, then the error line
+    try:
+        write_png(summary, png)
+    except OSError as exc:
+        return _fail(
+            f"--png {png}: cannot write the picture ({_why(png, exc)}); give a file path "
+            "whose folders exist or can be made, e.g. --png timeline.png"
+        )
     return EXIT_OK
+
+
+def _why(png: Path, exc: OSError) -> str:
+    if png.is_dir():
+        return "it is a directory"
+    blocked = next((p for p in png.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        return f"{blocked} is a file, not a folder"
+    return exc.strerror or str(exc)
 
 
 def _print_runs(summary: RunSummary, as_json: bool) -> int:

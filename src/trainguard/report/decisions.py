@@ -4,13 +4,16 @@ The bad steps are counted from their events: a non-finite step by its ``nonfinit
 ``action`` (``skip``, ``warn``, ``escalate``...), a GradScaler overflow by its ``overflow``
 event, a spike the rule skipped or escalated by its ``spike`` events (one per judged step).
 ``ok`` is the steps run (``report/starts.py``: every start's, those run again counted again)
-minus them.
+minus them. A run without readable events (``events/`` missing or unreadable) is counted
+from its metrics log's ``decision`` field instead (``metric_decisions``).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 
 def decision_counts(
@@ -46,3 +49,41 @@ def spike_actions(spikes: list[dict[str, Any]]) -> Counter[str]:
         if action in ("spike", "escalate"):  # "warn": applied, an ok step
             actions[str(action)] += 1
     return actions
+
+
+class MetricPoint(Protocol):
+    """A metrics log line as the report reads it (``summary.StepPoint``)."""
+
+    step: int
+    grad_norm: float | None
+    decision: str
+    bad_ranks: list[int]
+
+
+def metric_nonfinite(points: Sequence[MetricPoint]) -> list[dict[str, Any]]:
+    """The non-finite steps the metrics log shows (a run without readable events): a step
+    whose decision is not ``ok`` and whose loss on a rank, or gradient norm, is not finite."""
+    found = []
+    for point in points:
+        norm = point.grad_norm
+        grad_bad = norm is None or not math.isfinite(norm)
+        if point.decision in ("ok", "spike", "overflow") or not (point.bad_ranks or grad_bad):
+            continue
+        where = "loss" if point.bad_ranks else "grad"
+        found.append(
+            {
+                "step": point.step,
+                "where": where,
+                "ranks": point.bad_ranks or None,
+                "action": point.decision,
+                "params": None,
+            }
+        )
+    return found
+
+
+def metric_decisions(points: Sequence[MetricPoint], steps_run: int, steps: int) -> dict[str, int]:
+    """``decision_counts`` from the metrics log's ``decision`` field (no readable events):
+    every line not ``ok`` is a bad step (the log keeps every one of them, however thinned)."""
+    bad = [{"action": p.decision} for p in points if p.decision != "ok"]
+    return decision_counts(bad, 0, [], steps_run, steps)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,39 @@ def read_jsonl(path: Path, run_dir: Path, skipped: Skipped) -> list[dict[str, An
             bad += 1
     skipped.add_lines(name, bad)
     return records
+
+
+def read_events(root: Path, skipped: Skipped) -> list[dict[str, Any]]:
+    """Every rank's events (``events/*.jsonl``), in time order. A line whose core fields are
+    not what the guard writes (``kind`` a string, ``time`` a number, ``step`` an int or null,
+    ``rank`` an int where present) is garbage: counted in ``skipped``, not reported."""
+    records = []
+    for path in sorted((root / "events").glob("*.jsonl")):
+        lines = read_jsonl(path, root, skipped)
+        good = [rec for rec in lines if is_event(rec)]
+        skipped.add_lines(_relative(path, root), len(lines) - len(good))
+        records += good
+    return sorted(records, key=lambda r: (float(r["time"]), int_of(r.get("rank"))))
+
+
+def is_event(record: dict[str, Any]) -> bool:
+    """Whether a JSON object has an event's core fields, of the types the guard writes."""
+    kind, step, rank = record.get("kind"), record.get("step"), record.get("rank")
+    return (
+        isinstance(kind, str)
+        and bool(kind)
+        and _finite_number(record.get("time"))
+        and (step is None or _is_int(step))
+        and ("rank" not in record or _is_int(rank))
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def read_json(path: Path, run_dir: Path, skipped: Skipped) -> dict[str, Any] | None:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.report.decisions import decision_counts
+from trainguard.report.decisions import decision_counts, metric_decisions, metric_nonfinite
 from trainguard.report.ending import ending
 from trainguard.report.readers import (
     Skipped,
@@ -24,6 +24,7 @@ from trainguard.report.readers import (
     int_of,
     number,
     read_captures,
+    read_events,
     read_hangs,
     read_jsonl,
 )
@@ -74,6 +75,8 @@ class RunSummary:
     """How the run's last start ended (``report/ending.py``)."""
     decisions: dict[str, int] = field(default_factory=dict)
     first_bad: dict[str, Any] | None = None
+    """The first non-finite step in time (``from``: ``metrics`` when read from the metrics
+    log, the run's events being missing or unreadable)."""
     nonfinite: list[dict[str, Any]] = field(default_factory=list)
     captures: list[dict[str, Any]] = field(default_factory=list)
     stood_aside: list[dict[str, Any]] = field(default_factory=list)
@@ -177,7 +180,7 @@ def _unknown(found: _RunDir, run: str) -> str:
 
 def _load(root: Path) -> _RunDir:
     skipped = Skipped()
-    events = _read_events(root, skipped)
+    events = read_events(root, skipped)
     runs = list_runs(events)
     return _RunDir(
         root=root,
@@ -203,7 +206,7 @@ def _summary(found: _RunDir, run: str | None) -> RunSummary:
     _fill_from_events(summary, events)
     summary.captures = own(found.captures, "run")
     summary.hangs = own(found.hangs, None) or _hang_events(events)
-    summary.ended = ending(events, summary.hangs)
+    summary.ended = ending(events, summary.hangs, own(found.records, None))
     starts = run_starts(events, own(found.records, None))
     # a run killed before its batched metrics lines were flushed: its events still say
     # how far each start got (a phase entered at step N: N steps were checked)
@@ -215,6 +218,8 @@ def _summary(found: _RunDir, run: str | None) -> RunSummary:
     summary.decisions = decision_counts(
         summary.nonfinite, overflows, summary.spikes, summary.steps_run, summary.steps
     )
+    if not events:  # events missing or unreadable: what the metrics log says
+        _fill_from_metrics(summary)
     if run is not None:
         summary.runs = [_listed(found, info, summary) for info in found.runs]
     return summary
@@ -247,16 +252,6 @@ def _listed(found: _RunDir, info: RunInfo, summary: RunSummary) -> dict[str, Any
         points = _points(own(found.records, None))
         info.steps = _count_steps(events, points)
     return info.to_dict()
-
-
-def _read_events(root: Path, skipped: Skipped) -> list[dict[str, Any]]:
-    records = [
-        rec
-        for path in sorted((root / "events").glob("*.jsonl"))
-        for rec in read_jsonl(path, root, skipped)
-        if isinstance(rec.get("kind"), str)
-    ]
-    return sorted(records, key=lambda r: (float_of(r.get("time")), int_of(r.get("rank"))))
 
 
 def _read_records(root: Path, skipped: Skipped) -> list[dict[str, Any]]:
@@ -344,6 +339,14 @@ def _fill_from_events(summary: RunSummary, events: list[dict[str, Any]]) -> None
     summary.replicas = _merged(events, "replica_divergence")
     summary.reruns = _merged(events, "rerun")
     summary.hosts = _host_counts(summary.reruns, _merged(events, "suspect_host"))
+
+
+def _fill_from_metrics(summary: RunSummary) -> None:
+    """Decisions and non-finite steps from the metrics log's lines (no readable events)."""
+    summary.nonfinite = metric_nonfinite(summary.points)
+    if summary.nonfinite:
+        summary.first_bad = {**summary.nonfinite[0], "from": "metrics"}
+    summary.decisions = metric_decisions(summary.points, summary.steps_run, summary.steps)
 
 
 def _escalations(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

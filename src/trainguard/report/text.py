@@ -28,7 +28,7 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
         ),
         *([("ended", [summary.ended])] if _unusual(summary.ended) else []),
         ("decisions", [_decisions(summary.decisions)]),
-        ("first bad", [_first_bad(summary.first_bad)]),
+        ("first bad", [_first_bad(summary)]),
         ("non-finite", _listed(summary.nonfinite, _nonfinite)),
         ("captures", _captures(summary.captures, summary.run_dir) + _failed(summary)),
         ("spikes", _listed(summary.spikes, _spike)),
@@ -99,13 +99,25 @@ def _decisions(decisions: dict[str, int]) -> str:
     return ", ".join(f"{kind} {n}" for kind, n in decisions.items() if n) or "none"
 
 
-def _first_bad(event: dict[str, Any] | None) -> str:
-    if event is None:
+def _first_bad(summary: RunSummary) -> str:
+    event = summary.first_bad
+    if event is None and summary.events:
         return "none (every recorded step was finite on every rank)"
+    if event is None:  # no readable events: only the metrics log can tell
+        if not summary.points:
+            return "unknown (no readable events or metrics log)"
+        return "none in the metrics log (no readable events)"
+    source = "; from the metrics log: no readable events" if event.get("from") else ""
     return (
-        f"step {event.get('step')}: non-finite {event.get('where')} on ranks "
-        f"{event.get('ranks')} ({event.get('action')})"
+        f"step {event.get('step')}: non-finite {event.get('where')}{_on_ranks(event)} "
+        f"({event.get('action')}{source})"
     )
+
+
+def _on_ranks(event: dict[str, Any]) -> str:
+    """`` on ranks [..]`` (nothing when unknown: a non-finite gradient norm in the log)."""
+    ranks = event.get("ranks")
+    return "" if ranks is None else f" on ranks {ranks}"
 
 
 def _listed(items: list[dict[str, Any]], line: Any) -> list[str]:
@@ -116,7 +128,7 @@ def _listed(items: list[dict[str, Any]], line: Any) -> list[str]:
 
 
 def _nonfinite(e: dict[str, Any]) -> str:
-    return f"step {e.get('step')}: {e.get('where')} on ranks {e.get('ranks')} -> {e.get('action')}"
+    return f"step {e.get('step')}: {e.get('where')}{_on_ranks(e)} -> {e.get('action')}"
 
 
 def _captures(captures: list[dict[str, Any]], run_dir: str) -> list[str]:
