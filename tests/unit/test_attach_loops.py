@@ -159,6 +159,15 @@ def test_a_refilled_input_buffer_is_found_and_copied_from_then_on(
         assert "overwritten_micro_batches" not in meta
     else:  # the step where it was found: the bundle says what it does not hold
         assert meta["overwritten_micro_batches"] == [0]
+        bundle = tmp_path / "captures" / "step-00000000"
+        replayed = tg.replay(bundle, _replay_factory).to_dict()
+        assert replayed["verdict"] == "not_reproduced"  # its NaN micro-batch is gone
+        assert "does not hold its micro-batch(es) [0]" in replayed["summary"]
+        assert "suspect" not in replayed["summary"] + replayed["advice"]  # not the device
+
+
+def _replay_factory() -> tuple[nn.Module, Any]:
+    return nn.Linear(4, 1), lambda model, x: model(x).square().mean() / 2
 
 
 def test_record_batch_copies_a_refilled_buffer_and_not_a_batch_handed_over_twice(

@@ -8,6 +8,8 @@ a replay that stayed finite did.
   (verdict ``input_handled``): the factory's loss_fn handles them, no device is suspected;
 - finite, and the rank's forward had got a non-finite input its fetched batch did not hold
   (verdict ``input_made_in_loop``): the loop's code, so no device is suspected;
+- finite on a capture that lacks micro-batches the loop overwrote (it refilled one input
+  buffer: ``step/manual.py``): the replay says nothing about the step, no device suspected;
 - finite under another ``--autocast`` than the step ran under: that (autocast.py);
 - finite on every rank: none of them made it in its own forward and backward;
 - otherwise a transient fault, with how often the rank and its host went bad in the run's
@@ -22,7 +24,7 @@ from trainguard.capture.bundle import Bundle
 from trainguard.replay import autocast as precision
 from trainguard.replay import origin
 from trainguard.replay.report import ReplayReport
-from trainguard.replay.verdicts import ELSEWHERE_ADVICE, RECEIVED_ADVICE
+from trainguard.replay.verdicts import ELSEWHERE_ADVICE, OVERWRITTEN_ADVICE, RECEIVED_ADVICE
 
 
 def explain(
@@ -54,6 +56,11 @@ def explain(
         return
     if report.verdict in ("input_made_in_loop", "input_handled"):  # the loop's code, or
         return  # the factory's loss_fn handling the batch's values: not the device
+    lost = bundle.meta(found.rank).get("overwritten_micro_batches")
+    if lost:  # the capture lacks micro-batches the loop overwrote: nothing to conclude
+        report.summary = overwritten_summary(lost)
+        report.advice = OVERWRITTEN_ADVICE
+        return
     otherwise = precision.otherwise_summary(autocast)
     note = precision.unrecorded_note(autocast)
     if otherwise is not None:  # replayed under another autocast than the step ran under
@@ -83,3 +90,13 @@ def recurrence_note(bundle: Bundle, rank: int) -> str:
             f"suspect that GPU or node (test it, or exclude {host or 'it'} and rerun)."
         )
     return f" It went bad on {where}: if it happens there again, suspect that GPU or node."
+
+
+def overwritten_summary(lost: list[int]) -> str:
+    """The summary of a finite replay whose capture lacks overwritten micro-batches."""
+    return (
+        f"The step did not reproduce, but this capture does not hold its micro-batch(es) {lost}: "
+        "the loop copied every micro-batch into one input buffer, which overwrote them before "
+        "the step ended (the guard keeps copies from the step after on); the replay ran on "
+        "what the buffer held last, so a finite replay says nothing about the step's fault."
+    )

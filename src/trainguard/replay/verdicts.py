@@ -123,6 +123,12 @@ RECEIVED_ADVICE = (
 )
 """The advice of a ``--rank`` whose own replay is finite while another rank made the NaN."""
 
+OVERWRITTEN_ADVICE = (
+    "Replay a later bad step of this run (from the step after this one, its micro-batches are "
+    "copies), or have the loop hand each micro-batch to the model as a tensor of its own."
+)
+"""A finite replay of a capture that lacks micro-batches the loop overwrote."""
+
 ELSEWHERE_ADVICE = (
     "The step went non-finite on another rank, not on this one: diagnose that rank (replay "
     "without --rank); this rank's device is not a suspect."
