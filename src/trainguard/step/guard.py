@@ -303,10 +303,16 @@ class Guard(GuardAssembly):
 
         Safe to call on some ranks only (e.g. rank 0): no collective; it reads from the device
         only the spike statistics of the sync-free step's device rule (six numbers). Under
-        the sync-free ``step()`` the last step's outcome is not read yet, so its counters
-        (``total_nonfinite``...) land in the next state_dict; ``step`` is already counted."""
+        the sync-free ``step()`` the last step's outcome is read here from this rank's copy
+        of its agreed flags (no other rank waits) and counted in the dict, not acted on: a
+        step that will stop the run when read is saved as ``stopped_at``, and loading the
+        dict raises ``NonFiniteError`` for it, as the run it came from stops there."""
         recovery = self.recovery.state if self.recovery is not None else None
-        return guard_state_dict(self.state, recovery)  # step/saved.py: what it holds
+        sync_free = self._sync_free
+        counters, stopped_at = (
+            sync_free.settled_state() if sync_free is not None else (self.state.state_dict(), None)
+        )
+        return guard_state_dict(counters, recovery, stopped_at)  # step/saved.py: what it holds
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``'s counters, step, spike state and LR backoff."""

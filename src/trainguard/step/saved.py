@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainguard.errors import ConfigError
+from trainguard.errors import ConfigError, NonFiniteError
 from trainguard.recovery.types import RecoveryState
 from trainguard.step.state import GuardState
 
@@ -24,10 +24,17 @@ FORMAT = 1
 _FIX = "pass the dict guard.state_dict() returned (as saved in your checkpoint)"
 
 
-def guard_state_dict(state: GuardState, recovery: RecoveryState | None) -> dict[str, Any]:
-    saved: dict[str, Any] = {"format": FORMAT, "state": state.state_dict()}
+def guard_state_dict(
+    counters: dict[str, Any], recovery: RecoveryState | None, stopped_at: int | None = None
+) -> dict[str, Any]:
+    """``counters``: ``GuardState.state_dict()`` (the sync-free step's settled ones);
+    ``stopped_at``: a step not read yet whose reading stops the run (``stopped_at`` in the
+    dict: loading it raises, as the run it was saved from was to stop there)."""
+    saved: dict[str, Any] = {"format": FORMAT, "state": counters}
     if recovery is not None:
         saved["recovery"] = recovery.state_dict()
+    if stopped_at is not None:
+        saved["stopped_at"] = stopped_at
     return saved
 
 
@@ -45,3 +52,13 @@ def load_guard_state(saved: Any, state: GuardState, recovery: RecoveryState | No
     state.load_state_dict(saved["state"])
     if recovery is not None and isinstance(saved.get("recovery"), dict):
         recovery.load_state_dict(saved["recovery"])
+    stopped = saved.get("stopped_at")
+    if isinstance(stopped, int):
+        raise NonFiniteError(
+            f"step {stopped}: the run this state was saved from stops there (its sync-free "
+            "step() read the step as non-finite past the policy's limit after the save); "
+            "resume from a checkpoint before it, or fix the cause (its bundle, if captured, "
+            "is in the run dir's captures/)",
+            step=stopped,
+            ranks=[],
+        )

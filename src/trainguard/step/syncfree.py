@@ -10,6 +10,7 @@ shared objects, and its own actions as callables; this module never sees the Gua
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,7 +96,14 @@ class SyncFreeStep:
         parts.start.buffers.restore_where(found_inf, step)  # a skipped step's forward undone
         pending = self._pending_step(step, stats, reduced, spike)
         parts.state.step = step + 1
-        self.resolve()  # the step before, ahead of this update: weights still pre-update
+        try:
+            self.resolve()  # the step before, ahead of this update: weights still pre-update
+        except BaseException:
+            # the run stops before this step's update: its forward's buffer writes are put
+            # back and it is not counted, as check() leaves the step after one it raised at
+            parts.start.buffers.restore(step)
+            parts.state.step = step
+            raise
         set_found_inf(parts.optimizer, found_inf)
         try:
             parts.optimizer.step()
@@ -171,6 +179,27 @@ class SyncFreeStep:
             parts.events.write("skip", pending.step, consecutive=consecutive)
         elif raise_errors:
             raise parts.stop_error(decision, agreement, pending.step, bundle)
+
+    def settled_state(self) -> tuple[dict[str, Any], int | None]:
+        """The guard's counters as they will be once the pending step is read, and that step
+        when reading it will stop the run (None: it will not). Nothing is acted on and no
+        rank waits for another: this rank's copy of the agreed flags is read (a host wait
+        for that copy only), so ``state_dict()`` may still be called on rank 0 alone."""
+        parts = self._parts
+        counters = parts.state.state_dict()
+        pending = self.pending
+        if pending is None:
+            return counters, None
+        agreement = parts.consensus.read(pending.values(), pending.reduced)
+        decision = parts.decide(agreement)
+        settled = GuardState(nonfinite_steps=deque(maxlen=parts.state.nonfinite_steps.maxlen))
+        settled.load_state_dict(counters)
+        if decision is Decision.OK and pending.spike is None:
+            settled.record_good(pending.step, agreement.mean_loss)
+        elif decision is not Decision.OK:
+            settled.record_bad(pending.step)
+        stops = decision in (Decision.RAISE, Decision.ESCALATE)
+        return {**counters, **settled.state_dict()}, pending.step if stops else None
 
     def _late_spike(self, agreement: Agreement, pending: PendingStep) -> Decision | None:
         """The spike verdict: judged on the device when a spike must skip the update
