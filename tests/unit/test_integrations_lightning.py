@@ -18,6 +18,7 @@ L = pytest.importorskip("lightning.pytorch")
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+import trainguard as tg  # noqa: E402
 from trainguard.errors import ConfigError  # noqa: E402
 from trainguard.integrations.lightning import TrainGuard, training_step_loss  # noqa: E402
 
@@ -81,6 +82,56 @@ def test_one_process_skips_the_poisoned_batch(tmp_path: Path) -> None:
     batch = ex.Points()[ex.POISONED]
     loss = training_step_loss(fresh, (batch[0][None], batch[1][None]))
     assert not math.isfinite(float(loss))
+
+
+def test_a_second_fit_with_the_same_callback_starts_its_own_count(tmp_path: Path) -> None:
+    ex = _example()
+    callback = TrainGuard(run_dir=tmp_path, hang_timeout=0)
+    for _ in range(2):  # two fits, no ckpt_path: the second is no resume of the first
+        L.seed_everything(0, verbose=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _trainer(callback).fit(ex.Regressor(), DataLoader(ex.Points(), batch_size=8))
+        state = callback.state_dict()["state"]  # the fit's final state, after it
+        assert (state["step"], state["nonfinite_steps"]) == (8, [ex.POISONED // 8])
+    starts = [e for e in tg.read_events(tmp_path, 0) if e["kind"] == "start"]
+    assert [e["run_origin"] for e in starts] == ["new", "new"]
+
+
+def test_a_fit_resumed_without_the_guards_state_counts_from_lightnings_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ex = _example()
+    L.seed_everything(0, verbose=False)
+    model = ex.Regressor()
+    data = DataLoader(ex.Points(), batch_size=8)
+    saver = L.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = TrainGuard(run_dir=tmp_path / "a", hang_timeout=0)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_epochs=1,
+            callbacks=[first, saver],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model, data)
+        checkpoint = tmp_path / "ckpt" / "step=2.ckpt"
+        saved = torch.load(checkpoint, weights_only=False)
+        saved["callbacks"] = {k: v for k, v in saved["callbacks"].items() if k != "TrainGuard"}
+        torch.save(saved, checkpoint)  # as saved by a Trainer without TrainGuard
+        callback = TrainGuard(run_dir=tmp_path / "b", hang_timeout=0)
+        _trainer(callback).fit(ex.Regressor(), data, ckpt_path=str(checkpoint))
+    assert "without TrainGuard's state" in caplog.text
+    state = callback.state_dict()["state"]
+    assert state["step"] == 8  # Lightning's steps: 2 before the resume, 6 after
+    # the plain loader starts the epoch over (Lightning fast-forwards its own count only):
+    # the poisoned batch comes at Lightning's step 2 + 3, and the guard names that step
+    assert state["nonfinite_steps"] == [2 + ex.POISONED // 8]
 
 
 def test_manual_optimization_is_refused(tmp_path: Path) -> None:

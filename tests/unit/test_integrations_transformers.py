@@ -132,6 +132,33 @@ def test_callback_without_the_mixin_is_refused_before_any_forward(tmp_path: Path
     assert forwards["n"] == 0  # refused in on_train_begin: no forward, no backward ran
 
 
+def test_a_train_that_raises_closes_the_guard_and_a_retry_gets_its_own(tmp_path: Path) -> None:
+    ex = _example()
+    model = ex.tiny_gpt2()
+    backwards = {"n": 0}
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        backwards["n"] += 1
+        return grad * float("nan") if backwards["n"] == 2 else grad
+
+    model.transformer.ln_f.weight.register_hook(poison)
+    callback = TrainGuardCallback(run_dir=tmp_path, hang_timeout=0, on_nonfinite="raise")
+    trainer = ex.GuardedTrainer(
+        model=model,
+        args=_args(tmp_path),
+        train_dataset=ex.Tokens(masked=None),
+        callbacks=[callback],
+    )
+    with pytest.raises(tg.NonFiniteError):  # a notebook or a sweep catches it
+        trainer.train()
+    assert callback.guard is None and callback.final_state is not None  # closed at once
+    closes = [e for e in tg.read_events(tmp_path, 0) if e["kind"] == "close"]
+    assert len(closes) == 1 and "NonFiniteError" in closes[0]["error"]
+    trainer.train()  # the retry: a guard of its own, no clash with a stale one
+    closes = [e for e in tg.read_events(tmp_path, 0) if e["kind"] == "close"]
+    assert len(closes) == 2 and not closes[1].get("error") and closes[1].get("closed") is not False
+
+
 def test_mixin_without_the_callback_is_refused(tmp_path: Path) -> None:
     ex = _example()
     trainer = ex.GuardedTrainer(

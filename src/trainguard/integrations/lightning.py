@@ -97,7 +97,12 @@ class TrainGuard(Callback):  # type: ignore[misc]
         """The Guard of the running fit (from ``on_train_start`` to ``on_train_end``)."""
         self._loss: Tensor | None = None
         self._phases = contextlib.ExitStack()
-        self._saved_state: dict[str, Any] | None = None
+        self._loaded_state: dict[str, Any] | None = None
+        """The guard's state restored from a checkpoint (``fit(ckpt_path=...)``): the next
+        fit's guard starts from it."""
+        self._final_state: dict[str, Any] | None = None
+        """The last fit's closed guard's state (``state_dict()`` after the fit); never
+        carried into another fit."""
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -132,16 +137,25 @@ class TrainGuard(Callback):  # type: ignore[misc]
                 f"TrainGuard guards one optimizer, got {len(trainer.optimizers)}",
             )
         config = with_accumulation(self._config, trainer.accumulate_grad_batches)
-        if self._saved_state is not None and config.run is None:  # fit(ckpt_path=...)
+        loaded, self._loaded_state, self._final_state = self._loaded_state, None, None
+        if loaded is not None and config.run is None:  # fit(ckpt_path=...)
             config = dataclasses.replace(config, run="continue")  # the same run goes on
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # fp16: a GradScaler
         rerun = LightningRerun(trainer, self._micro) if self._rerun else None
         self.guard = Guard(
             pl_module, trainer.optimizers[0], scaler=scaler, config=config, rerun=rerun
         )
-        if self._saved_state is not None:
-            self.guard.load_state_dict(self._saved_state)
-            self._saved_state = None
+        if loaded is not None:
+            self.guard.load_state_dict(loaded)
+        elif trainer.global_step > 0:  # resumed from a checkpoint saved without TrainGuard
+            logger.warning(
+                "trainguard: the fit resumes at step %d from a checkpoint without TrainGuard's "
+                "state: the guard's counters start afresh, its steps counted from %d as "
+                "Lightning's",
+                trainer.global_step,
+                trainer.global_step,
+            )
+            self.guard.state.step = trainer.global_step
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -202,7 +216,7 @@ class TrainGuard(Callback):  # type: ignore[misc]
         self._phases.close()
         guard, self.guard = self.guard, None
         if guard is not None:
-            self._saved_state = guard.state_dict()
+            self._final_state = guard.state_dict()
             guard.close()
 
     # -- checkpoints: the guard's counters travel with Lightning's checkpoints --------------
@@ -210,11 +224,11 @@ class TrainGuard(Callback):  # type: ignore[misc]
     def state_dict(self) -> dict[str, Any]:
         if self.guard is not None:
             return self.guard.state_dict()
-        return dict(self._saved_state or {})
+        return dict(self._final_state or self._loaded_state or {})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
-            self._saved_state = dict(state_dict)
+            self._loaded_state = dict(state_dict)
 
 
 def _log_guard_metrics(trainer: pl.Trainer, guard: Guard, applied: bool) -> None:

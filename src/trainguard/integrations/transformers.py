@@ -279,8 +279,16 @@ class TrainGuardMixin:
             from transformers.trainer_utils import get_last_checkpoint
 
             resume = get_last_checkpoint(self.args.output_dir)  # type: ignore[attr-defined,no-untyped-call]
-        self._trainguard().bind(self, str(resume) if isinstance(resume, (str, Path)) else None)
-        return super().train(*args, **kwargs)  # type: ignore[misc]
+        callback = self._trainguard()
+        callback.bind(self, str(resume) if isinstance(resume, (str, Path)) else None)
+        try:
+            return super().train(*args, **kwargs)  # type: ignore[misc]
+        except BaseException as exc:
+            try:  # on_train_end never comes: close here (the close event names the error)
+                callback.close()
+            except Exception:  # never mask the run's own exception
+                logger.exception("trainguard: closing the guard after %r failed", exc)
+            raise
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         with self._trainguard().phase("evaluation"):
