@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,15 @@ def test_a_nan_input_skips_the_step_with_the_event(tmp_path: Path, record: bool)
     assert event["tensors"] == [{"micro_batch": 0, "path": "['aux']", "positions": [3]}]
     [nonfinite] = _events(tmp_path, "nonfinite")
     assert nonfinite["where"] == "input" and nonfinite["ranks"] == [0]
+
+
+def test_an_input_only_skip_names_the_option_for_inputs_meant_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="trainguard"):
+        _run(tmp_path, check_inputs=True)
+    [line] = [r.getMessage() for r in caplog.records if "non-finite input on" in r.getMessage()]
+    assert "check_inputs=False" in line and "-inf attention mask" in line
 
 
 def test_check_inputs_off(tmp_path: Path) -> None:

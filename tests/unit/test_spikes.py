@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 from pathlib import Path
@@ -195,6 +196,16 @@ def test_first_spike_and_first_nonfinite_step_are_captured_independently(tmp_pat
     assert captured == ["step-00000110", "step-00000114"]  # each first one, once
     reasons = {e["step"]: e["reason"] for e in _events(tmp_path, "capture")}
     assert reasons == {110: "first_spike", 114: "first_bad_step"}
+
+
+@pytest.mark.parametrize("on_spike", ["skip", "warn"])
+def test_the_spike_line_says_what_was_done(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, on_spike: str
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="trainguard"):
+        _run(tmp_path, on_spike, {110}, steps=112)
+    lines = [r.getMessage() for r in caplog.records if "loss spike" in r.getMessage()]
+    assert lines and lines[0].endswith(": spike" if on_spike == "skip" else ": warn")
 
 
 def test_warn_lets_the_step_through(tmp_path: Path) -> None:

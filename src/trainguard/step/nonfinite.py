@@ -46,13 +46,21 @@ def log_nonfinite(
     )
     log = logger.warning if rank == 0 else logger.debug
     log(
-        "trainguard: step %d non-finite %s on ranks %s (%d in a row): %s",
+        "trainguard: step %d non-finite %s on ranks %s (%d in a row): %s%s",
         step,
         agreement.where,
         agreement.ranks,
         consecutive,
         decision.value,
+        INPUTS_ON_PURPOSE if agreement.where == "input" else "",
     )
+
+
+INPUTS_ON_PURPOSE = (
+    " (the batch holds NaN/Inf while the loss and gradients are finite; if it does on purpose,"
+    " as an additive -inf attention mask does, pass check_inputs=False)"
+)
+"""Said where the input check alone stopped a step: the fix for inputs meant to be so."""
 
 
 def stop_error(
@@ -81,6 +89,7 @@ def stop_error(
     message = (
         f"step {step}: {consecutive} non-finite steps in a row "
         f"(max_consecutive={config.max_consecutive}); last on ranks {agreement.ranks}"
+        + (INPUTS_ON_PURPOSE if agreement.where == "input" else "")
     )
     events.write("escalate", step, reason="max_consecutive", consecutive=consecutive)
     return NonFiniteError(message, step=step, ranks=agreement.ranks, bundle=bundle)

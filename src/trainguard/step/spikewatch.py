@@ -190,13 +190,14 @@ class SpikeWatch:
         log = logger.warning if self._rank == 0 else logger.debug
         for spike in spikes:
             log(
-                "trainguard: step %d %s spike: %.4g vs baseline %.4g (x%.1f, z=%.1f)",
+                "trainguard: step %d %s spike: %.4g vs baseline %.4g (x%.1f, z=%.1f): %s",
                 step,
                 spike.metric,
                 spike.value,
                 spike.baseline,
                 spike.ratio,
                 spike.score,
+                decision.value if decision is not None else "warn",
             )
         return decision
 
