@@ -90,3 +90,16 @@ def test_a_finite_step_is_not_reproduced_and_the_model_is_left_as_it_was() -> No
     assert r.verdict in VERDICTS
     assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters(), strict=True))
     assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters(), strict=True))
+
+
+def test_a_spikes_replayed_norm_is_set_beside_the_recorded_one_and_the_micro_batch_factor() -> None:
+    from trainguard.replay.diagnosis import spike_summary
+    from trainguard.replay.stepper import RunResult
+
+    runs = [RunResult(losses=[3.0, 5.0], grad_norm=20.0) for _ in range(3)]
+    meta = {"loss": 4.0, "local_grad_norm": 10.0, "rank": 1}
+    verdict, text = spike_summary(runs, True, "cpu", meta)
+    assert verdict == "spike"
+    assert "gradient norm 20; rank 1 recorded 10: 2 micro-batches" in text
+    _, same = spike_summary(runs, True, "cpu", {**meta, "local_grad_norm": 20.0})
+    assert "recorded 20" not in same  # the same norm: nothing to explain

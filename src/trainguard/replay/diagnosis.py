@@ -295,8 +295,9 @@ def spike_summary(
     ):
         return "spike", (
             f"The spike reproduces: {n} replays on {device} gave the recorded loss "
-            f"({loss:.6g}; gradient norm {norm:.6g}), bit for bit the same each time: the "
-            "step's own batch and weights make it, not a transient fault."
+            f"({loss:.6g}; gradient norm {norm:.6g}{_norm_note(norm, meta, runs)}), bit for "
+            "bit the same each time: the step's own batch and weights make it, not a "
+            "transient fault."
         )
     what = f"{recorded:.6g}" if isinstance(recorded, (int, float)) else "no loss"
     same = "bit for bit the same" if deterministic else "differing bit for bit"
@@ -306,6 +307,25 @@ def spike_summary(
         "the replay does not (a transform between the fetch and the forward, a loss_fn "
         "other than the loop's), or the step's kernels are nondeterministic."
     )
+
+
+def _norm_note(norm: float, meta: dict[str, Any], runs: list[RunResult]) -> str:
+    """Beside a replayed gradient norm: the recorded one when they differ; and when by the
+    step's micro-batch count, why (the replay backpropagates each micro-batch's loss as the
+    loss_fn returns it, where the loop divided it by the count)."""
+    recorded = meta.get("local_grad_norm")
+    if not isinstance(recorded, (int, float)) or not math.isfinite(recorded) or recorded <= 0:
+        return ""
+    if math.isclose(norm, recorded, rel_tol=1e-4):
+        return ""
+    note = f"; rank {meta.get('rank')} recorded {recorded:.6g}"
+    micro = len(runs[0].losses) if runs else 0
+    if micro > 1 and math.isclose(norm / recorded, micro, rel_tol=1e-3):
+        note += (
+            f": {micro} micro-batches, each loss backpropagated as the loss_fn returns it, "
+            f"where the loop divided it by {micro}"
+        )
+    return note
 
 
 def entry_text(entry: dict[str, Any]) -> str:
