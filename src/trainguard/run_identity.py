@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.elastic import restart_count
+from trainguard.objects import broadcast_object
 
 logger = logging.getLogger(__name__)
 
@@ -160,9 +161,7 @@ def identify_run(
     ident = decide_run(run_dir, resume, choice, env) if group.rank == 0 else None
     if group.distributed and group.world_size > 1:
         src = dist.get_global_rank(group.group, 0) if group.group is not None else 0
-        box: list[RunIdentity | None] = [ident]
-        dist.broadcast_object_list(box, src=src, group=group.group, device=group.device)
-        ident = box[0]
+        ident = broadcast_object(ident, src, group.group, group.device)  # no NumPy needed
     if ident is None:  # pragma: no cover - the broadcast always delivers rank 0's
         raise RuntimeError("trainguard: the run id did not reach this rank")
     if group.rank == 0 and ident.origin != NEW:

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from trainguard.objects import broadcast_object
+
 _WRAPPERS = {"DistributedDataParallel": "module", "OptimizedModule": "_orig_mod"}
 
 Entry = tuple[str, str, object]
@@ -90,9 +92,7 @@ def _broadcast_optimizer(
     group: dist.ProcessGroup | None,
     device: torch.device,
 ) -> None:
-    holder: list[object] = [_layout(optimizer)]
-    dist.broadcast_object_list(holder, src, group=group)
-    layout = holder[0]
+    layout = broadcast_object(_layout(optimizer), src, group, device)
     assert isinstance(layout, list)
     for param, entries in zip(_params(optimizer), layout, strict=True):
         if not entries:

@@ -57,6 +57,7 @@ from trainguard.capture.bundle import (
 )
 from trainguard.events import EventLog
 from trainguard.numerics import norm_or_inf
+from trainguard.objects import all_gather_objects
 from trainguard.optim_state import optimizer_state
 from trainguard.step.consensus import Agreement, Consensus
 from trainguard.step.detect import GradStats
@@ -215,9 +216,7 @@ class Capturer:
         consensus = self._consensus
         if not consensus.distributed or consensus.world_size == 1:
             return [obj]
-        out: list[Any] = [None] * consensus.world_size
-        dist.all_gather_object(out, obj, group=consensus.group)
-        return out
+        return all_gather_objects(obj, consensus.group, consensus.device)
 
     def _capture(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, evidence: StepEvidence

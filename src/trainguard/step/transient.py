@@ -17,12 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
 from torch import Tensor
 
 from trainguard.config import GuardConfig
 from trainguard.events import EventLog
 from trainguard.exitcodes import EXIT_SUSPECT_HOST
+from trainguard.objects import all_gather_objects
 from trainguard.step.consensus import Agreement, Consensus, LocalReport
 from trainguard.step.detect import GradStats
 from trainguard.step.losses import StepLosses
@@ -113,8 +113,7 @@ class TransientFaults:
             consensus = self._parts.consensus
             name = socket.gethostname()
             if consensus.distributed and consensus.world_size > 1:
-                names: list[Any] = [None] * consensus.world_size
-                dist.all_gather_object(names, name, group=consensus.group)
+                names = all_gather_objects(name, consensus.group, consensus.device)
                 self._hosts = [str(n) for n in names]
             else:
                 self._hosts = [name]
