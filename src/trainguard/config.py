@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -304,6 +305,23 @@ def _check_spikes(config: GuardConfig) -> None:
         )
 
 
+def more_options(options: dict[str, object]) -> dict[str, object]:
+    """``Guard``'s keywords beyond its own parameters: any other ``GuardConfig`` option (every
+    option goes in as a keyword); an unknown one is a ``ConfigError`` naming it, and the
+    option closest to it."""
+    fields = GuardConfig.__dataclass_fields__
+    for name in options:
+        if name not in fields or name == "extra":
+            close = difflib.get_close_matches(name, list(fields), n=1)
+            hint = f"did you mean {close[0]}=? " if close else ""
+            raise ConfigError(
+                name,
+                f"Guard has no option {name!r}; {hint}the options are trainguard.GuardConfig's "
+                "fields (docs/guard.md)",
+            )
+    return options
+
+
 def config_of(
     config: GuardConfig | None, options: dict[str, object], defaults: dict[str, object]
 ) -> GuardConfig:
@@ -312,7 +330,9 @@ def config_of(
     not dropped (which one would win is a guess)."""
     if config is None:
         return GuardConfig(**options)  # type: ignore[arg-type]
-    given = [name for name, value in options.items() if value != defaults[name]]
+    given = [
+        name for name, value in options.items() if name not in defaults or value != defaults[name]
+    ]
     if given:
         keywords = ", ".join(f"{name}=..." for name in given)
         raise ConfigError(

@@ -47,6 +47,22 @@ def test_keywords_beside_a_config_are_refused_not_dropped(tmp_path: object) -> N
         assert str(guard.config.run_dir).endswith("cfg")
 
 
+def test_every_guardconfig_option_goes_in_as_a_keyword(tmp_path: object) -> None:
+    """The README: the options go in as keywords or in one config. Those not in Guard's own
+    signature (good_after, spike_z, check_inputs...) did raise TypeError."""
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = {"good_after": 7, "spike_z": 5.0, "check_inputs": False, "snapshot_every": 3}
+    with tg.Guard(model, opt, run_dir=f"{tmp_path}/kw", hang_timeout=0, **options) as guard:
+        assert {name: getattr(guard.config, name) for name in options} == options
+    with pytest.raises(tg.ConfigError, match="did you mean good_after=") as info:
+        tg.Guard(model, opt, run_dir=f"{tmp_path}/typo", good_afer=7)
+    assert info.value.option == "good_afer"
+    config = tg.GuardConfig(run_dir=f"{tmp_path}/cfg", hang_timeout=0)
+    with pytest.raises(tg.ConfigError, match="move spike_z into the GuardConfig"):
+        tg.Guard(model, opt, spike_z=5.0, config=config)
+
+
 def test_an_optimizer_that_updates_none_of_the_model_is_refused(tmp_path: object) -> None:
     """A GAN's pair swapped: the guard would check the generator's gradients while the
     discriminator's optimizer steps. A model it partly updates (frozen layers) is fine."""

@@ -30,6 +30,7 @@ from trainguard.config import (
     NonFiniteAction,
     SpikeAction,
     config_of,
+    more_options,
 )
 from trainguard.errors import ConfigError
 from trainguard.step import amp
@@ -80,6 +81,7 @@ class Guard(GuardAssembly):
         run: str | None = None,
         process_group: dist.ProcessGroup | None = None,
         config: GuardConfig | None = None,
+        **options: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError("model", f"expected a torch.nn.Module, got {type(model).__name__}")
@@ -107,6 +109,7 @@ class Guard(GuardAssembly):
                 replica_check_every=replica_check_every,
                 on_divergence=on_divergence,
                 run=run,
+                **more_options(options),  # the other GuardConfig options, by keyword too
             ),
             _KEYWORD_DEFAULTS,
         )
