@@ -33,6 +33,11 @@ def _zero_local(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | Non
     return None
 
 
+def is_zero(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is a ``ZeroRedundancyOptimizer`` (its state sharded over ranks)."""
+    return _zero_local(optimizer) is not None
+
+
 def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``optimizer.state_dict()``, or this rank's shard of a ZeRO optimizer (module doc)."""
     local = _zero_local(optimizer)

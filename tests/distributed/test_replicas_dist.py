@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainguard as tg
+from trainguard.testing import poison_loss
 
 WORLD = 4
 EVERY = 4
@@ -65,6 +66,7 @@ def _run(
     fault_step: int | None,
     steps: int = 12,
     fused: bool = False,
+    nan_calls: tuple[int, ...] = (),
     **kw: Any,
 ) -> dict[str, Any]:
     torch.manual_seed(0)
@@ -74,9 +76,11 @@ def _run(
     error = None
     guard = tg.Guard(model, opt, run_dir=run_dir, replica_check_every=EVERY, **kw)
     try:
-        for batch in guard.watch(make_batches(steps, seed=0)):
+        for call, batch in enumerate(guard.watch(make_batches(steps, seed=0))):
             _nudge(rank, guard.state.step, fault_step, inner, opt)
             loss = model(batch).pow(2).mean()
+            if call in nan_calls and rank == 0:
+                loss = poison_loss(loss)
             loss.backward()
             if fused:
                 guard.step(loss)
@@ -100,6 +104,19 @@ def _job(rank: int, world_size: int, root: str) -> dict[str, Any]:
         "raise": _run(rank, base / "raise", 8, on_divergence="raise"),
         # the sync-free guard.step() reads each agreement a step late; off-cadence fault
         "fused": _run(rank, base / "fused", 9, steps=16, fused=True, on_divergence="resync"),
+        # resynced at the check of step 8, then bad steps 10, 11: the rollback goes to step
+        # 8's snapshot, taken before the resync (the odd rank's holds its nudged weights)
+        "rollback": _run(
+            rank,
+            base / "rollback",
+            5,
+            steps=18,
+            nan_calls=(10, 11),
+            on_divergence="resync",
+            on_escalation="rollback",
+            snapshot_every=2,
+            max_consecutive=2,
+        ),
     }
 
 
@@ -146,3 +163,11 @@ def test_replica_divergence_four_ranks(tmp_path: Path) -> None:
         assert 9 <= event["step"] < 9 + EVERY and event["ranks"] == [ODD_RANK]
         assert event["params"] == [PARAM]
     assert _identical([r["fused"]["state"] for r in runs]) == []
+
+    for rank in range(WORLD):  # a resync, then a rollback to before it: resynced again
+        (event,) = _divergences(tmp_path / "rollback", rank)  # none at the checks after it
+        assert (event["step"], event["action"]) == (8, "resync")
+        events = tg.read_events(tmp_path / "rollback", rank)
+        (rollback,) = [e for e in events if e["kind"] == "rollback"]
+        assert rollback["restored_step"] == 8  # the snapshot from before the resync
+    assert _identical([r["rollback"]["state"] for r in runs]) == []

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +133,9 @@ class ReplicaWatch:
         self._sums: dict[int, Tensor] = {}
         """Per-parameter sums of the checked steps not yet observed (the sync-free step
         reads its agreement a step late)."""
+        self.on_resync: Callable[[int, int], None] | None = None
+        """Called after a resync with its step and reference rank (recovery: a rollback to a
+        snapshot from before it resyncs again from that rank)."""
         self.checks = 0
         """Checks observed (steps whose fingerprints were compared)."""
         self.diverged_at: int | None = None
@@ -193,7 +197,9 @@ class ReplicaWatch:
         action = self._config.on_divergence
         self._report(step, verdict, differing, fingerprints)
         if action == "resync":
-            self._resync(verdict.reference)
+            self.resync_from(verdict.reference)
+            if self.on_resync is not None:
+                self.on_resync(step, verdict.reference)
         elif action == "raise":
             raise self._error(step, verdict, differing)
 
@@ -264,7 +270,9 @@ class ReplicaWatch:
         )
         return f"step {step}: replicas diverged{first}: {who}; {what}; {outcome}{hint}"
 
-    def _resync(self, reference: int) -> None:
+    def resync_from(self, reference: int) -> None:
+        """Every rank takes rank ``reference``'s (of the group) weights, buffers and optimizer
+        state. Collective."""
         src = reference if self._group is None else dist.get_global_rank(self._group, reference)
         broadcast_state(self._model, self._optimizer, src, self._group, self._device)
 

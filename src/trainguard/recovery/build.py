@@ -14,10 +14,12 @@ import torch.distributed as dist
 
 from trainguard.config import GuardConfig
 from trainguard.elastic import restart_count
-from trainguard.errors import NonFiniteError
+from trainguard.errors import ConfigError, NonFiniteError
 from trainguard.events import EventLog
+from trainguard.optim_state import is_zero
 from trainguard.recovery import snapshot as snap
-from trainguard.recovery.manager import Recovery, unknown_scheduler
+from trainguard.recovery.manager import Recovery
+from trainguard.recovery.scheduler_lead import unknown_scheduler
 from trainguard.recovery.stop import record_stop
 from trainguard.recovery.types import Stateful
 
@@ -54,6 +56,14 @@ def build_recovery(
     """The guard's recovery part, or None when no recovery option is on."""
     if not recovery_enabled(config):
         return None
+    if config.checkpoint_every > 0 and is_zero(objects.optimizer):
+        raise ConfigError(
+            "checkpoint_every",
+            "a ZeroRedundancyOptimizer's state is sharded over the ranks and the checkpoints "
+            "on disk (torch.distributed.checkpoint) cannot gather it; use snapshot_every "
+            "(in-memory rollbacks keep each rank's shard) and your own checkpoints "
+            "(consolidate_state_dict), or checkpoint_every=0",
+        )
     recovery = Recovery(config, objects, guard_state, events, group, device, rank)
     if objects.scheduler is None and unknown_scheduler(objects.optimizer) and rank == 0:
         logger.warning(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from trainguard.recovery.ledger import SkipEntry, SkipLedger, sample_indices
 from trainguard.recovery.loader import LoaderStates, is_stateful
 from trainguard.recovery.restart import RestartCheck
 from trainguard.recovery.resume import resume
+from trainguard.recovery.scheduler_lead import unknown_scheduler, warn_scheduler_lead
 from trainguard.recovery.stop import relative_checkpoint
 from trainguard.recovery.types import (
     DataPoint,
@@ -81,6 +83,10 @@ class Recovery:
         self._streams = 0
         self._ended = EndedStreams()
         """The ``watch()`` passes that ended: a rollback into one skips the rest of it."""
+        self.resync_replicas: Callable[[int], None] | None = None
+        """``ReplicaWatch.resync_from``: every rank takes one rank's state (collective)."""
+        self._resynced: tuple[int, int] | None = None
+        """The last replica resync: its step and reference rank."""
         self._optimizer_steps = 0
         """Optimizer steps taken in this process, rolled back or not (``state.applied``
         counts those the weights hold): a scheduler the guard does not know follows it."""
@@ -159,6 +165,11 @@ class Recovery:
             view, iterable, epoch, self._streams, self._loader, sampler_epoch(iterable)
         )
 
+    def replicas_resynced(self, step: int, reference: int) -> None:
+        """A resync at ``step`` from rank ``reference``: snapshots up to it hold the weights
+        the ranks had before it, diverged on some."""
+        self._resynced = (step, reference)
+
     def step_boundary(self) -> None:
         """At a step's start (its first training forward, else when its first batch is handed
         out): the weights describe the start of that step, whose first batch is at the
@@ -217,9 +228,13 @@ class Recovery:
     # -- checkpoints on disk ------------------------------------------------------------------
 
     def _checkpoint_due(self, step: int) -> bool:
+        """A multiple of ``checkpoint_every`` not saved at this step yet, not one that became
+        good (a rollback back to it), and no checkpoint waiting for its verdict (a newer one
+        would leave it on disk unjudged, and with ``checkpoint_every < good_after`` none
+        would ever become good)."""
         every = self.config.checkpoint_every
         due = every > 0 and step > 0 and step % every == 0 and step != self._last_saved
-        return due and step not in self._good_steps
+        return due and self._pending_ckpt is None and step not in self._good_steps
 
     def _save_checkpoint(self, step: int, stream: Stream) -> None:
         position = stream.view.step_position
@@ -340,6 +355,9 @@ class Recovery:
         skipped = self._skip_batches(target, step)
         epoch = self.stream.epoch if self.stream is not None else None
         self._restore(target, attempt, rung, step)
+        resynced = self._resynced
+        if resynced is not None and target.step <= resynced[0] and self.resync_replicas:
+            self.resync_replicas(resynced[1])  # the target predates a resync: its weights too
         if self.stream is not None:  # the restored state now reads on from here
             target.position = self.stream.view.untrained_position
             target.stream_id = self.stream.ident
@@ -360,23 +378,8 @@ class Recovery:
         log = logger.warning if self.rank == 0 else logger.debug
         log("trainguard: step %d rolled back to step %d (%s)", step, target.step, rung.value)
         if self.objects.scheduler is None and unknown_scheduler(self.objects.optimizer):
-            log(
-                "trainguard: an LR scheduler steps this optimizer but the guard does not know "
-                "it: its schedule was not rolled back with the weights (%s); pass it as "
-                "Guard(..., scheduler=...) to save and restore it too",
-                self._scheduler_lead(),
-            )
+            warn_scheduler_lead(log, self._optimizer_steps, self.state.applied)
         return True
-
-    def _scheduler_lead(self) -> str:
-        """How far a scheduler stepped with the optimizer is ahead of the restored weights."""
-        held = self.state.applied
-        if held is None:
-            return "how far it runs ahead is unknown: the checkpoint predates the count"
-        return (
-            f"the optimizer has taken {self._optimizer_steps - held} step(s) the weights no "
-            "longer hold: a scheduler stepped with it runs that far ahead"
-        )
 
     def _target(self, first_bad: int) -> snap.Snapshot | None:
         memory = self.snapshots.target(first_bad)
@@ -397,6 +400,7 @@ class Recovery:
         self.guard_state.load_state_dict({**target.guard, **cumulative})
         self.state.applied = target.extra.get("recovery", {}).get("applied")
         self.snapshots.drop_after(target.step)
+        self._last_saved = -1  # a step whose checkpoint was discarded is saved when reached
         self.state.attempts = attempt
         self.state.failed_at = step
         self.state.rollbacks += 1
@@ -442,9 +446,3 @@ class Recovery:
         tolerance = self.config.loss_tolerance * max(abs(saved), 1e-12)
         if abs(loss - saved) > tolerance:
             self.events.write("loss_mismatch", step, after=why, loss=loss, saved_loss=saved)
-
-
-def unknown_scheduler(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a ``torch.optim.lr_scheduler`` scheduler was made for ``optimizer`` (it wraps
-    ``optimizer.step`` to count its calls): one the guard was not given cannot be restored."""
-    return hasattr(optimizer.step, "_wrapped_by_lr_sched")

@@ -164,9 +164,10 @@ class SnapshotKeeper:
         self.pending: Snapshot | None = None
 
     def due(self, step: int) -> bool:
-        if self.every <= 0:
-            return False
-        if self.pending is not None and self.pending.step == step:
+        """A multiple of ``every`` while no snapshot waits to be judged: a newer one would
+        replace it before ``good_after`` healthy steps made it good (with ``every`` below
+        ``good_after`` none ever would), so a snapshot waits for the last one's verdict."""
+        if self.every <= 0 or self.pending is not None:
             return False
         return step % self.every == 0
 

@@ -163,6 +163,8 @@ class GuardAssembly:
         )
         if self.recovery is not None:  # snapshots at the step's first forward (step/start.py)
             self._start.on_begin = self.recovery.step_boundary
+            self.replicas.on_resync = self.recovery.replicas_resynced  # a snapshot before it
+            self.recovery.resync_replicas = self.replicas.resync_from  # holds diverged weights
             self.history.lr_factor = self.recovery.lr_factor  # the LR in force, recorded
         self._decision = DecisionApply(self._apply_parts())  # acting on it: step/apply.py
         # a world of one's usual step, in few calls (step/lone.py); the rest: the full path
