@@ -18,11 +18,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from torch import Tensor
-
 from trainguard.capture.batchtree import map_tensors, tensors
 from trainguard.events import EventLog
-from trainguard.step.refill import address
+from trainguard.step.refill import address, copy_of
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +63,10 @@ class RecordedBatches:
             self.current = []
             self._versions = {}
         if self.copying:
-            batch = map_tensors(batch, Tensor.clone)
+            batch = map_tensors(batch, copy_of)
         elif self._refills(batch):
             self._overwritten(step)
-            batch = map_tensors(batch, Tensor.clone)
+            batch = map_tensors(batch, copy_of)
         self.current.append(batch)
 
     def _refills(self, batch: Any) -> bool:

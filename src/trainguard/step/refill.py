@@ -52,7 +52,7 @@ class RefillProbe:
 
     def take(self, item: Any) -> Any:
         if self.copying:
-            return map_tensors(item, Tensor.clone)
+            return map_tensors(item, copy_of)
         self._left -= 1
         fetched = [(t, t._version) for t in tensors(item) if t.numel()]
         if self._refills(fetched):
@@ -61,7 +61,7 @@ class RefillProbe:
             self._on_found()
         else:
             self._held.append(fetched)
-        return map_tensors(item, Tensor.clone)  # the data as fetched, whatever comes next
+        return map_tensors(item, copy_of)  # the data as fetched, whatever comes next
 
     def _refills(self, fetched: Held) -> bool:
         for tensor, version in fetched:
@@ -74,6 +74,15 @@ class RefillProbe:
                     if address(old) == where and not same:
                         return True
         return False
+
+
+def copy_of(tensor: Tensor) -> Tensor:
+    """A copy of a batch tensor, in pinned memory when it was (a ``pin_memory=True`` loader's
+    batch keeps its non-blocking copy to the GPU)."""
+    if tensor.device.type == "cpu" and tensor.is_pinned():
+        out = torch.empty_like(tensor, pin_memory=True)
+        return out.copy_(tensor)
+    return tensor.clone()
 
 
 def address(tensor: Tensor) -> int | None:
