@@ -245,21 +245,22 @@ def test_resync_rebuilds_a_missing_optimizer_state(monkeypatch: pytest.MonkeyPat
     def record(tensor: torch.Tensor, src: int, group: object = None) -> None:
         sent.append(tensor.clone())
 
-    def record_layout(holder: list[object], src: int, group: object = None) -> None:
-        layout.append(holder[0])
+    def record_layout(obj: object, src: int, group: object, device: object) -> object:
+        layout.append(obj)
+        return obj
 
     monkeypatch.setattr(resync.dist, "broadcast", record)
-    monkeypatch.setattr(resync.dist, "broadcast_object_list", record_layout)
+    monkeypatch.setattr(resync, "broadcast_object", record_layout)
     resync.broadcast_state(source, src_opt, 0, None, CPU)
 
     def replay(tensor: torch.Tensor, src: int, group: object = None) -> None:
         tensor.copy_(sent.pop(0))
 
-    def replay_layout(holder: list[object], src: int, group: object = None) -> None:
-        holder[0] = layout[0]
+    def replay_layout(obj: object, src: int, group: object, device: object) -> object:
+        return layout[0]
 
     monkeypatch.setattr(resync.dist, "broadcast", replay)
-    monkeypatch.setattr(resync.dist, "broadcast_object_list", replay_layout)
+    monkeypatch.setattr(resync, "broadcast_object", replay_layout)
     resync.broadcast_state(receiver, recv_opt, 0, None, CPU)
     assert sent == []
     for a, b in zip(source.parameters(), receiver.parameters(), strict=True):
