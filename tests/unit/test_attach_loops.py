@@ -209,3 +209,29 @@ def _refilled_buffer_loop_with_guard(guard: tg.Guard, model: nn.Module, opt: Any
         if guard.check(torch.zeros(())):
             opt.step()
         opt.zero_grad()
+
+
+def test_the_inner_hook_of_a_compiled_model_stays_out_of_its_trace(attached: Attacher) -> None:
+    """Under ``torch.compile`` the hook on the module inside the wrapper does nothing in the
+    trace (traced, dynamo compiled the hook's own frame a second time), and an evaluation
+    calling that module eagerly is still progress."""
+    from trainguard.user_hooks import Hook
+
+    torch.manual_seed(0)
+    inner = nn.Linear(4, 1)
+    model = torch.compile(inner, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in _batches(nan_step=3)[:2]:
+        (model(x) - y).square().mean().backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        opt.zero_grad()
+    hooks = [h for h in inner._forward_pre_hooks.values() if isinstance(h, Hook)]
+    mine = [h for h in hooks if h.callback == attached._inner_pre]
+    assert len(mine) == 1 and mine[0].inside_compiled
+    guard = attached.guard
+    assert guard is not None
+    beats = guard.progress.beats
+    inner.eval()
+    with torch.no_grad():
+        inner(torch.randn(2, 4))  # eager: the hook runs
+    assert guard.progress.beats == beats + 1

@@ -54,7 +54,7 @@ from trainguard.attach.prestart import PreStart, StepZero, batch_of
 from trainguard.errors import ConfigError
 from trainguard.step.capturer import unwrap
 from trainguard.step.guard import Guard
-from trainguard.user_hooks import HookHandle, add_forward_hooks
+from trainguard.user_hooks import HookHandle, add_forward_hooks, eager_module
 
 logger = logging.getLogger(__name__)
 
@@ -285,7 +285,10 @@ class Attacher:
         self._handles.append(add_forward_hooks(model, pre=self._model_pre))
         inner = unwrap(model)
         if inner is not model:  # an evaluation through ``model.module`` is progress too
-            self._handles.append(add_forward_hooks(inner, pre=self._inner_pre))
+            # inside a torch.compile wrapper: nothing in the trace (its eager calls still run)
+            compiled = type(eager_module(model)).__name__ == "OptimizedModule"
+            hook = add_forward_hooks(inner, pre=self._inner_pre, inside_compiled=compiled)
+            self._handles.append(hook)
         atexit.register(self.close)
         self._announce(guard, optimizer, model)
         return True
