@@ -18,9 +18,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from trainguard.capture.batchtree import map_tensors, tensors
+from trainguard.capture.batchtree import map_tensors
 from trainguard.events import EventLog
-from trainguard.step.refill import address, copy_of
+from trainguard.step.refill import Held, copy_of, held_tensors, refills
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +32,9 @@ class RecordedBatches:
         self.current: list[Any] = []
         """Micro-batches of the step in progress (references, not copies)."""
         self._step = -1
-        self._versions: dict[int, int] = {}
-        """Where the step's recorded tensors' data start (``refill.address``), and the
-        version of their data when recorded (``Tensor._version``: moved by in-place writes)."""
+        self._held: list[Held] = []
+        """The tensors of the step's micro-batches and their versions when recorded
+        (``refill.held_tensors``), to find a micro-batch refilled into an earlier's buffer."""
         self._on_overwritten = on_overwritten
         self.overwritten: list[int] = []
         """The micro-batches found overwritten (the step's earlier ones, when found)."""
@@ -61,7 +61,7 @@ class RecordedBatches:
         if step != self._step:
             self._step = step
             self.current = []
-            self._versions = {}
+            self._held = []
         if self.copying:
             batch = map_tensors(batch, copy_of)
         elif self._refills(batch):
@@ -70,20 +70,11 @@ class RecordedBatches:
         self.current.append(batch)
 
     def _refills(self, batch: Any) -> bool:
-        """Whether ``batch`` lives where an earlier micro-batch of the step did and that
-        storage was written since (its version moved): the loop copied this micro-batch into
-        the same buffer, and the earlier one is gone. The same tensor handed over again
-        unchanged (a second forward of one batch) is no refill."""
-        versions = self._versions
-        found = False
-        for tensor in tensors(batch):
-            where = address(tensor) if tensor.numel() else None
-            if where is None:
-                continue
-            seen = versions.get(where)
-            if seen is not None and seen != tensor._version:
-                found = True
-            versions[where] = tensor._version
+        """Whether ``batch`` was copied into the buffer of an earlier micro-batch of the step
+        (``refill.refills``): the earlier one is gone."""
+        fetched = held_tensors(batch)
+        found = refills(fetched, self._held)
+        self._held.append(fetched)
         return found
 
     def _overwritten(self, step: int) -> None:
@@ -97,7 +88,7 @@ class RecordedBatches:
         """Take over ``other``'s record of ``step`` (``trainguard run``'s first step,
         recorded before the guard existed), a refilled buffer it saw included."""
         self._step, self.current = step, list(other.current)
-        self._versions = dict(other._versions)
+        self._held = list(other._held)
         if other.copying:
             self.copying = True
             self.overwritten, self._overwritten_step = other.overwritten, step

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -54,8 +54,8 @@ class RefillProbe:
         if self.copying:
             return map_tensors(item, copy_of)
         self._left -= 1
-        fetched = [(t, t._version) for t in tensors(item) if t.numel()]
-        if self._refills(fetched):
+        fetched = held_tensors(item)
+        if refills(fetched, self._held):
             self.copying = True
             self._held.clear()
             self._on_found()
@@ -63,17 +63,25 @@ class RefillProbe:
             self._held.append(fetched)
         return map_tensors(item, copy_of)  # the data as fetched, whatever comes next
 
-    def _refills(self, fetched: Held) -> bool:
-        for tensor, version in fetched:
-            where = address(tensor)
-            if where is None:
-                continue
-            for held in self._held:
-                for old, old_version in held:
-                    same = old is tensor and old_version == version
-                    if address(old) == where and not same:
-                        return True
-        return False
+
+def held_tensors(batch: Any) -> Held:
+    """``batch``'s dense tensors and their versions now (``Tensor._version``: moved by every
+    in-place write), for ``refills``; the caller keeps the batch (so them) alive."""
+    return [(t, t._version) for t in tensors(batch) if t.numel() and address(t) is not None]
+
+
+def refills(fetched: Held, earlier: Iterable[Held]) -> bool:
+    """Whether a tensor of ``fetched`` is at the address of an ``earlier`` one (alive, so its
+    memory was not handed to a new tensor) other than that same tensor unchanged (one batch
+    handed over again): the earlier one's data was written over."""
+    for tensor, version in fetched:
+        where = address(tensor)
+        for batch in earlier:
+            for old, old_version in batch:
+                same = old is tensor and old_version == version
+                if not same and address(old) == where:
+                    return True
+    return False
 
 
 def copy_of(tensor: Tensor) -> Tensor:
