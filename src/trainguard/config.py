@@ -93,7 +93,8 @@ class GuardConfig:
     """Rollbacks without progress before the guard gives up and raises NonFiniteError."""
 
     skip_margin: int = 0
-    """Extra batches skipped after a rollback, beyond those from the snapshot to the failure."""
+    """Extra batches skipped after a rollback, beyond those from the snapshot to the failure;
+    those of the same ``watch()`` pass only (the margin stops at the end of the epoch)."""
 
     lr_backoff: float = 0.5
     """LR factor after the second rollback without progress (lr = schedule(step) x factor)."""

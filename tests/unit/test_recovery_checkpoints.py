@@ -141,3 +141,94 @@ def test_resume_under_torchrun_with_a_shared_store_warns_on_the_first_attempt(
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what the variable gives
     _run(tmp_path / "fresh", batches, resume=True)
     assert not [e for e in read_events(tmp_path / "fresh", 0) if e["kind"] == "restart_config"]
+
+
+class _Crash(Exception):
+    pass
+
+
+def _crashing_run(
+    run_dir: Path, batches: list[torch.Tensor], crash_at: int, **options: object
+) -> None:
+    """``_run`` with rollback from disk, ending in an exception when ``crash_at`` batches were
+    fetched (a process that dies before its next checkpoint is good)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = tg.GuardConfig(run_dir=run_dir, hang_timeout=0, **options)  # type: ignore[arg-type]
+    with warnings.catch_warnings(), tg.Guard(model, opt, config=config) as guard:
+        warnings.simplefilter("ignore")
+        for fetched, x in enumerate(guard.watch(batches), start=1):
+            if fetched == crash_at:
+                raise _Crash
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            if guard.check(loss):
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def test_resume_compares_the_first_loss_only_when_the_batch_is_the_checkpoints(
+    tmp_path: Path,
+) -> None:
+    """The checkpoint of step 4 is good with the loss of its tiny batch 4; a NaN at step 5
+    rolls back to it, skipping batches 4 and 5, and the run dies. The resume loads step 4,
+    and the ledger feeds it batch 6, ten thousand times the loss: not a mismatch (another
+    batch). Batch 4 changed on disk between the runs, and not skipped, is one."""
+    gen = torch.Generator().manual_seed(1)
+    batches = [10 * torch.randn(3, 4, generator=gen) for _ in range(12)]
+    batches[4] = batches[4] / 1000  # the checkpoint's first loss: tiny
+    batches[5] = batches[5] * float("nan")
+    options: dict[str, object] = dict(
+        checkpoint_every=4, good_after=1, snapshot_every=0, on_escalation="rollback",
+        max_consecutive=1,
+    )  # fmt: skip
+    skipped_run = tmp_path / "skipped"
+    with pytest.raises(_Crash):
+        _crashing_run(skipped_run, batches, crash_at=9, **options)
+    kinds = [(e["kind"], e["step"]) for e in read_events(skipped_run, 0)]
+    assert ("checkpoint_good", 4) in kinds and ("rollback", 5) in kinds
+    with pytest.raises(_Crash):
+        _crashing_run(skipped_run, batches, crash_at=3, resume=True, **options)
+    after_resume = [e for e in read_events(skipped_run, 0) if e.get("after") == "resume"]
+    assert after_resume == [], after_resume
+    assert [e["from_step"] for e in read_events(skipped_run, 0) if e["kind"] == "resume"] == [4]
+
+    changed_run = tmp_path / "changed"
+    clean = [b.nan_to_num() for b in batches]
+    with pytest.raises(_Crash):
+        _crashing_run(changed_run, clean, crash_at=7, **options)
+    clean[4] = clean[4] * 1000  # the data changed under the checkpoint's position
+    with pytest.raises(_Crash):
+        _crashing_run(changed_run, clean, crash_at=3, resume=True, **options)
+    [mismatch] = [e for e in read_events(changed_run, 0) if e.get("after") == "resume"]
+    assert (mismatch["step"], mismatch["after"]) == (4, "resume")
+
+
+@pytest.mark.parametrize(
+    ("batches", "skipped", "steps"), [(20, [4, *range(5, 12)], 12), (10, [4, 5, 6, 7, 8, 9], 4)]
+)
+def test_skip_margin_skips_further_batches_of_the_same_pass(
+    tmp_path: Path, batches: int, skipped: list[int], steps: int
+) -> None:
+    """A rollback at step 8 to the snapshot of step 4 skips batches 4-8 and, with
+    ``skip_margin=3``, batches 9-11; at the end of the pass the margin stops (batch 9 is the
+    last of 10)."""
+    from tg_recovery import train
+
+    config = tg.GuardConfig(
+        run_dir=tmp_path,
+        on_escalation="rollback",
+        snapshot_every=2,
+        good_after=1,
+        max_consecutive=3,
+        skip_margin=3,
+        hang_timeout=0,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = train(0, "plain", tmp_path, batches, {5: 1e37}, config=config)
+    [rollback] = [e for e in run["events"] if e["kind"] == "rollback"]
+    assert (rollback["step"], rollback["restored_step"]) == (8, 4)
+    assert rollback["batches_skipped"] == skipped
+    assert run["error"] is None and run["finite"] and run["step"] == steps

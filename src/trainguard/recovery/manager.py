@@ -29,7 +29,7 @@ from trainguard.recovery import target as targets
 from trainguard.recovery.agree import same_on_every_rank
 from trainguard.recovery.backoff import Backoff, LrFactor
 from trainguard.recovery.ladder import Rung, rung_for
-from trainguard.recovery.ledger import SkipEntry, SkipLedger, sample_indices
+from trainguard.recovery.ledger import SkipEntry, SkipLedger, sample_indices, skipped_positions
 from trainguard.recovery.loader import LoaderStates, is_stateful
 from trainguard.recovery.restart import RestartCheck
 from trainguard.recovery.resume import resume
@@ -92,6 +92,9 @@ class Recovery:
         counts those the weights hold): a scheduler the guard does not know follows it."""
         self._loader: LoaderStates | None = None  # for the stream ``watch()`` starts next
         self._expect_loss: tuple[int, float, str] | None = None
+        self._resume_loss: tuple[int, float] | None = None
+        """The resumed checkpoint's step and first loss: compared (``_expect_loss``) only once
+        ``watch()`` feeds that step the checkpoint's own first batch (``stream_start``)."""
         self.resume_point: DataPoint | None = None
         """Where a resumed run's data continues (set by ``resume()``)."""
         self.resumed_from: str | None = None
@@ -132,7 +135,17 @@ class Recovery:
         stateful = self.config.checkpoint_every > 0 and is_stateful(source)
         self._loader = LoaderStates(source) if stateful else None
         skip = self._ledger_positions(epoch) if point is not None else frozenset()
+        if point is not None and epoch == point.epoch:
+            self._arm_resume_check(point.position not in skip)
         return StreamStart(source, epoch, start, skip, self.step_boundary, first, self._loader)
+
+    def _arm_resume_check(self, same_batch: bool) -> None:
+        """The first loss after a resume is compared with the checkpoint's only when it is
+        that of the same batch: the skip ledger did not drop the checkpoint's first batch
+        (without ``watch()`` the guard does not know the batch, and compares nothing)."""
+        expected, self._resume_loss = self._resume_loss, None
+        if expected is not None and same_batch:
+            self._expect_loss = (expected[0], expected[1], "resume")
 
     def _ledger_positions(self, epoch: int) -> frozenset[int]:
         """What this run skipped of ``epoch`` before the restart it resumes from."""
@@ -324,7 +337,7 @@ class Recovery:
         self._last_saved = found.step
         self._good_steps.add(found.step)
         if found.first_loss is not None:
-            self._expect_loss = (found.step, found.first_loss, "resume")
+            self._resume_loss = (found.step, found.first_loss)
         self.events.write(
             "resume",
             found.step,
@@ -421,14 +434,7 @@ class Recovery:
         run = self.events.run.id if self.events.run is not None else None
         entries = ended_entries(self._ended, target, step, run)
         start = target.position if target.stream_id == stream.ident else 0
-        # Up to the loop's next batch: one it fetched ahead trains the restored step.
-        positions = list(range(start, stream.view.untrained_position))
-        if self.config.skip_margin:
-            before = stream.view.position
-            stream.view.drop_next(self.config.skip_margin)
-            positions += list(range(before, stream.view.position))
-        else:
-            stream.view.drop_next(0)  # the counts changed: agree afresh
+        positions = skipped_positions(stream, start, self.config.skip_margin)
         samples = sample_indices(stream.iterable, positions)
         entries += [
             SkipEntry(stream.epoch, pos, step, "rollback", samples.get(pos), run)
