@@ -174,3 +174,25 @@ def test_an_event_with_a_null_step_is_read(tmp_path: Path) -> None:
     summary = summarize(tmp_path)
     assert summary.skipped.lines == {}
     assert summary.events == 5
+
+
+def test_a_hang_says_which_ranks_left_no_stack(tmp_path: Path) -> None:
+    """report.json names a stack file for every rank; a rank SIGKILLed before it dumped
+    leaves its pre-opened file empty, and another host's file is not here: the hangs line
+    says so instead of pointing at nothing."""
+    folder = tmp_path / "hangs" / "h1"
+    folder.mkdir(parents=True)
+    ranks = [{"rank": r, "step": 5, "stack_file": f"rank-{r}.txt"} for r in range(3)]
+    (folder / "report.json").write_text(
+        json.dumps({"id": "h1", "kind": "peer_failure", "culprits": [1], "ranks": ranks})
+    )
+    (folder / "rank-0.txt").write_text('Thread 0x1 (most recent call first):\n  File "t.py"\n')
+    (folder / "rank-1.txt").write_text("")
+    line = _line(report_text(summarize(tmp_path)), "hangs")
+    assert line.endswith(
+        "(hangs/h1); no stack from rank 1 (its file is empty: it was killed or aborted before "
+        "it could write one); stacks of rank 2 are on their own hosts"
+    ), line
+    (folder / "rank-1.txt").write_text("Thread 0x2 (most recent call first):\n")
+    (folder / "rank-2.txt").write_text("Thread 0x3 (most recent call first):\n")
+    assert _line(report_text(summarize(tmp_path)), "hangs").endswith("(hangs/h1)")

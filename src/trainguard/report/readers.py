@@ -190,6 +190,27 @@ def read_hangs(root: Path, skipped: Skipped) -> list[dict[str, Any]]:
                 "step": min(known) if known else None,
                 "time": report.get("time"),
                 "path": str(path.parent.relative_to(root)),
+                "no_stack": _unwritten_stacks(path.parent, report),
             }
         )
     return hangs
+
+
+def _unwritten_stacks(folder: Path, report: dict[str, Any]) -> dict[str, list[int]]:
+    """The ranks of a hang report whose stack file holds nothing here: ``empty`` (the file
+    each rank opens up front is still empty: the process ended before it could write, e.g.
+    SIGKILL or an abort) and ``elsewhere`` (no such file: on another host's disk)."""
+    empty: list[int] = []
+    elsewhere: list[int] = []
+    for record in report.get("ranks") or []:
+        if not isinstance(record, dict) or not isinstance(record.get("stack_file"), str):
+            continue
+        path = folder / Path(record["stack_file"]).name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            elsewhere.append(record.get("rank"))
+            continue
+        if size == 0:
+            empty.append(record.get("rank"))
+    return {"empty": empty, "elsewhere": elsewhere}

@@ -201,7 +201,24 @@ def _hang(h: dict[str, Any]) -> str:
     where = f" ({h['path']})" if h.get("path") else ""
     return (
         f"step {h.get('step')}: {h.get('kind')}, culprit ranks {culprits}: {h.get('reason')}{where}"
+        + _no_stack(h.get("no_stack") or {})
     )
+
+
+def _no_stack(no_stack: dict[str, list[int]]) -> str:
+    """What the hang's stack files lack: empty ones (the rank died before it wrote) and
+    those on another host."""
+    said = []
+    if no_stack.get("empty"):
+        ranks = ", ".join(map(str, no_stack["empty"]))
+        said.append(
+            f"no stack from rank {ranks} (its file is empty: it was killed or aborted "
+            "before it could write one)"
+        )
+    if no_stack.get("elsewhere"):
+        ranks = ", ".join(map(str, no_stack["elsewhere"]))
+        said.append(f"stacks of rank {ranks} are on their own hosts")
+    return "".join(f"; {part}" for part in said)
 
 
 def _unusual(ended: str) -> bool:
