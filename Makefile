@@ -23,8 +23,12 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check $(LINT_PATHS)
 	$(BIN)/mypy
 
+# Two tests at a time (CI has 2 cores; many tests wait on processes, sleeps and timeouts);
+# TEST_WORKERS=0 runs them one by one.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,18 +19,12 @@ from typing import Any
 
 import pytest
 import torch
+from tg_dist import free_port
 
 import trainguard as tg
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "fast_loop.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _env() -> dict[str, str]:
@@ -48,7 +41,7 @@ def _torchrun(run_dir: Path, out: Path, *args: str) -> list[dict[str, Any]]:
         "torch.distributed.run",
         "--nproc-per-node=2",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         str(EXAMPLE),
         "--run-dir",
         str(run_dir),

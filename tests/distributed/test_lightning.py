@@ -23,6 +23,8 @@ import pytest
 
 pytest.importorskip("lightning")
 
+from tg_dist import free_port
+
 import trainguard as tg
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,6 +38,7 @@ def _run(tmp_path: Path, *flags: str) -> tuple[list[dict[str, Any]], Path]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     run_dir, out = tmp_path / "run", tmp_path / "out"
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    env["MASTER_PORT"] = str(free_port())  # not one from the ephemeral range (tg_dist)
     env.pop("LOCAL_RANK", None)
     command = [sys.executable, str(FAST_EXIT), str(EXAMPLE), "--run-dir", str(run_dir)]
     command += ["--out", str(out)]
@@ -107,6 +110,7 @@ def test_ddp_spawn(tmp_path: Path) -> None:
     so the cross-rank check reads both ranks' events."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    env["MASTER_PORT"] = str(free_port())  # not one from the ephemeral range (tg_dist)
     command = [sys.executable, str(FAST_EXIT), str(EXAMPLE), "--run-dir", str(run_dir)]
     command += ["--out", str(out)]
     done = subprocess.run(

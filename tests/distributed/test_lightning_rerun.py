@@ -30,6 +30,7 @@ import pytest
 pytest.importorskip("lightning")
 
 import torch
+from tg_dist import free_port
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "lightning_rerun.py"
 STRATEGIES = ("ddp", "fsdp2")
@@ -38,6 +39,7 @@ STRATEGIES = ("ddp", "fsdp2")
 def _launch(tmp_path: Path) -> list[dict[str, Any]]:
     run_dir, out = tmp_path / "run", tmp_path / "out"
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    env["MASTER_PORT"] = str(free_port())  # not one from the ephemeral range (tg_dist)
     env.pop("LOCAL_RANK", None)
     command = [sys.executable, str(SCRIPT), "--run-dir", str(run_dir), "--out", str(out)]
     done = subprocess.run(

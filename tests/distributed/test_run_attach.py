@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tg_dist import free_port
 
 import trainguard as tg
 
@@ -28,12 +28,6 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 FAST_EXIT = Path(__file__).resolve().parent / "scripts" / "fast_exit.py"
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_ddp.py"
 DROP = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _env() -> dict[str, str]:
@@ -55,7 +49,7 @@ def _launch(ranks: int, bare: bool = False) -> list[str]:
         TORCHRUN,
         f"--nproc-per-node={ranks}",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=localhost:{_free_port()}",
+        f"--rdzv-endpoint=localhost:{free_port()}",
         "--monitor-interval=0.2",
         *script,
     ]

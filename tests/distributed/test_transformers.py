@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,18 +22,13 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from tg_dist import free_port
+
 import trainguard as tg
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "hf_trainer.py"
 FAST_EXIT = Path(__file__).resolve().parent / "scripts" / "fast_exit.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _run(tmp_path: Path, world: int) -> tuple[list[dict[str, Any]], Path]:
@@ -49,7 +43,7 @@ def _run(tmp_path: Path, world: int) -> tuple[list[dict[str, Any]], Path]:
             "torch.distributed.run",
             f"--nproc-per-node={world}",
             "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         ]
     script = [str(FAST_EXIT), str(EXAMPLE)]  # the example, ended before PyTorch's exit race
     command = [*launcher, *script, "--run-dir", str(run_dir), "--out", str(out)]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,16 +23,11 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from tg_dist import free_port
+
 import trainguard as tg
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "hf_rerun.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _launch(tmp_path: Path) -> list[dict[str, Any]]:
@@ -47,7 +41,7 @@ def _launch(tmp_path: Path) -> list[dict[str, Any]]:
         "torch.distributed.run",
         "--nproc-per-node=2",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         str(SCRIPT),
         "--run-dir",
         str(run_dir),

@@ -5,26 +5,19 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tg_dist import free_port
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "no_numpy.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.mark.timeout(120)
 def test_two_ranks_agree_skip_and_capture_without_numpy(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = dict(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import socket
 import tempfile
 import time
@@ -33,9 +34,31 @@ class RankResult:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port free now, below the kernel's ephemeral range: the tests run two at a time
+    (``pytest -n 2``), and a port taken from the ephemeral range (``bind(0)``) may be handed
+    to the other test's gloo connections between this pick and the store's bind a few
+    seconds later; below the range the kernel assigns nothing on its own."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    with socket.socket() as sock:  # every one taken: the ephemeral way
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text(encoding="utf-8")
+        return int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def _entry(
