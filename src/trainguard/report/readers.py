@@ -205,12 +205,14 @@ def _unwritten_stacks(folder: Path, report: dict[str, Any]) -> dict[str, list[in
     for record in report.get("ranks") or []:
         if not isinstance(record, dict) or not isinstance(record.get("stack_file"), str):
             continue
-        path = folder / Path(record["stack_file"]).name
+        rank = record.get("rank")
+        if not isinstance(rank, int):
+            continue
         try:
-            size = path.stat().st_size
+            size = (folder / Path(record["stack_file"]).name).stat().st_size
         except OSError:
-            elsewhere.append(record.get("rank"))
+            elsewhere.append(rank)
             continue
         if size == 0:
-            empty.append(record.get("rank"))
+            empty.append(rank)
     return {"empty": empty, "elsewhere": elsewhere}
