@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -108,21 +109,26 @@ def test_a_checkpoint_of_another_world_size_is_refused_before_anything_loads(
     assert not model._forward_pre_hooks and not model._forward_hooks  # no hook left behind
 
 
-def test_rollback_to_a_good_checkpoint_on_disk_without_snapshots(tmp_path: Path) -> None:
+def _rollback_run(run_dir: Path, batches: int, **options: object) -> dict[str, Any]:
+    """``tg_recovery.train`` with a rollback at step 8 (a 1e37 batch at step 5, three bad
+    steps in a row escalate) to the good state of step 4."""
     from tg_recovery import train
 
     config = tg.GuardConfig(
-        run_dir=tmp_path,
+        run_dir=run_dir,
         on_escalation="rollback",
-        snapshot_every=0,
-        checkpoint_every=2,
         good_after=1,
         max_consecutive=3,
         hang_timeout=0,
+        **options,  # type: ignore[arg-type]
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run = train(0, "plain", tmp_path, 20, {5: 1e37}, config=config)
+        return train(0, "plain", run_dir, batches, {5: 1e37}, config=config)
+
+
+def test_rollback_to_a_good_checkpoint_on_disk_without_snapshots(tmp_path: Path) -> None:
+    run = _rollback_run(tmp_path, 20, snapshot_every=0, checkpoint_every=2)
     rollbacks = [e for e in run["events"] if e["kind"] == "rollback"]
     assert [(e["step"], e["restored_step"], e["source"]) for e in rollbacks] == [(8, 4, "disk")]
     assert rollbacks[0]["batches_skipped"] == [4, 5, 6, 7, 8]
@@ -214,20 +220,7 @@ def test_skip_margin_skips_further_batches_of_the_same_pass(
     """A rollback at step 8 to the snapshot of step 4 skips batches 4-8 and, with
     ``skip_margin=3``, batches 9-11; at the end of the pass the margin stops (batch 9 is the
     last of 10)."""
-    from tg_recovery import train
-
-    config = tg.GuardConfig(
-        run_dir=tmp_path,
-        on_escalation="rollback",
-        snapshot_every=2,
-        good_after=1,
-        max_consecutive=3,
-        skip_margin=3,
-        hang_timeout=0,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        run = train(0, "plain", tmp_path, batches, {5: 1e37}, config=config)
+    run = _rollback_run(tmp_path, batches, snapshot_every=2, skip_margin=3)
     [rollback] = [e for e in run["events"] if e["kind"] == "rollback"]
     assert (rollback["step"], rollback["restored_step"]) == (8, 4)
     assert rollback["batches_skipped"] == skipped
