@@ -225,3 +225,28 @@ def test_skip_margin_skips_further_batches_of_the_same_pass(
     assert (rollback["step"], rollback["restored_step"]) == (8, 4)
     assert rollback["batches_skipped"] == skipped
     assert run["error"] is None and run["finite"] and run["step"] == steps
+
+
+def test_a_rollback_after_a_resume_records_only_batches_the_ledger_did_not_drop(
+    tmp_path: Path,
+) -> None:
+    """A rollback to checkpoint 4 skips batches 4-8, and the process dies. The resume drops
+    them (the ledger) and trains 9 and 10; 11 and 12 fail, and the rollback to the same
+    checkpoint records 9-12, not 4-8 again."""
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(3, 4, generator=gen) for _ in range(16)]
+    for bad in (7, 8, 11, 12):
+        batches[bad] = batches[bad] * float("nan")
+    options: dict[str, object] = dict(
+        checkpoint_every=4, good_after=1, snapshot_every=0, on_escalation="rollback",
+        max_consecutive=2, capture=False,
+    )  # fmt: skip
+    with pytest.raises(_Crash):
+        _crashing_run(tmp_path, batches, crash_at=10, **options)
+    with pytest.raises(_Crash):
+        _crashing_run(tmp_path, batches, crash_at=6, resume=True, **options)
+    rollbacks = [e["batches_skipped"] for e in read_events(tmp_path, 0) if e["kind"] == "rollback"]
+    assert rollbacks == [[4, 5, 6, 7, 8], [9, 10, 11, 12]]
+    ledger = tmp_path / "recovery" / "skipped-rank0.jsonl"
+    positions = [json.loads(line)["batch"] for line in ledger.read_text().splitlines()]
+    assert positions == list(range(4, 13))

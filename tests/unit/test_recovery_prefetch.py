@@ -5,6 +5,7 @@ as skipped (the loop trains the restored step on it)."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -121,3 +122,53 @@ def test_a_new_run_in_the_same_run_dir_feeds_the_batches_an_earlier_run_skipped(
     # checkpoint: the stream's positions are the loop's), the same
     more = _prefetching(tmp_path, _data()[6:], run=event["run"], **rollback)
     assert [index for _, index in more["trained"]] == list(range(6, 14))
+
+
+@pytest.mark.parametrize(
+    ("options", "skipped"),
+    [
+        # snapshots in memory, the loop prefetching, one more batch of margin: the first
+        # rollback drops batch 10 (never handed out); the second's span from the held batch 9
+        # covers it again
+        (
+            {"snapshot_every": 2, "skip_margin": 1, "prefetch": True},
+            [[6, 7, 8, 10], [9, 11, 13]],
+        ),
+        # a checkpoint on disk, older than the first rollback: the second rollback to it
+        # spans the batches the first one skipped
+        (
+            {"snapshot_every": 0, "checkpoint_every": 4},
+            [[4, 5, 6, 7, 8], [9, 10, 11, 12]],
+        ),
+    ],
+    ids=["memory-prefetch-margin", "disk"],
+)
+def test_consecutive_rollbacks_record_each_skipped_batch_once(
+    tmp_path: Path, options: dict[str, Any], skipped: list[list[int]]
+) -> None:
+    """The stream never hands a batch out twice: a rollback whose span covers batches an
+    earlier one skipped records only the new ones, in its event and in the skip ledger."""
+    from tg_recovery import train
+
+    prefetch = options.pop("prefetch", False)
+    config = tg.GuardConfig(
+        run_dir=tmp_path,
+        on_escalation="rollback",
+        good_after=1,
+        max_consecutive=2,
+        max_rollbacks=5,
+        capture=False,
+        hang_timeout=0,
+        **options,
+    )
+    bad = range(7, 14) if prefetch else (7, 8, 11, 12)
+    poison = {i: float("nan") for i in bad}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = train(0, "plain", tmp_path, 30, poison, prefetch=prefetch, config=config)
+    rollbacks = [e["batches_skipped"] for e in run["events"] if e["kind"] == "rollback"]
+    assert rollbacks[:2] == skipped
+    ledger = tmp_path / "recovery" / "skipped-rank0.jsonl"
+    positions = [json.loads(line)["batch"] for line in ledger.read_text().splitlines()]
+    assert len(positions) == len(set(positions)), positions
+    assert sorted(positions) == sorted(p for skip in rollbacks for p in skip)

@@ -102,6 +102,27 @@ def sample_indices(iterable: Any, positions: Sequence[int]) -> dict[int, list[in
     return out
 
 
+class SkippedPositions:
+    """The positions of each ``watch()`` pass (by ``Stream.ident``) already skipped: recorded
+    by a rollback, or dropped by a resume from the ledger. The stream never hands a position
+    out twice, so a later rollback whose span covers one (a prefetched batch's start, a
+    checkpoint on disk older than an earlier rollback) must not record it again."""
+
+    def __init__(self) -> None:
+        self._by_pass: dict[int, set[int]] = {}
+
+    def seed(self, ident: int, positions: Iterable[int]) -> None:
+        """The positions a resumed pass drops from the start."""
+        self._by_pass[ident] = set(positions)
+
+    def fresh(self, ident: int, positions: Iterable[int]) -> list[int]:
+        """``positions`` less those of pass ``ident`` already skipped; then they are."""
+        seen = self._by_pass.setdefault(ident, set())
+        new = [position for position in positions if position not in seen]
+        seen.update(new)
+        return new
+
+
 def skipped_positions(stream: Stream, start: int, margin: int) -> list[int]:
     """The batch positions of ``stream`` a rollback to ``start`` skips, the ones not handed
     out yet dropped from the stream: every position from ``start`` up to the loop's next batch

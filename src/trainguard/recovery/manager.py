@@ -29,7 +29,13 @@ from trainguard.recovery import target as targets
 from trainguard.recovery.agree import same_on_every_rank
 from trainguard.recovery.backoff import Backoff, LrFactor
 from trainguard.recovery.ladder import Rung, rung_for
-from trainguard.recovery.ledger import SkipEntry, SkipLedger, sample_indices, skipped_positions
+from trainguard.recovery.ledger import (
+    SkipEntry,
+    SkipLedger,
+    SkippedPositions,
+    sample_indices,
+    skipped_positions,
+)
 from trainguard.recovery.loader import LoaderStates, is_stateful
 from trainguard.recovery.restart import RestartCheck
 from trainguard.recovery.resume import resume
@@ -82,6 +88,9 @@ class Recovery:
         self.stream: Stream | None = None
         self._streams = 0
         self._ended = EndedStreams()
+        self._skipped = SkippedPositions()
+        self._dropped_at_start: frozenset[int] = frozenset()
+        """The ledger positions the pass ``watch()`` starts next drops (a resume)."""
         """The ``watch()`` passes that ended: a rollback into one skips the rest of it."""
         self.resync_replicas: Callable[[int], None] | None = None
         """``ReplicaWatch.resync_from``: every rank takes one rank's state (collective)."""
@@ -135,6 +144,7 @@ class Recovery:
         stateful = self.config.checkpoint_every > 0 and is_stateful(source)
         self._loader = LoaderStates(source) if stateful else None
         skip = self._ledger_positions(epoch) if point is not None else frozenset()
+        self._dropped_at_start = skip
         if point is not None and epoch == point.epoch:
             self._arm_resume_check(point.position not in skip)
         return StreamStart(source, epoch, start, skip, self.step_boundary, first, self._loader)
@@ -174,6 +184,8 @@ class Recovery:
                 EndedStream(ended.ident, ended.epoch, end, ended.iterable, ended.sampler_epoch)
             )
         self._streams += 1
+        self._skipped.seed(self._streams, self._dropped_at_start)
+        self._dropped_at_start = frozenset()
         self.stream = Stream(
             view, iterable, epoch, self._streams, self._loader, sampler_epoch(iterable)
         )
@@ -432,9 +444,10 @@ class Recovery:
         if stream is None:
             return []
         run = self.events.run.id if self.events.run is not None else None
-        entries = ended_entries(self._ended, target, step, run)
+        entries = ended_entries(self._ended, target, step, run, self._skipped)
         start = target.position if target.stream_id == stream.ident else 0
-        positions = skipped_positions(stream, start, self.config.skip_margin)
+        spanned = skipped_positions(stream, start, self.config.skip_margin)
+        positions = self._skipped.fresh(stream.ident, spanned)
         samples = sample_indices(stream.iterable, positions)
         entries += [
             SkipEntry(stream.epoch, pos, step, "rollback", samples.get(pos), run)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainguard.recovery import snapshot as snap
-from trainguard.recovery.ledger import SkipEntry, sample_indices
+from trainguard.recovery.ledger import SkipEntry, SkippedPositions, sample_indices
 
 KEPT = 64
 """Ended passes remembered (a rollback reaches back into at most so many epochs)."""
@@ -92,16 +92,21 @@ def ended_samples(ended: EndedStream, positions: list[int]) -> dict[int, list[in
 
 
 def ended_entries(
-    ended: EndedStreams, target: snap.Snapshot, step: int, run: str | None
+    ended: EndedStreams,
+    target: snap.Snapshot,
+    step: int,
+    run: str | None,
+    skipped: SkippedPositions,
 ) -> list[SkipEntry]:
     """The skip-ledger entries of the ended passes a rollback at ``step`` to ``target``
-    undoes (``EndedStreams.undone_spans``); a checkpoint's pass is found by its epoch."""
+    undoes (``EndedStreams.undone_spans``), less the positions already ``skipped``; a
+    checkpoint's pass is found by its epoch."""
     ident = target.stream_id
     if ident == -1 and "data_epoch" in target.extra:  # a checkpoint of an earlier epoch
         ident = ended.ident_of_epoch(target.extra["data_epoch"])
     entries: list[SkipEntry] = []
     for stream, span in ended.undone_spans(ident, target.position):
-        positions = list(span)
+        positions = skipped.fresh(stream.ident, span)
         samples = ended_samples(stream, positions)
         entries += [
             SkipEntry(stream.epoch, pos, step, "rollback", samples.get(pos), run)
