@@ -139,6 +139,39 @@ def test_accumulation_any_bad_micro_loss_marks_step(tmp_path: Path) -> None:
     assert guard.state.step == 3
 
 
+@pytest.mark.parametrize("batches", [10, 9])
+def test_batches_short_of_a_whole_step_at_the_end_are_said(
+    tmp_path: Path, batches: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """10 batches, 3 a step: 9 are trained in 3 steps, the last is not, and that is said
+    (event, warning, report line); 9 batches: nothing to say."""
+    from trainguard.report.summary import summarize
+    from trainguard.report.text import report_text
+
+    guard, model = _guard(tmp_path, accumulation_steps=3)
+    handed = 0
+    with guard:
+        for i, batch in enumerate(guard.watch(make_batches(batches, seed=2))):
+            handed += 1
+            loss = loss_fn(model, batch) / 3
+            loss.backward()
+            guard.record_loss(loss)
+            if (i + 1) % 3 == 0:
+                guard.check(loss)
+                guard.optimizer.step()
+                guard.optimizer.zero_grad()
+    assert (handed, guard.state.step) == (9, 3)
+    partial = [e for e in tg.read_events(tmp_path, 0) if e["kind"] == "partial_step"]
+    if batches == 9:
+        assert partial == []
+        return
+    [event] = partial
+    assert (event["steps"], event["dropped"], event["accumulation_steps"]) == (3, 1, 3)
+    line = next(x for x in report_text(summarize(tmp_path)).splitlines() if "uneven data" in x)
+    assert line.endswith("step 3: the pass ended 1 batch(es) short of a step of 3: not trained")
+    assert "the pass ended 1 batch(es) short of a step of 3" in caplog.text
+
+
 def test_state_dict_round_trip(tmp_path: Path) -> None:
     guard, model = _guard(tmp_path)
     _train(guard, model, FaultPlan([Fault(step=1)]), 3)

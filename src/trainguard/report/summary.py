@@ -333,7 +333,7 @@ def _fill_from_events(summary: RunSummary, events: list[dict[str, Any]]) -> None
     summary.bad_input = _merged(events, "bad_input")
     summary.capture_failures = _merged(events, "capture_failed", keys=())
     summary.stood_aside = _merged(events, "stand_aside", keys=())
-    summary.uneven_data = _merged(events, "uneven_data")
+    summary.uneven_data = _merged(events, "uneven_data", "partial_step")
     summary.failed_too = _merged(events, "failed_too", keys=("rank",))
     summary.stragglers = _merged(events, "straggler", keys=("phase",))
     summary.replicas = _merged(events, "replica_divergence")

@@ -231,6 +231,11 @@ def _failed_too(e: dict[str, Any]) -> str:
 
 
 def _uneven(e: dict[str, Any]) -> str:
+    if e.get("kind") == "partial_step":
+        return (
+            f"step {e.get('step')}: the pass ended {e.get('dropped')} batch(es) short of a step "
+            f"of {e.get('accumulation_steps')}: not trained"
+        )
     return (
         f"step {e.get('step')}: ranks {e.get('exhausted_ranks')} ran out of data "
         f"(batches per rank {e.get('batches')}; {e.get('dropped', 0)} dropped)"

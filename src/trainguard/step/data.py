@@ -268,7 +268,9 @@ class BatchStream:
         dropped = len(self._queue)
         everyone_done = len(agreement.exhausted_ranks) == self._consensus.world_size
         totals = {b // self._k for b in agreement.batches}
-        if not (everyone_done and len(totals) == 1):
+        if everyone_done and len(totals) == 1:
+            self._report_partial_step(step, dropped)
+        else:
             self._events.write(
                 "uneven_data",
                 self._step_of(),
@@ -286,3 +288,20 @@ class BatchStream:
                     step,
                 )
         self._queue.clear()
+
+    def _report_partial_step(self, step: int, dropped: int) -> None:
+        """Every rank ran out with the same steps: the batches left over, fewer than
+        ``accumulation_steps``, make no step and are not trained; said (``partial_step``)."""
+        if dropped == 0:
+            return
+        self._events.write(
+            "partial_step", self._step_of(), steps=step, dropped=dropped, accumulation_steps=self._k
+        )
+        if self._consensus.rank == 0:
+            logger.warning(
+                "trainguard: the pass ended %d batch(es) short of a step of %d "
+                "(accumulation_steps): they were not trained; make the loader's length a "
+                "multiple of accumulation_steps to train every batch",
+                dropped,
+                self._k,
+            )
