@@ -110,10 +110,18 @@ def test_a_spike_counts_and_is_a_skip_when_skipped(
         if step == 34:
             before = guard.metrics()
     after = guard.metrics()
+    state = guard.state_dict()
     guard.close()
     assert before["trainguard/spikes"] == 0 and after["trainguard/spikes"] == 1
     assert after["trainguard/skipped_steps"] == skipped
     assert after["trainguard/nonfinite_steps"] == 0
+    # a resume from the loop's own checkpoint goes on counting: a dashboard's cumulative
+    # curve does not drop
+    resumed, *_ = _guard(tmp_path / "resumed", on_spike=on_spike)
+    resumed.load_state_dict(state)
+    again = resumed.metrics()
+    resumed.close()
+    assert again["trainguard/spikes"] == 1 and again["trainguard/skipped_steps"] == skipped
 
 
 def test_a_rollback_counts_and_the_backoff_factor_shows(tmp_path: Path) -> None:
@@ -153,6 +161,18 @@ def test_a_rollback_counts_and_the_backoff_factor_shows(tmp_path: Path) -> None:
         opt.zero_grad(set_to_none=True)
         seen.append(guard.metrics())
     guard.close()
+    # beside each good step's loss: the factor its update ran with (not the next step's)
+    decided = {int(m["trainguard/step"]) - 1: m for m in seen if m["trainguard/rollbacks"] == 2}
+    for step, lr in used.items():
+        if step in decided and used[step] < 0.05:
+            assert decided[step]["trainguard/lr_factor"] * 0.05 == pytest.approx(lr, rel=1e-9)
+    # the escalating steps show the streak that escalated, not the restored state's 0
+    escalated = [
+        m["trainguard/consecutive_bad"]
+        for m in seen
+        if m["trainguard/loss"] != m["trainguard/loss"] or m["trainguard/loss"] == math.inf
+    ]
+    assert max(escalated) == 3
     rollbacks = [e for e in tg.read_events(tmp_path, 0) if e["kind"] == "rollback"]
     assert len(rollbacks) == 2
     assert [m["trainguard/rollbacks"] for m in seen][-1] == 2

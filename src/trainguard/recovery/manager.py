@@ -60,7 +60,13 @@ from trainguard.recovery.undone import (
 
 logger = logging.getLogger(__name__)
 
-_CUMULATIVE = ("total_nonfinite", "nonfinite_steps", "overflow_steps")
+_CUMULATIVE = (
+    "total_nonfinite",
+    "nonfinite_steps",
+    "overflow_steps",
+    "last_streak",
+    "total_spikes",
+)
 
 
 class Recovery:
@@ -436,6 +442,7 @@ class Recovery:
             self.state.backoff = Backoff(target.step, factor, ramp, zero)
         if rung is Rung.RESET_MOMENTS:
             clear_optimizer_state(self.objects.optimizer)
+        self.lr.backoff, self.lr.step = self.state.backoff, target.step  # the restored step's
         if target.first_loss is not None:
             self._expect_loss = (target.step, target.first_loss, "rollback")
 

@@ -8,16 +8,20 @@ Every key starts with ``trainguard/``; the values are host ``int`` / ``float`` n
   were skipped or rolled back (``on_spike="skip"`` / ``"rollback"``);
 - ``nonfinite_steps``: the non-finite steps among them (``state.total_nonfinite``);
 - ``consecutive_bad``: non-finite steps in a row ending at the last decided step (the
-  counter ``max_consecutive`` escalates on);
+  counter ``max_consecutive`` escalates on; after a rollback still the escalating step's
+  count, until the next step is decided);
 - ``loss``: the last decided step's loss, the mean over the ranks (NaN/Inf when it was not
   finite); absent before the first decided step, and when the guard has no loss
   (``trainguard run`` checks the gradients only);
 - ``grad_norm``: the last decided step's global gradient norm before clipping (Inf when a
   gradient was not finite); absent before the first decided step;
-- ``spikes``: loss / grad-norm spikes seen (whatever ``on_spike`` did with them);
+- ``spikes``: steps with a loss or grad-norm spike (whatever ``on_spike`` did with them; a
+  step where both spike counts once, and has a ``spike`` event per metric); cumulative, kept
+  through rollbacks and resumes;
 - ``rollbacks``: rollbacks to a known-good snapshot or checkpoint (0 without recovery);
-- ``lr_factor``: recovery's LR backoff factor on the schedule for the next optimizer step
-  (1.0 when none);
+- ``lr_factor``: recovery's LR backoff factor on the schedule for the last decided step's
+  update (its ``optimizer.step()``; 1.0 when none), beside that step's loss and grad norm;
+  after a rollback, the factor the restored step runs with;
 - ``loss_scale`` and ``overflow_steps``: with a GradScaler only: its scale and the fp16
   steps it skipped for overflow;
 - ``stragglers``: ranks named stragglers now (in either phase, data or compute);
@@ -95,7 +99,7 @@ class Dashboard:
             "trainguard/step": state.step,
             "trainguard/skipped_steps": state.total_nonfinite + spike_skips,
             "trainguard/nonfinite_steps": state.total_nonfinite,
-            "trainguard/consecutive_bad": state.consecutive_nonfinite,
+            "trainguard/consecutive_bad": state.last_streak,
         }
         last = guard.history.last()
         if last is not None:
@@ -106,9 +110,7 @@ class Dashboard:
         recovery = guard.recovery
         out["trainguard/spikes"] = spikes.total
         out["trainguard/rollbacks"] = recovery.state.rollbacks if recovery is not None else 0
-        out["trainguard/lr_factor"] = (
-            recovery.state.backoff.at(state.step) if recovery is not None else 1.0
-        )
+        out["trainguard/lr_factor"] = recovery.lr.current() if recovery is not None else 1.0
         if guard.scaler is not None:
             scale = self._scale.read(guard.scaler)
             if scale is not None:

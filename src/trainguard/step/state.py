@@ -10,6 +10,9 @@ from typing import Any, Protocol
 class Part(Protocol):
     """A part of the guard whose state travels with the counters (the spike statistics)."""
 
+    total: int
+    """Spikes seen since the start of the run: cumulative (a rollback keeps it)."""
+
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
@@ -32,17 +35,21 @@ class GuardState:
     """The most recent bad step numbers (capped)."""
     overflow_steps: int = 0
     """fp16 steps the GradScaler skipped for overflow (not counted as non-finite)."""
+    last_streak: int = 0
+    """Bad steps in a row ending at the last decided step, kept through a rollback (which
+    restores ``consecutive_nonfinite`` to the snapshot's): what the escalating step had."""
     spikes: Part | None = field(default=None, repr=False, compare=False)
     """The spike statistics (``SpikeWatch``): saved and restored with the counters, so a
     rollback or a resume judges the next steps as the run did at that step."""
 
     def record_good(self, step: int, loss: float) -> None:
-        self.consecutive_nonfinite = 0
+        self.consecutive_nonfinite = self.last_streak = 0
         self.last_good_step = step
         self.last_good_loss = loss
 
     def record_bad(self, step: int) -> None:
         self.consecutive_nonfinite += 1
+        self.last_streak = self.consecutive_nonfinite
         self.total_nonfinite += 1
         self.nonfinite_steps.append(step)
 
@@ -55,7 +62,9 @@ class GuardState:
             "last_good_loss": self.last_good_loss,
             "nonfinite_steps": list(self.nonfinite_steps),
             "overflow_steps": self.overflow_steps,
+            "last_streak": self.last_streak,
             **({"spikes": self.spikes.state_dict()} if self.spikes is not None else {}),
+            "total_spikes": self.spikes.total if self.spikes is not None else 0,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -67,5 +76,8 @@ class GuardState:
         self.nonfinite_steps.clear()
         self.nonfinite_steps.extend(int(s) for s in state["nonfinite_steps"])
         self.overflow_steps = int(state.get("overflow_steps", 0))
+        self.last_streak = int(state.get("last_streak", self.consecutive_nonfinite))
         if self.spikes is not None and "spikes" in state:  # absent: saved before spikes
             self.spikes.load_state_dict(state["spikes"])
+        if self.spikes is not None:
+            self.spikes.total = int(state.get("total_spikes", 0))
