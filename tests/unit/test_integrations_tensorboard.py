@@ -133,3 +133,50 @@ def test_importing_the_module_imports_no_tensorboard() -> None:
         "assert not {'tensorboard', 'torch.utils.tensorboard'} & set(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_after_a_rollback_events_stay_beside_the_loops_scalars(tmp_path: Path) -> None:
+    """A rollback sends the guard's step back; the loop's counter goes on and ``log(i)``
+    writes the scalars there. Each skip and the rollback are written where their scalar
+    moved, not at the guard's (lower) step."""
+    from tg_recovery import make_data
+
+    config = tg.GuardConfig(
+        run_dir=tmp_path, on_escalation="rollback", max_consecutive=2, snapshot_every=2,
+        good_after=2, hang_timeout=0, capture=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = tg.Guard(model, opt, config=config)
+    tb = TensorBoardLogger(guard)
+    ruined = 0
+    for i, (x, y, scale) in enumerate(guard.watch(make_data(0, 20, {5: 1e37, 9: 1e37}))):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if guard.check(loss):
+            if scale != 1.0 and ruined < 2:  # a second ruin after the first rollback
+                ruined += 1
+                for p in model.parameters():
+                    p.grad.fill_(scale)  # type: ignore[union-attr]
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        tb.log(i)
+    tb.close()
+    guard.close()
+    acc = _read(tmp_path / "tensorboard")
+
+    def moved(tag: str) -> list[int]:
+        values = [(s.step, s.value) for s in acc.Scalars(tag)]
+        return [s for (s, v), (_, before) in zip(values[1:], values, strict=False) if v > before]
+
+    texts = _texts(acc)
+    kinds_at = {
+        kind: [s for s, t in texts if t.startswith(f"**{kind}**")] for kind in ("skip", "rollback")
+    }
+    assert kinds_at["rollback"] == moved("trainguard/rollbacks") and kinds_at["rollback"]
+    assert kinds_at["skip"] == [
+        s for s in moved("trainguard/skipped_steps") if s not in kinds_at["rollback"]
+    ]
+    assert len(kinds_at["rollback"]) == 2
+    assert any(f"at step {s} " not in t for s, t in texts)  # the text keeps the guard's step

@@ -20,10 +20,13 @@ Scalars: ``log(step)`` writes ``guard.metrics()`` (host numbers the guard alread
 sync, no collective); call it as often as you log the rest. Events: the logger listens on the
 guard's event log (``EventLog.add_listener``) and writes each notable event (``NOTABLE``:
 skip, non-finite, spike, rollback, rerun, straggler, replica divergence, hang...) at once as
-text under the tag ``trainguard/events``, at the event's step, and flushes: no file is read,
+text under the tag ``trainguard/events`` and flushes: no file is read,
 and nothing is done on a step without such an event. ``hang`` and ``peer_failure`` events
 are written by the hang watchdog's thread just before the process exits; the flush makes
-them reach the file first.
+them reach the file first. An event is placed where the scalars of its step are: at the
+guard's step plus the offset between your counter and the guard's at the last ``log(step)``
+(a rollback sends the guard's step back, your counter goes on; the text still says the
+guard's step).
 """
 
 from __future__ import annotations
@@ -125,6 +128,8 @@ class TensorBoardLogger:
         self.events = frozenset(events)
         self._owned = False
         self.writer: Writer | None = None
+        self._offset = 0
+        """Your step minus the guard's, at the last ``log(step)``: where events go."""
         if all_ranks or guard.rank == 0:
             if writer is None:
                 writer = summary_writer(log_dir or Path(guard.run_dir) / "tensorboard")
@@ -140,15 +145,18 @@ class TensorBoardLogger:
         if writer is None:
             return
         metrics = self.guard.metrics()
-        at = int(metrics["trainguard/step"]) - 1 if step is None else step
-        write_scalars(writer, metrics, at)
+        checked = int(metrics["trainguard/step"]) - 1
+        if step is not None:
+            self._offset = step - checked
+        write_scalars(writer, metrics, checked if step is None else step)
 
     def _on_event(self, record: dict[str, Any]) -> None:
         writer = self.writer
         if writer is None or record.get("kind") not in self.events:
             return
         step = record.get("step")
-        writer.add_text(TEXT_TAG, event_text(record), global_step=step if step is not None else 0)
+        at = step + self._offset if isinstance(step, int) else 0
+        writer.add_text(TEXT_TAG, event_text(record), global_step=at)
         writer.flush()  # rare; and a hang's event must be on disk before the exit
 
     def close(self) -> None:
