@@ -6,7 +6,8 @@
 - ``target``     the rollback target: a good snapshot, or a good checkpoint on disk
 - ``backoff``    the LR factor on the schedule, applied around ``optimizer.step()``
 - ``ladder``     the escalation rungs (rollback, + LR backoff, + moment reset, stop)
-- ``ledger``     the persisted skip ledger (batch positions, dataset indices)
+- ``ledger``     the persisted skip ledger (batch positions, dataset indices), each once
+- ``first_loss`` the first loss after a rollback or resume against the saved one
 - ``stop``       the stop record (``run_dir/stop.json``) the guard's final stop writes
 - ``restart``    a restart into the same stop with nothing changed is refused (exit 93)
 - ``manager``    ``Recovery``: the part the guard composes (``types``: what it passes around)

@@ -28,6 +28,7 @@ from trainguard.recovery import snapshot as snap
 from trainguard.recovery import target as targets
 from trainguard.recovery.agree import same_on_every_rank
 from trainguard.recovery.backoff import Backoff, LrFactor
+from trainguard.recovery.first_loss import FirstLossCheck
 from trainguard.recovery.ladder import Rung, rung_for
 from trainguard.recovery.ledger import (
     SkipEntry,
@@ -106,10 +107,7 @@ class Recovery:
         """Optimizer steps taken in this process, rolled back or not (``state.applied``
         counts those the weights hold): a scheduler the guard does not know follows it."""
         self._loader: LoaderStates | None = None  # for the stream ``watch()`` starts next
-        self._expect_loss: tuple[int, float, str] | None = None
-        self._resume_loss: tuple[int, float] | None = None
-        """The resumed checkpoint's step and first loss: compared (``_expect_loss``) only once
-        ``watch()`` feeds that step the checkpoint's own first batch (``stream_start``)."""
+        self.first_loss = FirstLossCheck(events, config.loss_tolerance)
         self.resume_point: DataPoint | None = None
         """Where a resumed run's data continues (set by ``resume()``)."""
         self.resumed_from: str | None = None
@@ -152,16 +150,8 @@ class Recovery:
         skip = self._ledger_positions(epoch) if point is not None else frozenset()
         self._dropped_at_start = skip
         if point is not None and epoch == point.epoch:
-            self._arm_resume_check(point.position not in skip)
+            self.first_loss.stream_started(point.position not in skip)
         return StreamStart(source, epoch, start, skip, self.step_boundary, first, self._loader)
-
-    def _arm_resume_check(self, same_batch: bool) -> None:
-        """The first loss after a resume is compared with the checkpoint's only when it is
-        that of the same batch: the skip ledger did not drop the checkpoint's first batch
-        (without ``watch()`` the guard does not know the batch, and compares nothing)."""
-        expected, self._resume_loss = self._resume_loss, None
-        if expected is not None and same_batch:
-            self._expect_loss = (expected[0], expected[1], "resume")
 
     def _ledger_positions(self, epoch: int) -> frozenset[int]:
         """What this run skipped of ``epoch`` before the restart it resumes from."""
@@ -246,7 +236,7 @@ class Recovery:
         self._optimizer_steps += 1
         if self.state.applied is not None:
             self.state.applied += 1
-        self._check_loss(step, loss)
+        self.first_loss.good_step(step, loss)
         failed_at = self.state.failed_at
         if failed_at is not None and step >= failed_at + self.config.good_after:
             self.state.attempts = 0  # progress: past the last failure, healthy
@@ -354,8 +344,7 @@ class Recovery:
         self._resume_rng = (found.step, extras["rng"])
         self._last_saved = found.step
         self._good_steps.add(found.step)
-        if found.first_loss is not None:
-            self._resume_loss = (found.step, found.first_loss)
+        self.first_loss.resumed(found.step, found.first_loss)
         self.events.write(
             "resume",
             found.step,
@@ -443,8 +432,7 @@ class Recovery:
         if rung is Rung.RESET_MOMENTS:
             clear_optimizer_state(self.objects.optimizer)
         self.lr.backoff, self.lr.step = self.state.backoff, target.step  # the restored step's
-        if target.first_loss is not None:
-            self._expect_loss = (target.step, target.first_loss, "rollback")
+        self.first_loss.rolled_back(target.step, target.first_loss)
 
     def _skip_batches(self, target: snap.Snapshot, step: int) -> list[SkipEntry]:
         stream = self.stream
@@ -462,13 +450,3 @@ class Recovery:
         ]
         self.ledger.append(entries)
         return entries
-
-    def _check_loss(self, step: int, loss: float) -> None:
-        expected = self._expect_loss
-        if expected is None or step != expected[0]:
-            return
-        self._expect_loss = None
-        saved, why = expected[1], expected[2]
-        tolerance = self.config.loss_tolerance * max(abs(saved), 1e-12)
-        if abs(loss - saved) > tolerance:
-            self.events.write("loss_mismatch", step, after=why, loss=loss, saved_loss=saved)
