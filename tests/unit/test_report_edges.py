@@ -178,21 +178,24 @@ def test_an_event_with_a_null_step_is_read(tmp_path: Path) -> None:
 
 def test_a_hang_says_which_ranks_left_no_stack(tmp_path: Path) -> None:
     """report.json names a stack file for every rank; a rank SIGKILLed before it dumped
-    leaves its pre-opened file empty, and another host's file is not here: the hangs line
-    says so instead of pointing at nothing."""
+    leaves its pre-opened file empty (rank 1), one that raised leaves none (rank 3, on the
+    reporter's host), and another host's file is not here (rank 2): the hangs line says so
+    instead of pointing at nothing."""
     folder = tmp_path / "hangs" / "h1"
     folder.mkdir(parents=True)
-    ranks = [{"rank": r, "step": 5, "stack_file": f"rank-{r}.txt"} for r in range(3)]
-    (folder / "report.json").write_text(
-        json.dumps({"id": "h1", "kind": "peer_failure", "culprits": [1], "ranks": ranks})
-    )
+    ranks = [
+        {"rank": r, "step": 5, "stack_file": f"rank-{r}.txt", "host": "b" if r == 2 else "a"}
+        for r in range(4)
+    ]
+    report = {"id": "h1", "kind": "peer_failure", "culprits": [1], "reporter": 0, "ranks": ranks}
+    (folder / "report.json").write_text(json.dumps(report))
     (folder / "rank-0.txt").write_text('Thread 0x1 (most recent call first):\n  File "t.py"\n')
     (folder / "rank-1.txt").write_text("")
     line = _line(report_text(summarize(tmp_path)), "hangs")
     assert line.endswith(
-        "(hangs/h1); no stack from rank 1 (its file is empty: it was killed or aborted before "
-        "it could write one); stacks of rank 2 are on their own hosts"
+        "(hangs/h1); no stack from rank 1, 3 (it ended before it could write one: killed, "
+        "aborted or its own exception); stacks of rank 2 are on their own hosts"
     ), line
-    (folder / "rank-1.txt").write_text("Thread 0x2 (most recent call first):\n")
-    (folder / "rank-2.txt").write_text("Thread 0x3 (most recent call first):\n")
+    for rank in (1, 2, 3):
+        (folder / f"rank-{rank}.txt").write_text(f"Thread 0x{rank} (most recent call first):\n")
     assert _line(report_text(summarize(tmp_path)), "hangs").endswith("(hangs/h1)")

@@ -197,22 +197,27 @@ def read_hangs(root: Path, skipped: Skipped) -> list[dict[str, Any]]:
 
 
 def _unwritten_stacks(folder: Path, report: dict[str, Any]) -> dict[str, list[int]]:
-    """The ranks of a hang report whose stack file holds nothing here: ``empty`` (the file
-    each rank opens up front is still empty: the process ended before it could write, e.g.
-    SIGKILL or an abort) and ``elsewhere`` (no such file: on another host's disk)."""
+    """The ranks of a hang report with no stack here: ``empty`` (no stack written on this
+    host: the file each rank opens up front is empty or absent, the process ended before it
+    could write, e.g. SIGKILL, an abort or its own exception) and ``elsewhere`` (a rank on
+    another host than the reporter's: its file is on that host's disk)."""
+    records = [r for r in report.get("ranks") or [] if isinstance(r, dict)]
+    hosts = {r.get("rank"): r.get("host") for r in records}
+    here = hosts.get(report.get("reporter"))
     empty: list[int] = []
     elsewhere: list[int] = []
-    for record in report.get("ranks") or []:
-        if not isinstance(record, dict) or not isinstance(record.get("stack_file"), str):
-            continue
-        rank = record.get("rank")
-        if not isinstance(rank, int):
+    for record in records:
+        rank, name = record.get("rank"), record.get("stack_file")
+        if not isinstance(rank, int) or not isinstance(name, str):
             continue
         try:
-            size = (folder / Path(record["stack_file"]).name).stat().st_size
+            size = (folder / Path(name).name).stat().st_size
         except OSError:
-            elsewhere.append(rank)
+            size = 0
+        if size > 0:
             continue
-        if size == 0:
+        if here is not None and record.get("host") not in (None, here):
+            elsewhere.append(rank)
+        else:
             empty.append(rank)
     return {"empty": empty, "elsewhere": elsewhere}

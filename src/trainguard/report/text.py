@@ -212,8 +212,8 @@ def _no_stack(no_stack: dict[str, list[int]]) -> str:
     if no_stack.get("empty"):
         ranks = ", ".join(map(str, no_stack["empty"]))
         said.append(
-            f"no stack from rank {ranks} (its file is empty: it was killed or aborted "
-            "before it could write one)"
+            f"no stack from rank {ranks} (it ended before it could write one: killed, "
+            "aborted or its own exception)"
         )
     if no_stack.get("elsewhere"):
         ranks = ", ".join(map(str, no_stack["elsewhere"]))
