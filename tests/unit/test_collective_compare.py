@@ -312,3 +312,23 @@ def test_a_rank_that_left_its_loop_is_the_culprit_whatever_the_records_say() -> 
     verdict = assess(views, me=0, timeout=2.0, dead_after=2.0)
     assert verdict is not None and verdict.culprits == [1]
     assert verdict.reason.startswith("no rank made progress for 2s; behind: rank 1 at step 15")
+
+
+def test_a_rank_busy_alone_outside_a_phase_is_told_about_guard_phase() -> None:
+    """Rank 0 evaluates (or saves) alone in no collective and outside a phase while the
+    others wait in the next all-reduce: a hang, and the reason says how to mark that work.
+    A rank stuck in its data loading is not told so; nor is a phase's own deadlock."""
+    views = [view(0, recorded(None, line=40))]
+    views += [view(r, recorded(bucket(), DDP)) for r in (1, 2)]
+    verdict = assess(views, me=1, timeout=2.0, dead_after=2.0)
+    assert verdict is not None and verdict.culprits == [0]
+    assert verdict.reason.endswith(
+        "; if rank 0 was busy on purpose while the others waited (an evaluation or a "
+        'checkpoint on one rank), wrap that work in `with guard.phase("eval"):` (docs/hangs.md)'
+    )
+    loading = [view(0, recorded(None, line=40), phase="data"), *views[1:]]
+    verdict = assess(loading, me=1, timeout=2.0, dead_after=2.0)
+    assert verdict is not None and verdict.culprits == [0] and "guard.phase" not in verdict.reason
+    deadlock = [_in_phase(view(0, recorded(barrier(), line=19))), view(1, recorded(bucket(), DDP))]
+    verdict = assess(deadlock, me=1, timeout=2.0, dead_after=2.0)
+    assert verdict is not None and "guard.phase" not in verdict.reason

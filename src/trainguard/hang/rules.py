@@ -179,10 +179,29 @@ def assess(views: Sequence[RankView], me: int, timeout: float, dead_after: float
         return None
     else:
         culprits, reason = hang_culprits(views)
+        reason += phase_hint(views, culprits)
     # no dump to wait for from a rank that never registered or whose watchdog stopped
     absent = [v.rank for v in views if not v.registered or v.state in ("closed", "failed")]
     reason = f"no rank made progress for {limit:g}s; {reason}"
     return Verdict(HANG, culprits, reason, by=me, reporter=me, silent=absent)
+
+
+def phase_hint(views: Sequence[RankView], culprits: Sequence[int]) -> str:
+    """What to do when the culprits were busy on purpose: ranks that stalled the others
+    outside a user phase and outside their data loading (an evaluation or a checkpoint on
+    one rank looks like this until it is marked)."""
+    busy = [
+        v.rank
+        for v in views
+        if v.rank in culprits and not v.user_phase and v.phase not in ("data", "absent")
+    ]
+    if not busy:
+        return ""
+    ranks = ", ".join(map(str, busy))
+    return (
+        f"; if rank {ranks} was busy on purpose while the others waited (an evaluation or a "
+        'checkpoint on one rank), wrap that work in `with guard.phase("eval"):` (docs/hangs.md)'
+    )
 
 
 def records_pending(training: Sequence[RankView], limit: float) -> bool:
