@@ -21,6 +21,9 @@ class Progress:
     beats: int = 0
     phase_since: float = field(default_factory=time.monotonic)
     user_phases: list[str] = field(default_factory=list)
+    pass_start: bool = False
+    """A ``watch()`` pass is fetching its first batches (a DataLoader starting its workers
+    at each epoch): the learned hang timeout gives that the start's grace."""
 
     def enter(self, phase: str, step: int | None = None) -> None:
         if step is not None:

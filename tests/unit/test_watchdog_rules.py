@@ -3,7 +3,11 @@ heartbeat bookkeeping on local receipt times, and which exceptions are published
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
+import torch
 import torch.distributed as dist
 
 import trainguard as tg
@@ -255,3 +259,51 @@ def test_exit_codes_are_distinct_and_uncommon() -> None:
     assert len(codes) == 2
     assert not codes & {0, 1, 2, 126, 127, 130, 137, 139, 143}
     assert all(c < 128 and not 64 <= c <= 78 for c in codes)
+
+
+def test_a_new_pass_fetching_its_first_batches_gets_the_grace_and_teaches_nothing() -> None:
+    """Epoch 2's DataLoader starts its workers (36 s) after fast steps taught a 30 s
+    timeout: while a ``watch()`` pass fetches its first batches the learned timeout is the
+    grace, and that stretch is not learned; a fixed timeout stays as given."""
+    from trainguard.hang.timeout import StallMeter
+    from trainguard.progress import Progress
+
+    learner = TimeoutLearner()
+    assert learner.value(10) == timing.FLOOR_S
+    assert learner.value(10, pass_start=True) == timing.GRACE_S
+    assert TimeoutLearner(fixed=3.0).value(10, pass_start=True) == 3.0
+    progress = Progress()
+    meter = StallMeter(learner, now=0.0)
+    progress.enter("data")
+    meter.observe(progress, steps_done=10, now=0.0)
+    progress.pass_start = True
+    meter.observe(progress, steps_done=10, now=36.0)  # the workers start
+    progress.pass_start = False
+    progress.enter("step")
+    meter.observe(progress, steps_done=10, now=36.0)
+    assert learner.longest_stall == 0.0
+    progress.enter("check")
+    meter.observe(progress, steps_done=10, now=36.5)  # a usual half-second stretch
+    assert learner.longest_stall == pytest.approx(0.5)
+
+
+def test_watch_marks_the_fetch_of_a_pass_s_first_batches(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 1)
+    guard = tg.Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=tmp_path, hang_timeout=0
+    )
+    seen: list[bool] = []
+
+    def batches() -> Iterator[torch.Tensor]:
+        for _ in range(4):
+            seen.append(guard.progress.pass_start)
+            yield torch.ones(3, 2)
+
+    with guard:
+        for _ in range(2):  # two passes
+            for x in guard.watch(batches()):
+                model(x).sum().backward()
+                guard.check(model(x).sum())
+            assert not guard.progress.pass_start
+    # the first fill takes 2 batches (one ahead), the rest come one a step
+    assert seen == [True, True, False, False] * 2

@@ -5,7 +5,9 @@ The learning rule (``hang_timeout=None``):
 
 * **Grace.** Until this rank has completed ``WARMUP_STEPS`` optimizer steps since the
   watchdog started (compilation, autotuning, the first collectives, a resumed run's first
-  steps), the timeout is ``GRACE_S`` (600 s).
+  steps), the timeout is ``GRACE_S`` (600 s); so it is while a later ``watch()`` pass
+  fetches its first batches (``Progress.pass_start``: a DataLoader starting its workers at
+  each epoch), a stretch the learner is not fed either.
 * **Learned.** After that the watchdog measures every stretch of time in which the local
   loop made no progress (the ``Progress`` beat counter did not change: fetching a batch,
   forward/backward, the check's all-reduce), outside user phases and after the warm-up.
@@ -102,11 +104,12 @@ class TimeoutLearner:
             return "fixed"
         return "grace" if steps_done < self.warmup_steps else "learned"
 
-    def value(self, steps_done: int) -> float:
-        """The timeout in seconds after ``steps_done`` steps since the watchdog started."""
+    def value(self, steps_done: int, pass_start: bool = False) -> float:
+        """The timeout in seconds after ``steps_done`` steps since the watchdog started;
+        ``pass_start``: a ``watch()`` pass is fetching its first batches (grace too)."""
         if self.fixed is not None:
             return self.fixed
-        if steps_done < self.warmup_steps:
+        if steps_done < self.warmup_steps or pass_start:
             return self.grace
         return max(self.floor, self.factor * self.longest_stall)
 
@@ -129,7 +132,11 @@ class StallMeter:
 
     def observe(self, progress: Progress, steps_done: int, now: float) -> None:
         """One look at the loop (every watchdog tick)."""
-        excluded = progress.in_user_phase or progress.phase in ("init", "done", "closed")
+        excluded = (
+            progress.in_user_phase
+            or progress.pass_start
+            or progress.phase in ("init", "done", "closed")
+        )
         if progress.beats == self._last_beats:
             self._excluded = self._excluded or excluded
             return

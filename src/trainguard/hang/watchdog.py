@@ -147,7 +147,7 @@ class Watchdog:
 
     @property
     def timeout(self) -> float:
-        return self.learner.value(self.steps_done())
+        return self.learner.value(self.steps_done(), self.progress.pass_start)
 
     @property
     def dead_after(self) -> float:

@@ -163,8 +163,12 @@ class BatchStream:
             self._agreement_step = step
 
     def __iter__(self) -> Iterator[Any]:
-        iterator = iter(self._iterable)
-        self._fill(iterator, (self._lookahead + 1) * self._k)
+        self._progress.pass_start = True  # the learned hang timeout's grace (hang/timeout.py)
+        try:
+            iterator = iter(self._iterable)
+            self._fill(iterator, (self._lookahead + 1) * self._k)
+        finally:
+            self._progress.pass_start = False
         self._set_agreement(self._exchange_at_start(), -1)
         step = 0
         while not self._stop_before(step):
