@@ -313,3 +313,12 @@ def test_the_ended_line_says_how_the_last_start_ended(tmp_path: Path) -> None:
     )
     # a close of an earlier start (before a torchrun restart) does not count
     assert ending([start, closed, {**start, "time": 3.0}], []).startswith("no close event")
+    # rank 1 left with sys.exit (its guard never closed); the peer failure ended rank 0 with
+    # os._exit (no close event): the line says the peer failure, and who left
+    starts = [start, {**start, "rank": 1}]
+    peer = {"kind": "peer_failure", "step": 4}
+    left = {**dropped, "rank": 1}
+    assert ending([*starts, left], [peer]) == (
+        "step 4: peer_failure (see hangs); rank 1 left without closing its guard"
+    )
+    assert ending([*starts, left, closed], [peer]).startswith("step 9: the guard was never")

@@ -11,6 +11,8 @@ From the ``close`` events written after the last ``start`` (every rank writes it
 - ``closed: false`` without an error: the guard was never closed (the script ended, or
   dropped it);
 - a plain ``close``: closed;
+- some ranks with one and others without, and a hang report: the hang or peer failure
+  ended those with ``os._exit`` (the ranks that left without closing are named);
 - none: the process did not get to write one (a hang or peer failure ends it with
   ``os._exit``: the ``hangs`` line says why; else it was killed: SIGKILL, the OOM killer,
   a scheduler's time limit). The line says the last step seen in the events and the
@@ -52,10 +54,21 @@ def ending(
         ranks = sorted({int_of(e.get("rank")) for e in failed})
         step = _raised_at(events, since, int_of(first.get("step")))
         return f"step {step}: {first.get('error')} (ranks {ranks})"
+    unclosed = _started_ranks(events, since) - {int_of(e.get("rank")) for e in closes}
+    if hangs and unclosed:  # a hang or peer failure ended the others with os._exit
+        hang = hangs[-1]
+        left = sorted(int_of(e.get("rank")) for e in closes if e.get("closed") is False)
+        also = f"; rank {', '.join(map(str, left))} left without closing its guard" if left else ""
+        return f"step {hang.get('step')}: {hang.get('kind')} (see hangs){also}"
     step = max(int_of(e.get("step")) for e in closes)
     if any(e.get("closed") is False for e in closes):
         return f"step {step}: the guard was never closed (the script ended without close())"
     return f"step {step}: closed"
+
+
+def _started_ranks(events: list[dict[str, Any]], since: float) -> set[int]:
+    """The ranks that wrote the last start's ``start`` event (or any event since)."""
+    return {int_of(e.get("rank")) for e in events if float_of(e.get("time")) >= since}
 
 
 def _no_events(records: list[dict[str, Any]]) -> str:
