@@ -63,8 +63,11 @@ class GuardState:
             "nonfinite_steps": list(self.nonfinite_steps),
             "overflow_steps": self.overflow_steps,
             "last_streak": self.last_streak,
-            **({"spikes": self.spikes.state_dict()} if self.spikes is not None else {}),
-            "total_spikes": self.spikes.total if self.spikes is not None else 0,
+            **(
+                {"spikes": self.spikes.state_dict(), "total_spikes": self.spikes.total}
+                if self.spikes is not None
+                else {}  # a bare copy (the sync-free step's settled one) overrides neither
+            ),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -79,5 +82,5 @@ class GuardState:
         self.last_streak = int(state.get("last_streak", self.consecutive_nonfinite))
         if self.spikes is not None and "spikes" in state:  # absent: saved before spikes
             self.spikes.load_state_dict(state["spikes"])
-        if self.spikes is not None:
-            self.spikes.total = int(state.get("total_spikes", 0))
+        if self.spikes is not None and "total_spikes" in state:
+            self.spikes.total = int(state["total_spikes"])
