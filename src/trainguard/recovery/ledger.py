@@ -12,7 +12,6 @@ a person filter them out even under another world size.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -21,8 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from torch.utils.data import DistributedSampler, SequentialSampler
-
-from trainguard.recovery.types import Stream
 
 
 @dataclass(frozen=True)
@@ -121,19 +118,3 @@ class SkippedPositions:
         new = [position for position in positions if position not in seen]
         seen.update(new)
         return new
-
-
-def skipped_positions(stream: Stream, start: int, margin: int) -> list[int]:
-    """The batch positions of ``stream`` a rollback to ``start`` skips, the ones not handed
-    out yet dropped from the stream: every position from ``start`` up to the loop's next batch
-    (one it fetched ahead trains the restored step), then ``margin`` more of the same pass,
-    fetched already or dropped as they come, up to the pass's end when the iterable has a
-    length (``skip_margin``)."""
-    view = stream.view
-    positions = list(range(start, view.untrained_position))
-    first = view.position
-    view.drop_next(margin)  # with 0: the counts changed, agree afresh
-    end = first + margin
-    with contextlib.suppress(TypeError, NotImplementedError):  # no length: not capped
-        end = min(end, len(stream.iterable))
-    return positions + list(range(first, end))

@@ -30,13 +30,7 @@ from trainguard.recovery.agree import same_on_every_rank
 from trainguard.recovery.backoff import Backoff, LrFactor
 from trainguard.recovery.first_loss import FirstLossCheck
 from trainguard.recovery.ladder import Rung, rung_for
-from trainguard.recovery.ledger import (
-    SkipEntry,
-    SkipLedger,
-    SkippedPositions,
-    sample_indices,
-    skipped_positions,
-)
+from trainguard.recovery.ledger import SkipEntry, SkipLedger, SkippedPositions
 from trainguard.recovery.loader import LoaderStates, is_stateful
 from trainguard.recovery.restart import RestartCheck
 from trainguard.recovery.resume import resume
@@ -55,7 +49,7 @@ from trainguard.recovery.undone import (
     EndedStream,
     EndedStreams,
     earlier_batches,
-    ended_entries,
+    rollback_entries,
     sampler_epoch,
 )
 
@@ -439,14 +433,7 @@ class Recovery:
         if stream is None:
             return []
         run = self.events.run.id if self.events.run is not None else None
-        entries = ended_entries(self._ended, target, step, run, self._skipped)
-        start = target.position if target.stream_id == stream.ident else 0
-        spanned = skipped_positions(stream, start, self.config.skip_margin)
-        positions = self._skipped.fresh(stream.ident, spanned)
-        samples = sample_indices(stream.iterable, positions)
-        entries += [
-            SkipEntry(stream.epoch, pos, step, "rollback", samples.get(pos), run)
-            for pos in positions
-        ]
+        margin = self.config.skip_margin
+        entries = rollback_entries(stream, self._ended, self._skipped, target, step, run, margin)
         self.ledger.append(entries)
         return entries

@@ -8,19 +8,22 @@ from its position, every whole epoch between, and the current epoch from its sta
 
 ``EndedStreams`` remembers, per ``watch()`` pass that has ended (the last ``KEPT``), its
 epoch and how far it read. ``ended_entries`` gives the skip-ledger entries of the ended
-passes a rollback undoes, oldest first; the current pass's own span is the caller's (it may
-still drop more batches). Their dataset indices are read again as the current pass's are
-(``ledger.sample_indices``), a ``DistributedSampler`` set back to the pass's epoch for it.
+passes a rollback undoes, oldest first; ``skipped_positions`` the current pass's span (and
+``skip_margin`` more, dropped from the stream); ``rollback_entries`` both, each batch once
+(``ledger.SkippedPositions``). Their dataset indices are read again as the current pass's
+are (``ledger.sample_indices``), a ``DistributedSampler`` set back to the pass's epoch for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from trainguard.recovery import snapshot as snap
 from trainguard.recovery.ledger import SkipEntry, SkippedPositions, sample_indices
+from trainguard.recovery.types import Stream
 
 KEPT = 64
 """Ended passes remembered (a rollback reaches back into at most so many epochs)."""
@@ -123,3 +126,40 @@ def earlier_batches(skipped: list[SkipEntry], epoch: int | None) -> list[dict[st
         if entry.epoch != epoch:
             per_epoch.setdefault(entry.epoch, []).append(entry.batch)
     return [{"epoch": e, "batches": batches} for e, batches in per_epoch.items()]
+
+
+def skipped_positions(stream: Stream, start: int, margin: int) -> list[int]:
+    """The batch positions of ``stream`` a rollback to ``start`` skips, the ones not handed
+    out yet dropped from the stream: every position from ``start`` up to the loop's next batch
+    (one it fetched ahead trains the restored step), then ``margin`` more of the same pass,
+    fetched already or dropped as they come, up to the pass's end when the iterable has a
+    length (``skip_margin``)."""
+    view = stream.view
+    positions = list(range(start, view.untrained_position))
+    first = view.position
+    view.drop_next(margin)  # with 0: the counts changed, agree afresh
+    end = first + margin
+    with contextlib.suppress(TypeError, NotImplementedError):  # no length: not capped
+        end = min(end, len(stream.iterable))
+    return positions + list(range(first, end))
+
+
+def rollback_entries(
+    stream: Stream,
+    ended: EndedStreams,
+    skipped: SkippedPositions,
+    target: snap.Snapshot,
+    step: int,
+    run: str | None,
+    margin: int,
+) -> list[SkipEntry]:
+    """The skip-ledger entries of a rollback at ``step`` to ``target``: the ended passes it
+    undoes, then the current pass from the target's position (``skipped_positions``), each
+    batch once (``SkippedPositions``)."""
+    entries = ended_entries(ended, target, step, run, skipped)
+    start = target.position if target.stream_id == stream.ident else 0
+    positions = skipped.fresh(stream.ident, skipped_positions(stream, start, margin))
+    samples = sample_indices(stream.iterable, positions)
+    return entries + [
+        SkipEntry(stream.epoch, pos, step, "rollback", samples.get(pos), run) for pos in positions
+    ]
