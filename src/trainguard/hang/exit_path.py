@@ -41,6 +41,7 @@ from trainguard.hang.channel import StoreChannel
 from trainguard.hang.collective_record import CollectiveRecord, describe
 from trainguard.hang.report import stack_file, write_report
 from trainguard.hang.rules import HANG, PEER_FAILURE, Verdict
+from trainguard.hang.signal_dump import SignalDump
 from trainguard.hang.stacks import FrozenDump, write_stack_dump
 from trainguard.progress import Progress
 
@@ -113,6 +114,8 @@ class ExitPath:
         self.store_host = store_host
         self.hang_id = ""
         self.fallback: FrozenDump | None = None
+        self.signals: SignalDump | None = None
+        """The fatal-signal and SIGTERM stack dump, dropped when this path ends the process."""
         self.verdict: Verdict | None = None
         self.exiting = threading.Event()
         """Set once this process has started acting on a verdict."""
@@ -145,6 +148,8 @@ class ExitPath:
         safety.start()
         if self.fallback is not None:
             self.fallback.disarm()
+        if self.signals is not None:
+            self.signals.close()  # a launcher's SIGTERM now ends a rank trainguard is ending
         if not offline:
             attempt(self.channel.ack)
         stacks, native = self._dump_stacks(verdict)

@@ -30,6 +30,7 @@ from typing import Any
 from trainguard.events import EventLog
 from trainguard.hang.channel import StoreChannel
 from trainguard.hang.exit_path import SAFETY_EXIT_S, attempt
+from trainguard.hang.frames import classify, frames_of_traceback
 from trainguard.hang.rules import (
     Verdict,
     failure_verdict,
@@ -85,6 +86,8 @@ class FailurePublisher:
         ``printed``: its traceback was printed already (the excepthook)."""
         if self.closed or not should_publish(exc):
             return
+        if is_comm_error(exc):  # first: a launcher's SIGTERM may come at any moment now
+            self._record_comm_error(exc)
         if self._exiting.is_set() or self._verdict_published():
             self._failed_too(exc, printed)
             self._await_exit(SAFETY_EXIT_S)
@@ -122,6 +125,21 @@ class FailurePublisher:
         logger.error("trainguard: %s", reason, exc_info=None if printed else exc)
         with contextlib.suppress(Exception):  # the log may be closing: the traceback counts
             self.events.write("failed_too", self.progress.step, reason=reason)
+
+    def _record_comm_error(self, exc: BaseException) -> None:
+        """A ``comm_error`` event: the collective that broke and the loop's line that called
+        it, written before this rank waits for the watchdog (a launcher may end it with
+        SIGTERM meanwhile: the signal's stack dump then shows only the wait)."""
+        call = classify(frames_of_traceback(exc.__traceback__), lambda: False)
+        site = call.site
+        with contextlib.suppress(Exception):  # the log may be closing
+            self.events.write(
+                "comm_error",
+                self.progress.step,
+                error=f"{type(exc).__name__}: {exc}"[:500],
+                call=call.label or None,
+                site=f"{site.file}:{site.line}" if site is not None else None,
+            )
 
     def _peers_that_left(self) -> list[int]:
         """Peers whose guard closed (``sys.exit``, Ctrl-C, an exception the guard did not

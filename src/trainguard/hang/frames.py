@@ -25,7 +25,7 @@ import sysconfig
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import FrameType
+from types import FrameType, TracebackType
 
 import torch
 
@@ -104,6 +104,16 @@ def frames_of(frame: FrameType | None) -> list[Frame]:
         out.append(Frame(code.co_filename, frame.f_lineno or 0, code.co_name))
         frame = frame.f_back
     out.reverse()
+    return out
+
+
+def frames_of_traceback(tb: TracebackType | None) -> list[Frame]:
+    """An exception's traceback as frames, outermost first (where it was raised last)."""
+    out: list[Frame] = []
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        out.append(Frame(code.co_filename, tb.tb_lineno or 0, code.co_name))
+        tb = tb.tb_next
     return out
 
 

@@ -47,6 +47,7 @@ from trainguard.hang.heartbeat import Heartbeat
 from trainguard.hang.keys import store_prefix
 from trainguard.hang.report import build_report, stack_file
 from trainguard.hang.rules import PEER_FAILURE, Verdict, effective_timeout
+from trainguard.hang.signal_dump import SignalDump, signal_file
 from trainguard.hang.stacks import FrozenDump
 from trainguard.hang.timeout import StallMeter, TimeoutLearner
 from trainguard.hang.watchers import Watch, select_watchers, watcher_count
@@ -100,6 +101,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._frozen: FrozenDump | None = None
+        self._signals: SignalDump | None = None
         now = clock()
         if watchers is None:
             watchers = select_watchers(self.members, watcher_count())
@@ -186,6 +188,7 @@ class Watchdog:
             self._frozen = FrozenDump(self.folder / stack_file(self.rank))
             self._frozen.arm(timing.frozen_after(self.timeout))
             self._exit.fallback = self._frozen
+            self._signals = self._exit.signals = SignalDump(self.folder / signal_file(self.rank))
         if self._install_hooks:
             self._failures.install_hook()
             atexit.register(self._at_exit)
@@ -224,6 +227,8 @@ class Watchdog:
             self._failures.uninstall_hook()
         if self._exit.exiting.is_set():
             return  # the thread is ending the process
+        if self._signals is not None:
+            self._signals.close()  # before the folder is removed when empty
         final = "failed" if self._failures.failed else state
         try:
             self.main_channel.publish(self._beat(final))

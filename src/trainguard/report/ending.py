@@ -13,6 +13,8 @@ From the ``close`` events written after the last ``start`` (every rank writes it
 - a plain ``close``: closed;
 - some ranks with one and others without, and a hang report: the hang or peer failure
   ended those with ``os._exit`` (the ranks that left without closing are named);
+- none, and a rank's signal stacks (``report/crashes.py``): a signal ended it (the first
+  fatal one is named: SIGABRT, SIGSEGV; a launcher's SIGTERM follows it);
 - none: the process did not get to write one (a hang or peer failure ends it with
   ``os._exit``: the ``hangs`` line says why; else it was killed: SIGKILL, the OOM killer,
   a scheduler's time limit). The line says the last step seen in the events and the
@@ -32,9 +34,11 @@ def ending(
     events: list[dict[str, Any]],
     hangs: list[dict[str, Any]],
     records: list[dict[str, Any]] | None = None,
+    crashes: list[dict[str, Any]] | None = None,
 ) -> str:
     """The ``ended`` line of the run whose (time-ordered) ``events`` these are; ``records``:
-    its metrics log lines (each with an int ``step``)."""
+    its metrics log lines (each with an int ``step``); ``crashes``: its ranks that a signal
+    ended (``report/crashes.py``)."""
     records = records or []
     if not events and not hangs:
         return _no_events(records)
@@ -44,6 +48,8 @@ def ending(
     if not closes:
         if hangs:
             return f"step {hangs[-1].get('step')}: {hangs[-1].get('kind')} (see hangs)"
+        if crashes:
+            return _ended_by_signal(crashes, _last_seen(events, records, since))
         return (
             "no close event: the process was killed (SIGKILL, the OOM killer, a time limit) "
             f"or left with os._exit; last seen at step {_last_seen(events, records, since)}"
@@ -64,6 +70,19 @@ def ending(
     if any(e.get("closed") is False for e in closes):
         return f"step {step}: the guard was never closed (the script ended without close())"
     return f"step {step}: closed"
+
+
+def _ended_by_signal(crashes: list[dict[str, Any]], last_seen: int) -> str:
+    """The first fatal signal's rank (a SIGTERM is the launcher's answer to it), else the
+    first SIGTERM's."""
+    fatal = [c for c in crashes if c.get("signal") != "SIGTERM"] or crashes
+    first = min(fatal, key=lambda c: float_of(c.get("time")))
+    others = [c for c in crashes if c is not first]
+    also = "".join(f"; rank {c.get('rank')} by {c.get('signal')}" for c in others)
+    return (
+        f"rank {first.get('rank')} ended by {first.get('signal')} (see crashes){also}; "
+        f"last seen at step {last_seen}"
+    )
 
 
 def _started_ranks(events: list[dict[str, Any]], since: float) -> set[int]:

@@ -72,6 +72,7 @@ def _cards(summary: RunSummary) -> str:
         ("spikes", len(summary.spikes), bool(summary.spikes)),
         ("rollbacks", len(summary.rollbacks), False),
         ("hangs", len(summary.hangs), bool(summary.hangs)),
+        *([("ranks ended by a signal", len(summary.crashes), True)] if summary.crashes else []),
         ("straggler verdicts", len(named), bool(named)),
     ]
     cells = [

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainguard.report.crashes import read_crashes, with_comm_errors
 from trainguard.report.decisions import decision_counts, metric_decisions, metric_nonfinite
 from trainguard.report.ending import ending
 from trainguard.report.readers import (
@@ -91,6 +92,9 @@ class RunSummary:
     ``stopped``) and those a rollback answered (``outcome`` ``rolled back to step N``)."""
     bad_input: list[dict[str, Any]] = field(default_factory=list)
     hangs: list[dict[str, Any]] = field(default_factory=list)
+    crashes: list[dict[str, Any]] = field(default_factory=list)
+    """Ranks a signal ended (SIGABRT, SIGSEGV, a launcher's SIGTERM), from the stacks
+    faulthandler wrote: ``report/crashes.py``."""
     failed_too: list[dict[str, Any]] = field(default_factory=list)
     """``failed_too`` events: ranks that failed on their own while another rank's failure
     was the verdict (each rank's own)."""
@@ -115,7 +119,7 @@ class RunSummary:
     @property
     def empty(self) -> bool:
         """Nothing readable: no events, no metrics, no captures, no hangs."""
-        return not (self.events or self.points or self.captures or self.hangs)
+        return not (self.events or self.points or self.captures or self.hangs or self.crashes)
 
     def nonfinite_cells(self) -> list[tuple[int, int]]:
         """(rank, step) pairs where a non-finite value appeared (events and metrics)."""
@@ -146,6 +150,7 @@ class _RunDir:
     """The metrics log's lines (with an int ``step``)."""
     captures: list[dict[str, Any]]
     hangs: list[dict[str, Any]]
+    crashes: list[dict[str, Any]]
     runs: list[RunInfo]
     timeline: Timeline
 
@@ -189,6 +194,7 @@ def _load(root: Path) -> _RunDir:
         records=_read_records(root, skipped),
         captures=read_captures(root, skipped),
         hangs=read_hangs(root, skipped),
+        crashes=read_crashes(root, skipped),
         runs=runs,
         timeline=Timeline(events, runs),
     )
@@ -206,7 +212,8 @@ def _summary(found: _RunDir, run: str | None) -> RunSummary:
     _fill_from_events(summary, events)
     summary.captures = own(found.captures, "run")
     summary.hangs = own(found.hangs, None) or _hang_events(events)
-    summary.ended = ending(events, summary.hangs, own(found.records, None))
+    summary.crashes = with_comm_errors(own(found.crashes, None), events)
+    summary.ended = ending(events, summary.hangs, own(found.records, None), summary.crashes)
     starts = run_starts(events, own(found.records, None))
     # a run killed before its batched metrics lines were flushed: its events still say
     # how far each start got (a phase entered at step N: N steps were checked)

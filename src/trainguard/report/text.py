@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trainguard.report.crashes import crash_line
 from trainguard.report.readers import int_of, number
 from trainguard.report.runs import LEGACY
 from trainguard.report.summary import RunSummary
@@ -37,6 +38,7 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
         ("escalations", _listed(summary.escalations, _escalation)),
         ("bad input", _listed(summary.bad_input, _bad_input)),
         ("hangs", _listed(summary.hangs, _hang) + _listed(summary.failed_too, _failed_too)),
+        *([("crashes", _listed(summary.crashes, crash_line))] if summary.crashes else []),
         ("uneven data", _listed(summary.uneven_data, _uneven)),
         ("stragglers", _listed(summary.stragglers, _straggler)),
         ("replicas", _listed(summary.replicas, _replica)),
