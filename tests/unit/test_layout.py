@@ -28,7 +28,8 @@ ALLOWED: dict[str, set[str]] = {
     "integrations": {BASE, "integrations", "step", "capture", "recovery", "hang", "health"},
     "attach": {BASE, "attach", "step", "capture", "recovery", "hang", "health"},
     "doctor": {BASE, "doctor"},
-    "report": {BASE, "report", "capture"},
+    "report": {BASE, "report", "capture", "hang"},
+    # report reads a signal's stacks as the watchdog reads a live one (hang.frames)
 }
 
 
