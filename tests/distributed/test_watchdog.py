@@ -285,6 +285,14 @@ def test_sigkilled_rank_is_reported_by_the_survivors(tmp_path: Path) -> None:
     assert ranks[1]["heartbeat_age"] >= timeout
     for rank in (0, 2, 3):
         assert "peer_failure" in event_kinds(tmp_path, rank)
+    # a survivor whose collective broke under it says so (its stack shows only the failure
+    # handling): its comm_error event and its stack file's header name the loop's line
+    broke = [r for r in (0, 2, 3) if "comm_error" in event_kinds(tmp_path, r)]
+    assert broke, "the killed rank's peers were in the step's all-reduce with it"
+    for rank in broke:
+        header = (tmp_path / "hangs" / report["id"] / f"rank-{rank}.txt").read_text()[:3000]
+        assert "this rank's collective failed under it: " in header
+        assert "tg_worker.py:" in header
 
 
 @pytest.mark.timeout(90)

@@ -126,6 +126,8 @@ class ExitPath:
         self._pid = os.getpid()
         self.collective: dict[str, Any] | None = None
         """The collective this rank waits in (its latest record), for the stack dump."""
+        self.comm_error: Callable[[], str | None] = lambda: None
+        """This rank's collective that failed under it, if one did (for the stack dump)."""
         self.before_exit: list[Callable[[], Any]] = []
         """Called (errors logged, never raised) before the process exits on a verdict: the
         loop's own buffers that ``os._exit`` would otherwise lose."""
@@ -203,6 +205,9 @@ class ExitPath:
         record = CollectiveRecord.from_dict(self.collective)
         if record is not None:
             header += f"\ncollective: {describe(record)}"
+        failed = self.comm_error()
+        if failed:
+            header += f"\nthis rank's collective failed under it: {failed[:1000]}"
         native = attempt(lambda: write_stack_dump(stacks, header))
         return stacks, bool(native)
 

@@ -71,6 +71,9 @@ class FailurePublisher:
         self.failed = False
         """This rank published its own failure (its final heartbeat says ``failed``)."""
         self.closed = False
+        self.comm_error: str | None = None
+        """This rank's collective that failed under it, where and how (the stack dump's
+        header says it: the dump itself shows only the failure handling)."""
         self._exiting = exiting
         self._ack_wait = ack_wait_s
         self._await_exit = await_exit
@@ -132,6 +135,8 @@ class FailurePublisher:
         SIGTERM meanwhile: the signal's stack dump then shows only the wait)."""
         call = classify(frames_of_traceback(exc.__traceback__), lambda: False)
         site = call.site
+        where = f" at {site.file}:{site.line}" if site is not None else ""
+        self.comm_error = f"{call.label or 'a collective'}{where}: {type(exc).__name__}: {exc}"
         with contextlib.suppress(Exception):  # the log may be closing
             self.events.write(
                 "comm_error",

@@ -113,6 +113,7 @@ class Watchdog:
         self._logged_timeout: tuple[str, float] | None = None
         self._exit = self._exit_path(exit_fn, ack_wait_s)
         self._failures = self._failure_publisher(ack_wait_s)
+        self._exit.comm_error = lambda: self._failures.comm_error
 
     def before_exit(self, flush: Callable[[], Any]) -> None:
         """Run ``flush`` before this process exits on a hang or peer-failure verdict."""
