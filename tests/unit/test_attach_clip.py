@@ -105,6 +105,21 @@ def test_a_skip_leaves_the_clip_nothing_to_clip(watch: ClipWatch) -> None:
     assert float(total) == 0.0 and all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("as_generator", [False, True])
+def test_a_skip_leaves_clip_grad_value_nothing_to_clip(
+    watch: ClipWatch, as_generator: bool
+) -> None:
+    """torch's ``clip_grad_value_`` raises when no parameter has a gradient (2.13: "Expected
+    !nested_tensorlist[0].empty()"): a script that clips by value must get past a skip."""
+    model, optimizer = _model_with_grads()
+    model[2].weight.grad[0, 0] = float("nan")  # type: ignore[index]
+    watch.attach(optimizer, Checks(model, skip=True))
+    watch.forward()
+    params = model.parameters() if as_generator else list(model.parameters())
+    assert utils.clip_grad_value_(params, 0.5) is None
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_no_check_in_a_closure_for_other_parameters_or_with_a_scaler(watch: ClipWatch) -> None:
     model, optimizer = _model_with_grads()
     other = nn.Linear(4, 1)

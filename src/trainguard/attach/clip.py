@@ -129,14 +129,17 @@ class ClipWatch:
         @functools.wraps(original)
         def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
             if self._due():
-                parameters = self._check_before(parameters)
+                parameters, listed = self._check_before(parameters)
+                if by_value and not any(p.grad is not None for p in listed):
+                    return None  # a skipped step: torch's clip_grad_value_ raises on no grads
             return original(parameters, *args, **kwargs)
 
+        by_value = original.__name__ == "clip_grad_value_"
         return clip
 
-    def _check_before(self, parameters: Any) -> Any:
+    def _check_before(self, parameters: Any) -> tuple[Any, list[Tensor]]:
         """Check the step when ``parameters`` are the guarded optimizer's; returns what to
-        hand the original (a generator's items, as a generator again)."""
+        hand the original (a generator's items, as a generator again) and the items."""
         generator = isinstance(parameters, types.GeneratorType)
         listed = [parameters] if isinstance(parameters, Tensor) else list(parameters)
         check = self._check
@@ -144,7 +147,7 @@ class ClipWatch:
         if check is not None and any(id(p) in ids for p in listed):
             self._checked = True
             check()
-        return (p for p in listed) if generator else listed
+        return ((p for p in listed) if generator else listed), listed
 
     def _wrap_scale(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
