@@ -54,6 +54,7 @@ from trainguard.attach.prestart import PreStart, StepZero, batch_of
 from trainguard.errors import ConfigError
 from trainguard.step.capturer import unwrap
 from trainguard.step.guard import Guard
+from trainguard.step.join import JOIN_REASON, shadowed_in_join
 from trainguard.user_hooks import HookHandle, add_forward_hooks, eager_module
 
 logger = logging.getLogger(__name__)
@@ -237,6 +238,9 @@ class Attacher:
             return
         guard = self.guard
         assert guard is not None
+        if self.model is not None and shadowed_in_join(self.model):  # every rank, this step
+            self.stand_aside(JOIN_REASON, then="the script runs unguarded, its Join as it was")
+            return
         if loss is not None:
             guard.check(loss)
         else:

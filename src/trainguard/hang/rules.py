@@ -290,8 +290,11 @@ def should_publish(exc: BaseException) -> bool:
     """Whether a rank's exception is news for the other ranks.
 
     Not ``EVERY_RANK_ERRORS`` (``NonFiniteError`` and its kin, ``ReplicaDivergenceError``:
-    raised on every rank at the same step), not ``PeerFailureError`` (the rank stops because
+    raised on every rank at the same step; an exception marked ``every_rank``), not
+    ``PeerFailureError`` (the rank stops because
     of another rank), not ``KeyboardInterrupt`` / ``SystemExit``."""
+    if getattr(exc, "every_rank", False):  # e.g. the guard's Join error (step/join.py)
+        return False
     return isinstance(exc, Exception) and not isinstance(
         exc, (*EVERY_RANK_ERRORS, PeerFailureError)
     )

@@ -39,6 +39,7 @@ from trainguard.step.consensus import Agreement
 from trainguard.step.data import BatchStream
 from trainguard.step.deferred import StepOutcome
 from trainguard.step.detect import GradStats
+from trainguard.step.join import join_error, shadowed_in_join
 from trainguard.step.losses import LossLike
 from trainguard.step.policy import Decision
 from trainguard.step.rerun import LossFn
@@ -214,6 +215,7 @@ class Guard(GuardAssembly):
         """``check()``'s full path: every step of a world of ranks, and the steps of a world
         of one that are not the usual one (``step/lone.py``)."""
         loss = self._losses.tensor(loss, self._consensus.device)
+        self._refuse_join()
         self._resolve_pending()
         step = self.state.step
         self.progress.enter("check", step)
@@ -258,6 +260,7 @@ class Guard(GuardAssembly):
         """
         loss = self._losses.tensor(loss, self._consensus.device)
         if self._sync_free is not None:
+            self._refuse_join()
             return self._sync_free.step(loss)
         ok = self.check(loss)
         if ok:
@@ -269,6 +272,12 @@ class Guard(GuardAssembly):
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return StepOutcome(ok)
+
+    def _refuse_join(self) -> None:
+        """Raise (every rank, before the all-reduce) in a DDP ``Join`` that would shadow the
+        guard's collectives out of step: a loop not fed by ``watch()`` (``step/join.py``)."""
+        if self.world_size > 1 and self._stream is None and shadowed_in_join(self.model):
+            raise join_error()
 
     @property
     def _deferred(self) -> bool:
