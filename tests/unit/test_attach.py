@@ -159,3 +159,22 @@ def test_bootstrap_installs_in_workers_not_in_torchruns_agent() -> None:
     env = child_env(RunOptions(launcher="torchrun"), base=base)
     assert _python(HOOKS, env) == "0 False"  # the agent: no LOCAL_RANK
     assert _python(HOOKS, {**env, "LOCAL_RANK": "0"}) == "1 True"  # a worker
+
+
+def test_removing_the_prestart_hooks_leaves_no_global_hook_behind() -> None:
+    """torch's handle for a ``with_kwargs`` global forward hook leaves its entry in
+    ``_global_forward_hooks_with_kwargs`` (2.13): every module call in the process would
+    keep the slow path with hooks after the guard attached (and torch.compile warned of
+    global hooks at every step)."""
+    from torch.nn.modules import module as module_hooks
+
+    from trainguard.attach.prestart import PreStart
+
+    assert not module_hooks._has_any_global_hook()
+    prestart = PreStart()
+    prestart.install()
+    model = torch.nn.Linear(2, 1)
+    model(torch.randn(3, 2)).sum().backward()
+    assert prestart.candidates == [model]
+    prestart.remove()
+    assert not module_hooks._has_any_global_hook()

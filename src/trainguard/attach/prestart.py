@@ -79,8 +79,13 @@ class PreStart:
         ]
 
     def remove(self) -> None:
+        with_kwargs = getattr(module_hooks, "_global_forward_hooks_with_kwargs", {})
         for handle in self._handles:
             handle.remove()
+            # torch's handle leaves this entry behind (2.13): ``_has_any_global_hook()`` then
+            # stays true, every module call in the process keeps the slow path with hooks,
+            # and torch.compile warns of global hooks at every step
+            with_kwargs.pop(handle.id, None)
         self._handles = []
 
     @property
