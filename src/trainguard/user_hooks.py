@@ -11,9 +11,11 @@ copy the copied module then calls at its every forward.
 
 ``Hook`` wraps the callback instead. Pickled or deep-copied, a ``Hook`` is inert: it calls
 nothing and holds nothing, so a copy of a guarded module is the user's module and nothing of
-the guard (loading such a pickle needs trainguard importable, as a pickle needs every class
-it names). The guarded module itself keeps its working hooks. The copy keeps the inert
+the guard. The guarded module itself keeps its working hooks. The copy keeps the inert
 entries in its hook dicts (a copy cannot drop them): a no-op call per forward of the copy.
+A pickled ``Hook`` is the standard library's no-op, ``functools.partial(
+contextlib.nullcontext.__exit__, None)`` (it takes any arguments and returns None), so
+loading the pickle does not need trainguard; a deep copy is an inert ``Hook``.
 
 Compiled modules. A hook runs where the module's call runs, and under ``torch.compile`` that
 can be inside a frame dynamo traces: the module inside ``torch.compile(model)``'s wrapper
@@ -40,6 +42,8 @@ silently lost); and the clock or RNG work it does could not be traced at all. So
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
 import weakref
 from collections.abc import Callable
@@ -86,8 +90,10 @@ class Hook:
                 return _eager_call(callback, args, kwargs)
         return callback(*args, **kwargs)
 
-    def __reduce__(self) -> tuple[type[Hook], tuple[None]]:
-        return (Hook, (None,))
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (``torch.save(model)``): a no-op of the standard library's, so the file
+        loads where trainguard is not installed (an inference server)."""
+        return (functools.partial, (contextlib.nullcontext.__exit__, None))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Hook:
         return Hook(None)
