@@ -211,3 +211,56 @@ def ddp_worker(
     if loop_dir is not None:
         out["loop"] = made_in_loop_worker(rank, world, loop_dir)
     return out
+
+
+# -- a half dtype's rounding at a domain edge (not an overflow) ----------------------------------
+
+
+class Confident(nn.Module):
+    """A logit of 0.24 * the features' sum: 9.6 for a sample of 40s (sigmoid rounds to 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        with torch.no_grad():
+            self.lin.weight.fill_(0.06)
+            self.lin.bias.zero_()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x).squeeze(-1)  # type: ignore[no-any-return]
+
+
+def hand_bce(model: nn.Module, batch: dict[str, Any]) -> Tensor:
+    """Binary cross-entropy written by hand: ``log(1 - sigmoid(z))`` is ``log(0)`` once the
+    half dtype rounds ``sigmoid(z)`` to 1 (no value out of its range)."""
+    p = torch.sigmoid(model(batch["x"]))
+    y = batch["y"]
+    return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+
+
+def rounding_factory() -> tuple[nn.Module, Any]:
+    return Confident(), hand_bce
+
+
+def train_rounding_under_autocast(run_dir: Path, dtype: torch.dtype) -> Path:
+    """A guarded loop under CPU autocast whose step 1 holds a mis-scaled sample (position 5,
+    dataset index 13): the bundle."""
+    model = Confident()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(9)
+    batches = []
+    for step in range(3):
+        x = torch.randn(8, 4, generator=gen) * 0.3
+        if step == 1:
+            x[5] = 40.0
+        batches.append({"x": x, "y": torch.zeros(8), "index": torch.arange(8) + 8 * step})
+    with tg.Guard(model, optimizer, run_dir=run_dir, hang_timeout=0) as guard:
+        for batch in guard.watch(batches):
+            with torch.autocast("cpu", dtype=dtype):
+                loss = hand_bce(model, batch)
+            loss.backward()  # type: ignore[no-untyped-call]
+            if guard.check(loss):
+                optimizer.step()
+            optimizer.zero_grad()
+    (bundle,) = sorted((run_dir / "captures").glob("step-*"))
+    return bundle

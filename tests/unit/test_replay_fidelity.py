@@ -68,6 +68,26 @@ def test_fp16_overflow_under_loop_autocast_is_overflow_fp16_naming_the_linear(
     assert "in float32 (autocast off) the step is finite" in text
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_half_dtypes_rounding_at_a_domain_edge_is_numerical_not_an_overflow(
+    dtype: torch.dtype, tmp_path: Path
+) -> None:
+    """``log(1 - sigmoid(z))`` with ``sigmoid`` rounded to 1: finite in float32, non-finite
+    under autocast, and no value out of the dtype's range. It was called an overflow, with
+    advice to train in bfloat16 (which rounds coarser still)."""
+    bundle = cases.train_rounding_under_autocast(tmp_path, dtype)
+    r = tg.replay(bundle, cases.rounding_factory, repeats=1).to_dict()
+    name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    assert (r["reproduced"], r["float32_reproduced"]) == (True, False)
+    assert (r["verdict"], r["op"]) == ("numerical", "aten.log")
+    assert r["culprit_samples"] == [{"micro_batch": 0, "position": 5, "index": 13}]
+    assert r["summary"].startswith(
+        f"The step is non-finite under {name} autocast and finite in float32: aten.log met "
+        f"the edge of its domain because {name} rounded its input"
+    ), r["summary"]
+    assert "overflow" not in r["verdict"] and r["advice"] == ADVICE["numerical"]
+
+
 def test_no_float32_claim_when_loss_fn_enters_autocast_itself(fp16_bundle: Path) -> None:
     """The factory's loss_fn enters float16 autocast itself: the replay's run "without
     autocast" still runs float16, so it says nothing about float32 (it said "non-finite

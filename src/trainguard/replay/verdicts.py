@@ -15,7 +15,9 @@ The classes, checked in this order:
 - ``divergence``: the loss or the gradient norm grew over the recent steps (the bundle's
   history) until it overflowed.
 - ``overflow_fp16`` / ``overflow_bf16``: the step is non-finite under float16 / bfloat16
-  autocast and finite in float32 (the replay runs it once more without autocast), or the
+  autocast and finite in float32 (the replay runs it once more without autocast) at an op
+  that is no domain op (a domain op there, ``log(1 - sigmoid(x))`` with ``sigmoid`` rounded
+  to 1, is ``numerical``: the dtype's rounding, not its range), or the
   root op's output is half / bfloat16 and it overflowed the dtype's range (not a domain
   edge such as ``log(0)``).
 - ``batch_statistics``: no single sample is to blame (bisection), and the root's value is
@@ -272,8 +274,8 @@ def classify(
         return "masked_row"
     if grew is not None:
         return "divergence"
-    if only_half in HALF_DTYPES:
-        return HALF_DTYPES[only_half]
+    if only_half in HALF_DTYPES:  # a domain op: the half dtype's rounding, no overflow
+        return "numerical" if finding.op in DOMAIN_OPS else HALF_DTYPES[only_half]
     overflow = _overflow(finding)
     if overflow is not None:
         return overflow
@@ -311,6 +313,16 @@ def verdict_sentence(
         return (
             f"The step is non-finite under {only_half} autocast and finite in float32: {op} "
             f"overflowed the range of {only_half}."
+        )
+    if verdict == "numerical" and only_half is not None and finding is not None:
+        where = f" in {finding.module}" if finding.module else ""
+        return (
+            f"The step is non-finite under {only_half} autocast and finite in float32: "
+            f"{finding.op}{where} met the edge of its domain because {only_half} rounded its "
+            "input there (e.g. 1 - sigmoid(x) is exactly 0 once sigmoid(x) rounds to 1), not "
+            f"because a value overflowed: compute it in float32, or use a form that never "
+            "forms the rounded value (logsigmoid, binary_cross_entropy_with_logits, "
+            "log_softmax)."
         )
     if verdict == "divergence" and grew is not None:
         return f"The run diverged: {grew.text()}."
