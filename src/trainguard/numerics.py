@@ -39,3 +39,13 @@ def stored_values(tensor: Tensor) -> Tensor:
     if is_sparse(tensor):
         return tensor.values()
     return tensor.to_dense()
+
+
+def is_additive_mask(tensor: Tensor) -> bool:
+    """Every value is 0 or -inf, and some is -inf: an additive attention / padding mask
+    (``scores + mask``) carried in a batch on purpose, not broken data (a host read)."""
+    if not tensor.is_floating_point() or is_sparse(tensor) or not tensor.numel():
+        return False
+    data = tensor.detach()
+    ninf = data == float("-inf")
+    return bool(ninf.any()) and bool((ninf | (data == 0)).all())

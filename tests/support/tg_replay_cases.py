@@ -264,3 +264,63 @@ def train_rounding_under_autocast(run_dir: Path, dtype: torch.dtype) -> Path:
             optimizer.zero_grad()
     (bundle,) = sorted((run_dir / "captures").glob("step-*"))
     return bundle
+
+
+# -- an additive attention mask carried in the batch --------------------------------------------
+
+SEQ, WIDTH = 6, 8
+
+
+class BiasAttention(nn.Module):
+    """One attention layer whose scores get the batch's additive bias (0 / -inf)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v = (
+            nn.Linear(WIDTH, WIDTH),
+            nn.Linear(WIDTH, WIDTH),
+            nn.Linear(WIDTH, WIDTH),
+        )
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x: Tensor, bias: Tensor) -> Tensor:
+        scores = self.q(x) @ self.k(x).transpose(1, 2) + bias[:, None, :]
+        return self.head((torch.softmax(scores, -1) @ self.v(x)).mean(1))  # type: ignore[no-any-return]
+
+
+def bias_loss(model: nn.Module, batch: dict[str, Any]) -> Tensor:
+    return F.cross_entropy(model(batch["x"], batch["bias"]), batch["y"])
+
+
+def bias_factory() -> tuple[nn.Module, Any]:
+    return BiasAttention(), bias_loss
+
+
+def train_with_bias(run_dir: Path, check_inputs: bool, empty: int | None) -> Path:
+    """Batches of sequences padded by an additive bias in the batch; ``empty``: the sample
+    of step 1 (dataset index 10 + empty) with no valid token (its whole row -inf)."""
+    model = BiasAttention()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(3)
+    batches = []
+    for step in range(3):
+        lengths = torch.randint(2, SEQ + 1, (BATCH,), generator=gen)
+        if step == 1 and empty is not None:
+            lengths[empty] = 0
+        bias = torch.zeros(BATCH, SEQ)
+        for row, length in enumerate(lengths.tolist()):
+            bias[row, length:] = float("-inf")
+        x = torch.randn(BATCH, SEQ, WIDTH, generator=gen)
+        y = torch.randint(0, CLASSES, (BATCH,), generator=gen)
+        batches.append({"x": x, "bias": bias, "y": y, "index": torch.arange(BATCH) + 10 * step})
+    with tg.Guard(
+        model, optimizer, run_dir=run_dir, hang_timeout=0, check_inputs=check_inputs
+    ) as guard:
+        for batch in guard.watch(batches):
+            loss = bias_loss(model, batch)
+            loss.backward()  # type: ignore[no-untyped-call]
+            if guard.check(loss):
+                optimizer.step()
+            optimizer.zero_grad()
+    return sorted((run_dir / "captures").glob("step-*"))[0]

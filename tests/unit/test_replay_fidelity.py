@@ -407,3 +407,77 @@ def test_a_factory_file_that_parses_its_command_line_at_import(
     assert "train_strict.py exited (sys.exit(2): " in str(raised.value)
     assert "the following arguments are required: --data" in str(raised.value)
     assert sys.argv[0] == "trainguard" and "train_strict" not in sys.modules
+
+
+# -- an additive mask carried in the batch -----------------------------------------------------
+
+
+def test_a_deliberate_mask_in_the_batch_is_input_mask_not_bad_data(tmp_path: Path) -> None:
+    """The input check stops a step whose batch holds -inf; an additive bias of 0 / -inf is
+    deliberate. The replay says so (it said "the loss does not read them", listed every
+    padded sample as a culprit and suspected the host), and the report's line names it."""
+    from trainguard.report.summary import summarize
+    from trainguard.report.text import report_text
+
+    bundle = cases.train_with_bias(tmp_path, check_inputs=True, empty=None)
+    r = tg.replay(bundle, cases.bias_factory, repeats=1).to_dict()
+    assert (r["verdict"], r["reproduced"], r["culprit_samples"]) == ("input_mask", False, [])
+    assert r["summary"].startswith(
+        "The batch's non-finite values are an additive mask: ['bias'] (micro-batch 0"
+    )
+    assert "suspect that GPU" not in r["summary"] and "does not read" not in r["summary"]
+    assert "check_inputs=False" in r["advice"]
+    text = report_text(summarize(tmp_path))
+    assert (
+        "non-finite input on ranks [0] (['bias']: only 0 and -inf, an additive mask: "
+        "check_inputs=False if deliberate)" in text
+    )
+
+
+def test_a_mask_in_the_batch_that_covers_a_whole_row_is_masked_row(tmp_path: Path) -> None:
+    """With ``check_inputs=False`` a sample with no valid token makes the softmax NaN: the
+    batch's -inf are a mask (no bad input), the root is the softmax over the masked row."""
+    bundle = cases.train_with_bias(tmp_path, check_inputs=False, empty=5)
+    r = tg.replay(bundle, cases.bias_factory, repeats=1).to_dict()
+    assert (r["verdict"], r["reproduced"], r["phase"]) == ("masked_row", True, "forward")
+    assert r["op"] == "aten._softmax"
+    assert r["culprit_samples"] == [{"micro_batch": 0, "position": 5, "index": 15}]
+
+
+def test_only_zero_and_minus_inf_make_an_additive_mask() -> None:
+    from trainguard.numerics import is_additive_mask
+
+    inf = float("inf")
+    assert is_additive_mask(torch.tensor([[0.0, -inf], [0.0, 0.0]]))
+    assert not is_additive_mask(torch.zeros(3))  # no -inf: no mask to speak of
+    assert not is_additive_mask(torch.tensor([0.5, -inf]))  # log(0) among features
+    assert not is_additive_mask(torch.tensor([0.0, inf]))
+    assert not is_additive_mask(torch.tensor([0.0, float("nan")]))
+
+
+@dataclass
+class InputBundle:
+    """A stand-in bundle of a step the input check stopped on ranks 0 and 1 (loss and
+    gradients finite everywhere)."""
+
+    trigger: str = "input"
+    ranks: list[int] = field(default_factory=lambda: [0, 1])
+    saved_ranks: list[int] = field(default_factory=lambda: [0, 1, 2])
+    manifest: dict[str, Any] = field(
+        default_factory=lambda: {"loss_ranks": [], "grad_ranks": [], "ranks": [0, 1]}
+    )
+
+    def meta(self, rank: int) -> dict[str, Any]:
+        return {}
+
+
+def test_an_input_stopped_step_names_every_rank_with_the_bad_input() -> None:
+    """It said "made on [0] (by the recorded gradients)": the first rank only, and gradients
+    that were finite."""
+    from trainguard.replay.origin import find_origin
+    from trainguard.replay.render import _ranks_text
+
+    found = find_origin(InputBundle(), None, lambda rank: None)  # type: ignore[arg-type]
+    assert (found.rank, found.origin_ranks) == (0, [0, 1])
+    report = {"world_size": 3, "origin_ranks": [0, 1], "trigger": "input"}
+    assert _ranks_text(report) == "made on [0, 1] (by the recorded inputs)"

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainguard.numerics import is_sparse, stored_values
+from trainguard.numerics import is_additive_mask, is_sparse, stored_values
 
 TAG = "__trainguard__"
 INDEX_KEYS = ("index", "indices")
@@ -381,6 +381,8 @@ def nonfinite_tensors(batches: Sequence[Any]) -> list[dict[str, Any]]:
                 continue
             rows = _nonfinite_rows(leaf, size) if size is not None else []
             entry: dict[str, Any] = {"micro_batch": micro, "path": path, "positions": rows}
+            if is_additive_mask(leaf):
+                entry["additive_mask"] = True
             if indices is not None and rows and max(rows) < len(indices):
                 entry["dataset_indices"] = [indices[i] for i in rows]
             found.append(entry)

@@ -366,11 +366,13 @@ def recorded_nonfinite(meta: dict[str, Any]) -> str | None:
 def unread_input_verdict(
     runs: list[RunResult], unread: list[dict[str, Any]], device: str, meta: dict[str, Any]
 ) -> tuple[str, str]:
-    """The batch holds non-finite values and the replayed step is finite: ``bad_input``
-    when the recorded loss and gradients were finite too (the loss does not read them: the
-    guard's input check, which reads every floating-point tensor of the batch, skipped the
-    step), ``input_handled`` when the recorded step was non-finite (the factory's loss_fn
-    handles them now: a fix that works, or another loss_fn than the loop's)."""
+    """The batch holds non-finite values and the replayed step is finite: ``input_mask``
+    when they are additive masks (only 0 and -inf) and the recorded step was finite,
+    ``bad_input`` when the recorded loss and gradients were finite too (the loss does not
+    read them: the guard's input check, which reads every floating-point tensor of the
+    batch, skipped the step), ``input_handled`` when the recorded step was non-finite (the
+    factory's loss_fn handles them now: a fix that works, or another loss_fn than the
+    loop's)."""
     where = "; ".join(entry_text(e) for e in unread[:5])
     more = f" and {len(unread) - 5} more" if len(unread) > 5 else ""
     replayed = (
@@ -378,6 +380,13 @@ def unread_input_verdict(
         "finite gradients"
     )
     recorded = recorded_nonfinite(meta)
+    if recorded is None and all(e.get("additive_mask") for e in unread):
+        return "input_mask", (
+            f"The batch's non-finite values are an additive mask: {where}{more} holds only 0 "
+            f"and -inf. The step is finite: {replayed}, as the recorded ones were. The guard's "
+            "input check, which stops a step for any NaN/Inf in the batch, skipped it for "
+            "that mask."
+        )
     if recorded is None:
         return "bad_input", (
             f"The batch holds non-finite values: {where}{more}. The loss does not read them: "

@@ -100,7 +100,7 @@ def diagnose_runs(
             None,
             None,
             None,
-            unread_culprits(unread),
+            unread_culprits([e for e in unread if not e.get("additive_mask")]),
             verdict,
             summary,
         )

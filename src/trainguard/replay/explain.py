@@ -43,7 +43,7 @@ def explain(
         sentence = origin.origin_sentence(found)
         report.summary += f" {sentence}" if sentence else ""
         return
-    if report.verdict == "bad_input":  # this rank's batch: values its loss never reads
+    if report.verdict in ("bad_input", "input_mask"):  # this rank's batch: not the device
         return
     if (
         bundle.world_size > 1

@@ -129,6 +129,9 @@ def find_origin(bundle: Bundle, rank: int | None, run_rank: RankRun) -> RankOrig
     bad = [r for r in grads if r in candidates]
     if len(bad) > 1:
         return _by_replay(bad, run_rank)
+    if bundle.trigger == "input":  # loss and gradients finite: each bad rank's own batch
+        inputs = [r for r in bundle.ranks if r in candidates]
+        return RankOrigin(inputs[0] if inputs else candidates[0], "manifest", inputs)
     chosen = next((r for r in bundle.ranks if r in candidates), candidates[0])
     return RankOrigin(chosen, "manifest", [r for r in bundle.ranks if r == chosen])
 

@@ -240,7 +240,8 @@ def _ranks_text(report: dict[str, Any]) -> str:
     if report.get("rank_replays"):
         how = "by replaying the ranks"
     else:
-        how = f"by the recorded {'losses' if report.get('trigger') == 'loss' else 'gradients'}"
+        recorded = {"loss": "losses", "input": "inputs"}.get(str(report.get("trigger")))
+        how = f"by the recorded {recorded or 'gradients'}"
     parts = [f"made on {origin or 'none'}"]
     if received:
         parts.append(f"received through the all-reduce on {received}")

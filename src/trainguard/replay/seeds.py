@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from trainguard.numerics import is_additive_mask
 from trainguard.replay.localize import NonFiniteTracer, Origin
 from trainguard.replay.values import all_finite, first_nonfinite, plural, value_name
 
@@ -19,7 +20,10 @@ def seed_inputs(
     size: int | None,
     name: str = "batch",
 ) -> list[Origin]:
-    """Tag the batch's non-finite tensors as ``input`` origins; returns them."""
+    """Tag the batch's non-finite tensors as ``input`` origins; returns them. A tensor of
+    only 0 and -inf is an additive mask carried in the batch (``scores + batch["bias"]``): a
+    deliberate ``constant`` origin, as a mask buffer is, not returned (its fully masked rows
+    then name the reduction over them: ``masked_row``)."""
     found: list[Origin] = []
     for path, leaf in leaves(batch):
         if not isinstance(leaf, Tensor) or not (leaf.is_floating_point() or leaf.is_complex()):
@@ -28,6 +32,10 @@ def seed_inputs(
             continue
         index, value, count = first_nonfinite(leaf)
         label = f"{name}{path}"
+        if is_additive_mask(leaf):  # only 0 and -inf: a mask carried in the batch
+            detail = f"{label} holds {plural(count, '-inf value')} (an additive mask)"
+            tracer.seed(leaf, Origin("constant", "-inf", label=label, detail=detail))
+            continue
         sample = f", sample {index[0]}" if size and leaf.dim() and leaf.shape[0] == size else ""
         detail = (
             f"{label} holds {plural(count, 'non-finite value')} (first: {value_name(value)} "

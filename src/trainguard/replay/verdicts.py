@@ -6,6 +6,10 @@ The classes, checked in this order:
   (replicas.py; decided by the bundle replay, before any class below, whether the step
   reproduces or not).
 - ``bad_input``: the batch itself holds non-finite values.
+- ``input_mask``: the replay was finite, as the recorded step was, on a batch whose
+  non-finite values are additive masks (only 0 and -inf): the guard's input check stopped a
+  deliberate mask. (A mask in the batch that *does* make the step non-finite, a row masked
+  entirely, is ``masked_row``.)
 - ``input_handled``: the replay was finite on a batch holding non-finite values, and the
   recorded step was non-finite: the factory's ``loss_fn`` handles those values (a fix
   under test that works, or another ``loss_fn`` than the loop's).
@@ -43,6 +47,7 @@ from trainguard.replay.diagnosis import Finding
 VERDICTS = (
     "replica_mismatch",
     "bad_input",
+    "input_mask",
     "input_handled",
     "nonfinite_weights",
     "masked_row",
@@ -66,6 +71,11 @@ ADVICE = {
     "one rank, test that GPU.",
     "bad_input": "Fix or filter the data: check the sample named above at its source, and "
     "validate batches before the forward pass.",
+    "input_mask": "If the mask's -inf are deliberate, pass check_inputs=False to the Guard "
+    "(the loss and the gradients stay checked at every step; only the batch's own values are "
+    "no longer read), or carry the mask as booleans and build the -inf in the model "
+    "(masked_fill): then the input check reads no -inf. If they are not deliberate, find "
+    "where they are written.",
     "input_handled": "The batch's non-finite values made the recorded step non-finite, and "
     "the factory's loss_fn handles them: if that loss_fn is your fix (nan_to_num, a mask, "
     "dropping the samples), it works on this step (the replay exits 0); still find where the "

@@ -188,7 +188,12 @@ def _checkpoint(e: dict[str, Any]) -> str:
 
 
 def _bad_input(e: dict[str, Any]) -> str:
-    return f"step {e.get('step')}: non-finite input on ranks {e.get('ranks')}"
+    line = f"step {e.get('step')}: non-finite input on ranks {e.get('ranks')}"
+    tensors = [t for t in e.get("tensors") or [] if isinstance(t, dict)]
+    if tensors and all(t.get("additive_mask") for t in tensors):
+        paths = ", ".join(sorted({str(t.get("path")) for t in tensors}))
+        line += f" ({paths}: only 0 and -inf, an additive mask: check_inputs=False if deliberate)"
+    return line
 
 
 def _escalation(e: dict[str, Any]) -> str:

@@ -31,6 +31,13 @@ from trainguard.step.detect import fused_takes
 logger = logging.getLogger(__name__)
 
 
+MASK_NOTE = (
+    "; it holds only 0 and -inf: an additive mask? If deliberate, pass check_inputs=False "
+    "(the loss and gradients stay checked) or build the -inf in the model from a boolean mask"
+)
+"""Said of a non-finite input that looks like an additive attention / padding mask."""
+
+
 def float_tensors(batches: Sequence[Any]) -> list[Tensor]:
     """The non-empty floating-point tensors of the batches (detached; no copies); a sparse
     tensor by its stored values (``numerics.stored_values``: a COO tensor coalesced)."""
@@ -151,7 +158,7 @@ class InputCheck:
         self._events.write("bad_input", step, ranks=agreement.input_ranks, tensors=here)
         for entry in here:
             logger.warning(
-                "trainguard: step %d rank %d non-finite input at %s, samples %s%s",
+                "trainguard: step %d rank %d non-finite input at %s, samples %s%s%s",
                 step,
                 self._rank,
                 entry["path"] or "<batch>",
@@ -159,4 +166,5 @@ class InputCheck:
                 f" (dataset indices {entry['dataset_indices']})"
                 if "dataset_indices" in entry
                 else "",
+                MASK_NOTE if entry.get("additive_mask") else "",
             )
