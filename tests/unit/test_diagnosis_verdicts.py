@@ -103,3 +103,10 @@ def test_a_spikes_replayed_norm_is_set_beside_the_recorded_one_and_the_micro_bat
     assert "gradient norm 20; rank 1 recorded 10: 2 micro-batches" in text
     _, same = spike_summary(runs, True, "cpu", {**meta, "local_grad_norm": 20.0})
     assert "recorded 20" not in same  # the same norm: nothing to explain
+    # of 2 DDP ranks the recorded norm is the all-reduced gradients', the replay one rank's
+    one = [RunResult(losses=[4.0], grad_norm=810.7) for _ in range(3)]
+    _, ddp = spike_summary(one, True, "cpu", {**meta, "local_grad_norm": 406.1, "world_size": 2})
+    assert (
+        "gradient norm 810.7; rank 1 recorded 406.1 after the gradient all-reduce over the 2 "
+        "ranks (DDP averages them); the replay's is this rank's own gradients" in ddp
+    )

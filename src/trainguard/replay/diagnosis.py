@@ -310,9 +310,10 @@ def spike_summary(
 
 
 def _norm_note(norm: float, meta: dict[str, Any], runs: list[RunResult]) -> str:
-    """Beside a replayed gradient norm: the recorded one when they differ; and when by the
-    step's micro-batch count, why (the replay backpropagates each micro-batch's loss as the
-    loss_fn returns it, where the loop divided it by the count)."""
+    """Beside a replayed gradient norm: the recorded one when they differ; and why: by the
+    step's micro-batch count (the replay backpropagates each micro-batch's loss as the
+    loss_fn returns it, where the loop divided it by the count), or, of several ranks, the
+    recorded one is of the gradients all-reduced over them (the replay runs one rank)."""
     recorded = meta.get("local_grad_norm")
     if not isinstance(recorded, (int, float)) or not math.isfinite(recorded) or recorded <= 0:
         return ""
@@ -320,10 +321,16 @@ def _norm_note(norm: float, meta: dict[str, Any], runs: list[RunResult]) -> str:
         return ""
     note = f"; rank {meta.get('rank')} recorded {recorded:.6g}"
     micro = len(runs[0].losses) if runs else 0
+    world = meta.get("world_size")
     if micro > 1 and math.isclose(norm / recorded, micro, rel_tol=1e-3):
         note += (
             f": {micro} micro-batches, each loss backpropagated as the loss_fn returns it, "
             f"where the loop divided it by {micro}"
+        )
+    elif isinstance(world, int) and world > 1:
+        note += (
+            f" after the gradient all-reduce over the {world} ranks (DDP averages them); the "
+            "replay's is this rank's own gradients"
         )
     return note
 

@@ -160,7 +160,7 @@ def _prepare(
     bundle: Bundle, spec: ReplaySpec, rank: int, device: torch.device, autocast: str | None
 ) -> _Rank:
     """Load rank ``rank``'s weights, mode, RNG and batches into a runner on ``device``."""
-    meta = bundle.meta(rank)
+    meta = {**bundle.meta(rank), "world_size": bundle.world_size}
     if not meta.get("batch_stored", True):
         raise ReplayError(
             f"{bundle.path}: rank {rank} stored no batch (the loop did not iterate "
