@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import runpy
 import sys
@@ -419,3 +420,52 @@ def test_a_batch_type_of_the_script_is_rebuilt_from_the_factory_file(tmp_path: P
     report = tg.replay(bundle, f"{script}:make_replay")
     assert report.verdict == "bad_input"
     assert [s["position"] for s in report.culprit_samples] == [5]
+
+
+def test_a_batch_type_the_factory_file_lacks_is_named_with_the_fix(tmp_path: Path) -> None:
+    """The factory lives in another file that imports the model and loss from the script
+    but not its ``Batch``: the batch comes back as a dict, and the error names the type and
+    the fix (it said "'dict' object has no attribute 'x'; check that --factory builds the
+    model and loss of the training run", blaming the factory)."""
+    script = tmp_path / "train_own_batch.py"  # a name no other test imports
+    script.write_text(textwrap.dedent(_SCRIPT_WITH_A_BATCH_TYPE))
+    (tmp_path / "replay_factory.py").write_text(
+        "import torch\n"
+        "from train_own_batch import loss_fn  # not Batch\n\n\n"
+        "def make_replay():\n"
+        "    return torch.nn.Linear(4, 1), loss_fn\n"
+    )
+    argv = sys.argv
+    sys.argv = [str(script), str(tmp_path / "run")]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = argv
+    (bundle,) = (tmp_path / "run" / "captures").glob("step-*")
+    with pytest.raises(tg.ReplayError) as caught:
+        tg.replay(bundle, f"{tmp_path / 'replay_factory.py'}:make_replay")
+    message = str(caught.value)
+    assert (
+        "the captured batch holds a Batch (__main__) that the replay could not import, "
+        "so it came back as a dict with no attribute 'x'" in message
+    )
+    assert "import it into the factory's module" in message
+    assert "check that --factory" not in message
+
+
+def test_an_unrebuilt_type_stays_a_plain_container_through_copies() -> None:
+    from trainguard.capture import batchtree
+
+    @dataclasses.dataclass
+    class Pair:
+        x: torch.Tensor
+
+    stored = batchtree.encode(Pair(torch.ones(2)))
+    stored["type"] = "__main__:NoSuchPair"
+    batch = batchtree.decode(stored)
+    assert isinstance(batch, dict) and torch.equal(batch["x"], torch.ones(2))
+    moved = batchtree.map_tensors(batch, lambda t: t * 2)
+    assert type(moved) is type(batch) and torch.equal(moved["x"], torch.full((2,), 2.0))
+    with pytest.raises(batchtree.UnrebuiltTypeError, match="NoSuchPair"):
+        _ = moved.x
+    assert type(batchtree.decode(stored, restore_types=False)) is dict

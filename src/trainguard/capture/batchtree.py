@@ -96,9 +96,9 @@ _MAIN_STAND_INS: list[ModuleType] = []
 def main_stand_in(module: ModuleType) -> None:
     """Look up the types the training script defined while it ran as ``__main__`` (a batch
     dataclass, a ``UserDict`` such as HF's ``BatchEncoding``) in ``module`` too: the replay's
-    factory file, often that script imported under its own name."""
-    if module not in _MAIN_STAND_INS:
-        _MAIN_STAND_INS.append(module)
+    factory file, often that script imported under its own name. Only the latest factory's
+    (an earlier replay's script in the same process must not lend its ``Batch`` class)."""
+    _MAIN_STAND_INS[:] = [module]
 
 
 def _import_type(name: str | None) -> type | None:
@@ -141,9 +141,10 @@ def decode(obj: Any, restore_types: bool = True) -> Any:
     if kind == "tuple":
         return tuple(values)
     fields = dict(zip(obj["keys"], values, strict=True))
-    cls = _import_type(obj.get("type")) if restore_types else None
+    name = obj.get("type")
+    cls = _import_type(name) if restore_types else None
     if kind == "namedtuple":
-        return cls(*values) if cls is not None else tuple(values)
+        return cls(*values) if cls is not None else _unrebuilt(name, tuple, restore_types)(values)
     if kind == "dataclass" and cls is not None and dataclasses.is_dataclass(cls):
         return _build_dataclass(cls, fields)
     if kind == "dict" and cls is not None:
@@ -151,7 +152,52 @@ def decode(obj: Any, restore_types: bool = True) -> Any:
             return cls(fields)
         except Exception:
             return fields
+    if kind == "dataclass":
+        return _unrebuilt(name, dict, restore_types)(fields)
     return fields
+
+
+class UnrebuiltTypeError(AttributeError):
+    """An attribute of a captured container whose type the replay could not import."""
+
+
+_UNREBUILT: dict[tuple[str, type], type] = {}
+
+
+def _unrebuilt(name: Any, base: type, restore_types: bool) -> type:
+    """A ``dict`` (``tuple``) subclass standing in for the type ``name`` that could not be
+    imported: it behaves as the plain container, and reading an attribute (``batch.x``)
+    raises ``UnrebuiltTypeError`` naming the type and how to make it importable, not
+    "'dict' object has no attribute 'x'" (copies keep the class: ``_rebuild``)."""
+    if not restore_types or not isinstance(name, str):
+        return base
+    key = (name, base)
+    if key not in _UNREBUILT:
+
+        def __getattr__(self: Any, attribute: str) -> Any:
+            if attribute.startswith("__"):
+                raise AttributeError(attribute)
+            raise UnrebuiltTypeError(_unrebuilt_text(name, base, attribute))
+
+        _UNREBUILT[key] = type(
+            f"Unrebuilt_{base.__name__}", (base,), {"__getattr__": __getattr__, "type": name}
+        )
+    return _UNREBUILT[key]
+
+
+def _unrebuilt_text(name: str, base: type, attribute: str) -> str:
+    module, _, qualname = name.partition(":")
+    where = (
+        f"the training script defined it while it ran as __main__: import it into the "
+        f"factory's module (from <your training script> import {qualname}) or define it in "
+        "an importable module"
+        if module == "__main__"
+        else f"make {module} importable where you replay"
+    )
+    return (
+        f"the captured batch holds a {qualname} ({module}) that the replay could not import, "
+        f"so it came back as a {base.__name__} with no attribute {attribute!r}; {where}"
+    )
 
 
 def _build_dataclass(cls: type, fields: dict[str, Any]) -> Any:

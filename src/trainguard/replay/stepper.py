@@ -143,10 +143,14 @@ class StepRunner:
                 raise
             except Exception as exc:
                 if strict:
+                    hint = (
+                        ""
+                        if isinstance(exc, batchtree.UnrebuiltTypeError)
+                        else "; check that --factory builds the model and loss of the training run"
+                    )
                     raise ReplayError(
                         f"loss_fn failed on micro-batch {m} of the captured step "
-                        f"({type(exc).__name__}: {_one_line(exc)}); check that --factory "
-                        "builds the model and loss of the training run"
+                        f"({type(exc).__name__}: {_one_line(exc)}){hint}"
                     ) from exc
                 result.error = f"{type(exc).__name__}: {_one_line(exc)}"
                 return result
