@@ -6,14 +6,13 @@ shortest data); ``trainguard run`` stands aside and the script's Join runs as it
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from tg_dist import free_port
+from tg_dist import torchrun_command, torchrun_env
 
 import trainguard as tg
 
@@ -21,30 +20,11 @@ SCRIPT = Path(__file__).parent / "scripts" / "join_uneven.py"
 
 
 def torchrun(*args: str, guarded_by: Path | None = None) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        str(SCRIPT),
-        *args,
-    ]
+    command = torchrun_command(SCRIPT, *args)
     if guarded_by is not None:
-        command = [
-            sys.executable,
-            "-m",
-            "trainguard.cli",
-            "run",
-            "--run-dir",
-            str(guarded_by),
-            "--",
-            *command,
-        ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    env.pop("TRAINGUARD_RUN", None)
-    return subprocess.run(command, capture_output=True, text=True, timeout=100, env=env)
+        guard = [sys.executable, "-m", "trainguard.cli", "run", "--run-dir", str(guarded_by)]
+        command = [*guard, "--", *command]
+    return subprocess.run(command, capture_output=True, text=True, timeout=100, env=torchrun_env())
 
 
 def params(out: Path, rank: int) -> dict[str, torch.Tensor]:

@@ -5,13 +5,11 @@ names the signal and each rank's line (``report/crashes.py``), instead of "kille
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from tg_dist import free_port
+from tg_dist import torchrun_command, torchrun_env
 
 from trainguard.report.summary import summarize
 
@@ -26,18 +24,8 @@ def line_of(marker: str) -> str:
 @pytest.mark.timeout(120)
 def test_an_aborted_rank_and_the_one_torchrun_ended_name_their_lines(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        str(SCRIPT),
-        str(run_dir),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=100, env=env)
+    command = torchrun_command(SCRIPT, str(run_dir))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=100, env=torchrun_env())
     assert done.returncode != 0
     assert "SIGABRT" in done.stderr, done.stderr[-3000:]
     summary = summarize(run_dir)

@@ -10,6 +10,7 @@ import os
 import pickle
 import random
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -51,6 +52,29 @@ def free_port() -> int:
     with socket.socket() as sock:  # every one taken: the ephemeral way
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def torchrun_command(script: Path | str, *args: str, ranks: int = 2) -> list[str]:
+    """``python -m torch.distributed.run`` of ``script`` on ``ranks`` local ranks, with the
+    c10d rendezvous on a free port (a fault-tolerant job's launch)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={ranks}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        str(script),
+        *args,
+    ]
+
+
+def torchrun_env() -> dict[str, str]:
+    """The environment for ``torchrun_command``: one thread a rank, a fresh rendezvous store
+    per restart (pytorch/pytorch#135712), no guard of ``trainguard run`` around it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env.pop("TRAINGUARD_RUN", None)
+    return env
 
 
 def _ephemeral_low() -> int:

@@ -73,13 +73,19 @@ def overflow_batches(steps: int = 3, bad_step: int = 1, bad_pos: int = 5) -> lis
 
 def train_under_autocast(run_dir: Path, dtype: torch.dtype = torch.float16) -> Path:
     """A guarded SGD loop whose forward and loss run under CPU autocast; the bundle."""
-    model = Overflow()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    return _guarded_under_autocast(Overflow(), ce, overflow_batches(), run_dir, dtype, 0.01)
+
+
+def _guarded_under_autocast(
+    model: nn.Module, loss_fn: Any, batches: list[Any], run_dir: Path, dtype: torch.dtype, lr: float
+) -> Path:
+    """A guarded SGD loop whose forward and loss run under CPU autocast: its one bundle."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     with tg.Guard(model, optimizer, run_dir=run_dir, hang_timeout=0) as guard:
-        for batch in guard.watch(overflow_batches()):
+        for batch in guard.watch(batches):
             with torch.autocast("cpu", dtype=dtype):
-                loss = ce(model, batch)
-            loss.backward()  # type: ignore[no-untyped-call]
+                loss = loss_fn(model, batch)
+            loss.backward()
             if guard.check(loss):
                 optimizer.step()
             optimizer.zero_grad()
@@ -245,8 +251,6 @@ def rounding_factory() -> tuple[nn.Module, Any]:
 def train_rounding_under_autocast(run_dir: Path, dtype: torch.dtype) -> Path:
     """A guarded loop under CPU autocast whose step 1 holds a mis-scaled sample (position 5,
     dataset index 13): the bundle."""
-    model = Confident()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(9)
     batches = []
     for step in range(3):
@@ -254,16 +258,7 @@ def train_rounding_under_autocast(run_dir: Path, dtype: torch.dtype) -> Path:
         if step == 1:
             x[5] = 40.0
         batches.append({"x": x, "y": torch.zeros(8), "index": torch.arange(8) + 8 * step})
-    with tg.Guard(model, optimizer, run_dir=run_dir, hang_timeout=0) as guard:
-        for batch in guard.watch(batches):
-            with torch.autocast("cpu", dtype=dtype):
-                loss = hand_bce(model, batch)
-            loss.backward()  # type: ignore[no-untyped-call]
-            if guard.check(loss):
-                optimizer.step()
-            optimizer.zero_grad()
-    (bundle,) = sorted((run_dir / "captures").glob("step-*"))
-    return bundle
+    return _guarded_under_autocast(Confident(), hand_bce, batches, run_dir, dtype, 1e-3)
 
 
 # -- an additive attention mask carried in the batch --------------------------------------------
