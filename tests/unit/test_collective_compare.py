@@ -332,3 +332,19 @@ def test_a_rank_busy_alone_outside_a_phase_is_told_about_guard_phase() -> None:
     deadlock = [_in_phase(view(0, recorded(barrier(), line=19))), view(1, recorded(bucket(), DDP))]
     verdict = assess(deadlock, me=1, timeout=2.0, dead_after=2.0)
     assert verdict is not None and "guard.phase" not in verdict.reason
+
+
+def test_a_collective_mismatch_outside_a_phase_is_not_told_about_guard_phase() -> None:
+    """Rank 0 calls a barrier alone (a checkpoint's, outside a phase) while ranks 1 and 2
+    wait in DDP's buffer broadcast: marking that work as a phase would still hang, so the
+    reason names the mismatch only (it told the user to wrap it in ``guard.phase``). Nor is
+    a 2-rank tie told "while the others waited" of both ranks."""
+    views = [view(0, recorded(barrier(), line=19))]
+    views += [view(r, recorded(bucket(), DDP)) for r in (1, 2)]
+    verdict = assess(views, me=1, timeout=2.0, dead_after=2.0)
+    assert verdict is not None and verdict.culprits == [0]
+    assert "collective mismatch at sequence id 12: rank 0 waits in barrier" in verdict.reason
+    assert "guard.phase" not in verdict.reason
+    tie = [view(0, recorded(barrier(), line=19)), view(1, recorded(bucket(), DDP))]
+    verdict = assess(tie, me=1, timeout=2.0, dead_after=2.0)
+    assert verdict is not None and "guard.phase" not in verdict.reason

@@ -179,7 +179,9 @@ def assess(views: Sequence[RankView], me: int, timeout: float, dead_after: float
         return None
     else:
         culprits, reason = hang_culprits(views)
-        reason += phase_hint(views, culprits)
+        mismatch = collective_mismatch(views)
+        if mismatch is None or mismatch.kind == BEHIND:  # a phase cannot fix a mismatch
+            reason += phase_hint(views, culprits)
     # no dump to wait for from a rank that never registered or whose watchdog stopped
     absent = [v.rank for v in views if not v.registered or v.state in ("closed", "failed")]
     reason = f"no rank made progress for {limit:g}s; {reason}"
@@ -189,13 +191,15 @@ def assess(views: Sequence[RankView], me: int, timeout: float, dead_after: float
 def phase_hint(views: Sequence[RankView], culprits: Sequence[int]) -> str:
     """What to do when the culprits were busy on purpose: ranks that stalled the others
     outside a user phase and outside their data loading (an evaluation or a checkpoint on
-    one rank looks like this until it is marked)."""
+    one rank looks like this until it is marked). Not said of a collective mismatch (a
+    phase does not excuse a deadlock: ``assess``), nor when no other rank waited."""
     busy = [
         v.rank
         for v in views
         if v.rank in culprits and not v.user_phase and v.phase not in ("data", "absent")
     ]
-    if not busy:
+    waiting = [v for v in views if v.state == "running" and v.rank not in culprits]
+    if not busy or not waiting:  # no other rank waited for them
         return ""
     ranks = ", ".join(map(str, busy))
     return (
