@@ -71,3 +71,26 @@ def test_a_host_that_keeps_faulting_is_named_and_every_rank_exits(tmp_path: Path
     text = report_text(summary)
     assert f"{host}: 3 transient, 0 persistent  SUSPECT" in text
     assert "step 5: transient on ranks [1]" in text
+
+
+def _spread(rank: int, world_size: int, tmp: str) -> int:
+    try:
+        train(rank, Path(tmp), "transient_grad", fault_steps=(1, 3, 5), suspect_host_after=3)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+
+
+def test_a_gradient_fault_spread_by_ddp_blames_no_host(tmp_path: Path) -> None:
+    """Rank 1's NaN gradient reaches every rank through DDP's all-reduce: the agreement sees
+    non-finite gradients on all of them. No host made it as far as the guard can tell, so
+    none is counted (every host was, and with suspect_host_after=3 every rank exited 94
+    telling the user to drain every node)."""
+    codes = values(run_ranks(_spread, 2, str(tmp_path), timeout=90))
+    assert codes == [0, 0]
+    for rank in range(2):
+        reruns = _events(tmp_path, rank, "rerun")
+        assert [(e["step"], e["verdict"]) for e in reruns] == [(s, "transient") for s in (1, 3, 5)]
+        assert all(e["ranks"] == [0, 1] and e["origin_ranks"] == [] for e in reruns)
+        assert all(e["hosts"] == [] for e in reruns)
+        assert not _events(tmp_path, rank, "suspect_host")

@@ -62,6 +62,23 @@ class OneOff:
         return None
 
 
+class OneOffGradient:
+    """Poisons the parameter's gradient once at each of ``steps``, before DDP all-reduces it
+    (a tensor hook): every rank then sees a NaN gradient; only this rank made it."""
+
+    def __init__(self, param: Tensor, steps: list[int]) -> None:
+        self.pending = set(steps)
+        self.guard: tg.Guard | None = None
+        param.register_hook(self)
+
+    def __call__(self, grad: Tensor) -> Tensor | None:
+        step = self.guard.state.step if self.guard is not None else -1
+        if step in self.pending:
+            self.pending.discard(step)
+            return grad * float("nan")
+        return None
+
+
 def train(
     rank: int,
     run_dir: Path,
@@ -70,11 +87,16 @@ def train(
     fault_steps: tuple[int, ...] = (3,),
     **guard_args: Any,
 ) -> dict[str, Any]:
-    """``fault``: None, ``"transient"`` (a one-off NaN output at ``fault_steps``) or
+    """``fault``: None, ``"transient"`` (a one-off NaN output at ``fault_steps``),
+    ``"transient_grad"`` (a one-off NaN gradient, spread to every rank by DDP) or
     ``"persistent"`` (a NaN sample at the first of them). Returns the state and counters."""
     torch.manual_seed(0)
     model = DDP(DropBN())
-    one_off = OneOff(model.module.head, list(fault_steps)) if fault == "transient" else None
+    one_off: OneOff | OneOffGradient | None = None
+    if fault == "transient":
+        one_off = OneOff(model.module.head, list(fault_steps))
+    elif fault == "transient_grad":
+        one_off = OneOffGradient(model.module.head.weight, list(fault_steps))
     if one_off is not None and rank != fault_rank:
         one_off.pending.clear()
     bad = fault_steps[0] if fault == "persistent" and rank == fault_rank else None

@@ -265,3 +265,37 @@ def test_the_start_copies_the_buffers_in_one_launch_per_dtype() -> None:
         assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
     names = [name for name, _ in rec.ops]
     assert names == ["_foreach_copy_", "_foreach_copy_"], names
+
+
+def test_a_rerun_records_its_losses_on_the_loops_basis(tmp_path: Path) -> None:
+    """Accumulating 2 micro-batches and calling only ``check(loss)`` (the last one's loss),
+    a transient NaN in the first micro-batch's gradients: the rerun's loss is the last
+    micro-batch's too (it was the mean of both, beside the first run's last one: the event
+    and the metrics log read as if the healthy loss had changed)."""
+    torch.manual_seed(0)
+    model = BufferNet()
+    opt = _sgd(model)
+    poison = {"left": 1}
+
+    def poison_once(grad: torch.Tensor) -> torch.Tensor | None:
+        if guard.state.step == 2 and poison["left"]:
+            poison["left"] -= 1
+            return grad * float("nan")
+        return None
+
+    model.head.weight.register_hook(poison_once)
+    guard = tg.Guard(
+        model, opt, run_dir=tmp_path, hang_timeout=0, rerun=loss_fn, accumulation_steps=2
+    )
+    with guard:
+        stream = iter(guard.watch(batches(8)))
+        for first in stream:
+            loss_fn(model, first).backward()  # micro-batch 0 (poisoned once at step 2)
+            loss = loss_fn(model, next(stream))
+            loss.backward()
+            if guard.check(loss):
+                opt.step()
+            opt.zero_grad()
+    (rerun,) = _events(tmp_path, "rerun")
+    assert (rerun["step"], rerun["verdict"]) == (2, "transient")
+    assert rerun["rerun_losses"] == rerun["losses"]  # the same micro-batch, the same basis

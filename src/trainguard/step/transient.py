@@ -3,8 +3,9 @@
 ``Guard(rerun=loss_fn)``: once every rank has agreed that a step went non-finite, every rank
 reruns the step from its start (``rerun.StepRerun``) and the agreement runs again. Finite
 everywhere: *transient*, the step counts with the rerun's gradients; still bad: *persistent*,
-the usual policy follows. Every rerun is a ``rerun`` event naming the ranks and hosts of the
-first failure. A host with ``suspect_host_after`` transient faults within
+the usual policy follows. Every rerun is a ``rerun`` event naming the ranks of the first
+failure and the ranks and hosts it started on (``origin_ranks``: none when the gradient
+all-reduce spread it to every rank, so no host is blamed for it). A host with ``suspect_host_after`` transient faults within
 ``suspect_host_window`` steps is *suspect*: a ``suspect_host`` event, and every rank exits
 with ``EXIT_SUSPECT_HOST`` (94) so the job restarts elsewhere.
 """
@@ -31,6 +32,20 @@ from trainguard.step.rerun import StepRerun, SuspectHosts
 logger = logging.getLogger(__name__)
 
 Measure = Callable[[Tensor], tuple[GradStats, LocalReport, bool]]
+
+
+def origin_ranks(first: Agreement, world_size: int) -> list[int]:
+    """The ranks a bad step started on, as far as the agreement tells: those whose own loss
+    or batch was non-finite (neither is all-reduced), else those with non-finite gradients,
+    unless that is every rank of several: DDP's gradient all-reduce spreads one rank's NaN
+    to all of them, so no host is to blame (none, not every one)."""
+    if first.loss_ranks:
+        return list(first.loss_ranks)
+    if first.input_ranks:
+        return list(first.input_ranks)
+    if world_size > 1 and len(first.grad_ranks) == world_size:
+        return []
+    return list(first.grad_ranks)
 
 
 @dataclass
@@ -77,20 +92,24 @@ class TransientFaults:
                 step,
             )
             return first, first_stats
+        recorded = len(parts.losses.step_losses())  # the loop's: check()'s, or every micro
         parts.losses.clear()
         result = self._rerun.run(step, batches)
-        parts.losses.replace([*result.micro_losses, result.loss])
+        rerun = [*result.micro_losses, result.loss]
+        parts.losses.replace(rerun[-recorded:] if recorded else rerun)  # the same basis
         stats, report, sharded = parts.measure(result.loss)
         agreement = parts.consensus.agree(report, sharded)
         self.verdict = "persistent" if agreement.bad else "transient"
         hosts = self._host_names()
-        bad_hosts = sorted({hosts[r] for r in first.ranks})
+        origin = origin_ranks(first, parts.consensus.world_size)
+        bad_hosts = sorted({hosts[r] for r in origin})
         parts.events.write(
             "rerun",
             step,
             verdict=self.verdict,
             where=first.where,
             ranks=first.ranks,
+            origin_ranks=origin,
             hosts=bad_hosts,
             losses=first.losses,
             rerun_losses=agreement.losses,
@@ -103,8 +122,8 @@ class TransientFaults:
                 first.ranks,
                 self.verdict,
             )
-        if self.verdict == "transient":
-            self._count(step, bad_hosts, first.ranks)
+        if self.verdict == "transient" and bad_hosts:
+            self._count(step, bad_hosts, origin)
         return agreement, stats
 
     def _host_names(self) -> list[str]:
