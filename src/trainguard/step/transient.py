@@ -5,9 +5,10 @@ reruns the step from its start (``rerun.StepRerun``) and the agreement runs agai
 everywhere: *transient*, the step counts with the rerun's gradients; still bad: *persistent*,
 the usual policy follows. Every rerun is a ``rerun`` event naming the ranks of the first
 failure and the ranks and hosts it started on (``origin_ranks``: none when the gradient
-all-reduce spread it to every rank, so no host is blamed for it). A host with ``suspect_host_after`` transient faults within
-``suspect_host_window`` steps is *suspect*: a ``suspect_host`` event, and every rank exits
-with ``EXIT_SUSPECT_HOST`` (94) so the job restarts elsewhere.
+all-reduce spread it to every rank, so no host is blamed for it). A host with
+``suspect_host_after`` transient faults within ``suspect_host_window`` steps is *suspect*:
+a ``suspect_host`` event, and every rank exits with ``EXIT_SUSPECT_HOST`` (94) so the job
+restarts elsewhere.
 """
 
 from __future__ import annotations
