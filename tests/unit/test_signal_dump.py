@@ -205,3 +205,25 @@ def test_a_comm_error_does_not_rename_a_crash_outside_the_failure_handling() -> 
     }
     event = {"kind": "comm_error", "rank": 1, "site": "/job/train.py:17", "step": 3}
     assert with_comm_errors([crash], [event]) == [crash]
+
+
+def test_a_rank_killed_without_a_word_is_named_before_the_ranks_the_launcher_ended(
+    tmp_path: Path,
+) -> None:
+    """Under torchrun a SIGKILLed rank (the OOM killer) leaves nothing; the launcher then ends
+    the others with SIGTERM, whose stacks are there. The killed rank is the news: it was
+    never named (the line led with a bystander's SIGTERM)."""
+    now = time.time() - 5
+    events = tmp_path / "events"
+    events.mkdir(parents=True)
+    for rank in (0, 1):
+        start = {"time": now, "rank": rank, "step": 0, "kind": "start", "run": "r1"}
+        (events / f"rank-{rank}.jsonl").write_text(json.dumps(start) + "\n")
+    folder = tmp_path / "hangs" / "id"
+    folder.mkdir(parents=True)
+    (folder / "rank-0.signal.txt").write_text(TERMINATED.replace("failure.py", "other.py"))
+    ended = summarize(tmp_path).ended
+    assert ended.startswith(
+        "rank 1 ended without a close event or signal stacks (SIGKILL, the OOM killer, or "
+        "os._exit); rank 0 by SIGTERM (see crashes)"
+    ), ended

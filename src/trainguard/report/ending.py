@@ -49,7 +49,8 @@ def ending(
         if hangs:
             return f"step {hangs[-1].get('step')}: {hangs[-1].get('kind')} (see hangs)"
         if crashes:
-            return _ended_by_signal(crashes, _last_seen(events, records, since))
+            silent = _started_ranks(events, since) - {int_of(c.get("rank")) for c in crashes}
+            return _ended_by_signal(crashes, sorted(silent), _last_seen(events, records, since))
         return (
             "no close event: the process was killed (SIGKILL, the OOM killer, a time limit) "
             f"or left with os._exit; last seen at step {_last_seen(events, records, since)}"
@@ -72,17 +73,29 @@ def ending(
     return f"step {step}: closed"
 
 
-def _ended_by_signal(crashes: list[dict[str, Any]], last_seen: int) -> str:
-    """The first fatal signal's rank (a SIGTERM is the launcher's answer to it), else the
-    first SIGTERM's."""
-    fatal = [c for c in crashes if c.get("signal") != "SIGTERM"] or crashes
-    first = min(fatal, key=lambda c: float_of(c.get("time")))
-    others = [c for c in crashes if c is not first]
-    also = "".join(f"; rank {c.get('rank')} by {c.get('signal')}" for c in others)
-    return (
-        f"rank {first.get('rank')} ended by {first.get('signal')} (see crashes){also}; "
-        f"last seen at step {last_seen}"
+def _ended_by_signal(crashes: list[dict[str, Any]], silent: list[int], last_seen: int) -> str:
+    """The first fatal signal's rank; else the ranks that left no word (killed with SIGKILL,
+    which no handler sees, or ``os._exit``), to which the launcher's SIGTERMs of the others
+    answered; else the first SIGTERM's."""
+    fatal = sorted(
+        (c for c in crashes if c.get("signal") != "SIGTERM"), key=lambda c: float_of(c.get("time"))
     )
+    terminated = [c for c in crashes if c.get("signal") == "SIGTERM"]
+    parts = [f"rank {c.get('rank')} ended by {c.get('signal')}" for c in fatal]
+    if silent:
+        ranks = ", ".join(map(str, silent))
+        parts.append(
+            f"rank {ranks} ended without a close event or signal stacks (SIGKILL, the OOM "
+            "killer, or os._exit)"
+        )
+    for crash in terminated:
+        verb = "by" if parts else "ended by"
+        parts.append(f"rank {crash.get('rank')} {verb} {crash.get('signal')}")
+    if fatal:
+        parts[0] += " (see crashes)"
+    elif terminated:
+        parts[-1] += " (see crashes)"
+    return "; ".join(parts) + f"; last seen at step {last_seen}"
 
 
 def _started_ranks(events: list[dict[str, Any]], since: float) -> set[int]:
