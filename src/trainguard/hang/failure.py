@@ -30,7 +30,7 @@ from typing import Any
 from trainguard.events import EventLog
 from trainguard.hang.channel import StoreChannel
 from trainguard.hang.exit_path import SAFETY_EXIT_S, attempt
-from trainguard.hang.frames import classify, frames_of_traceback
+from trainguard.hang.frames import classify, ddp_in_process, frames_of_traceback
 from trainguard.hang.rules import (
     Verdict,
     failure_verdict,
@@ -133,7 +133,7 @@ class FailurePublisher:
         """A ``comm_error`` event: the collective that broke and the loop's line that called
         it, written before this rank waits for the watchdog (a launcher may end it with
         SIGTERM meanwhile: the signal's stack dump then shows only the wait)."""
-        call = classify(frames_of_traceback(exc.__traceback__), lambda: False)
+        call = classify(frames_of_traceback(exc.__traceback__), ddp_in_process)
         site = call.site
         where = f" at {site.file}:{site.line}" if site is not None else ""
         self.comm_error = f"{call.label or 'a collective'}{where}: {type(exc).__name__}: {exc}"
