@@ -227,3 +227,21 @@ def test_a_rank_killed_without_a_word_is_named_before_the_ranks_the_launcher_end
         "rank 1 ended without a close event or signal stacks (SIGKILL, the OOM killer, or "
         "os._exit); rank 0 by SIGTERM (see crashes)"
     ), ended
+
+
+def test_a_sigterm_handler_installed_after_the_dump_survives_its_close(tmp_path: Path) -> None:
+    """A framework sets its preemption handler once training started (after the guard):
+    closing the dump must not put back the handler from before (unregistering faulthandler
+    restores what it replaced, which would silently drop the framework's)."""
+    done = run_script(
+        PRELUDE
+        + """
+    signal.signal(signal.SIGTERM, lambda *a: (print("checkpoint on preemption"), sys.exit(5)))
+    dump.close()
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    """,
+        tmp_path,
+    )
+    assert done.returncode == 5, done.stderr
+    assert "checkpoint on preemption" in done.stdout

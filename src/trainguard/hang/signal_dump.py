@@ -56,6 +56,8 @@ class SignalDump:
         self.path = path
         self._file: TextIO | None = None
         self._fatal = False
+        self._python_handler: object = None
+        """The Python-level SIGTERM handler when this dump registered (see ``_drop_handlers``)."""
         if _active is not None:
             return  # another guard of this process holds faulthandler's handlers
         _register_fork_hook()
@@ -65,6 +67,7 @@ class SignalDump:
         if self._fatal:
             faulthandler.enable(file=self._file, all_threads=True)
         try:
+            self._python_handler = signal.getsignal(TERMINATE)
             faulthandler.register(TERMINATE, file=self._file, all_threads=True, chain=True)
         except (RuntimeError, ValueError, OSError) as exc:  # not the main interpreter
             logger.debug("trainguard: no SIGTERM stack dump: %s", exc)
@@ -87,8 +90,12 @@ class SignalDump:
 
 
 def _drop_handlers(dump: SignalDump) -> None:
-    """Remove ``dump``'s handlers (the ``SIGTERM`` one, and the fatal ones it enabled)."""
-    faulthandler.unregister(TERMINATE)
+    """Remove ``dump``'s handlers (the ``SIGTERM`` one, and the fatal ones it enabled).
+    Unregistering puts back the handler faulthandler replaced; a Python ``SIGTERM`` handler
+    installed since (a preemption handler a framework sets when training starts) replaced
+    faulthandler's already and must stay: then it is left as it is."""
+    if signal.getsignal(TERMINATE) is dump._python_handler:
+        faulthandler.unregister(TERMINATE)
     if dump._fatal:
         faulthandler.disable()  # before the file closes: its descriptor may be reused
         dump._fatal = False
