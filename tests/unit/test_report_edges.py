@@ -199,3 +199,22 @@ def test_a_hang_says_which_ranks_left_no_stack(tmp_path: Path) -> None:
     for rank in (1, 2, 3):
         (folder / f"rank-{rank}.txt").write_text(f"Thread 0x{rank} (most recent call first):\n")
     assert _line(report_text(summarize(tmp_path)), "hangs").endswith("(hangs/h1)")
+
+
+def test_a_hangs_step_is_the_ranks_own_not_their_heartbeats(tmp_path: Path) -> None:
+    """Heartbeats are a second old: a rank that failed at step 20 within its first second
+    read as step 0 in report.json. The ranks' own peer_failure events say 20."""
+    folder = tmp_path / "hangs" / "h1"
+    folder.mkdir(parents=True)
+    ranks = [{"rank": r, "step": 0, "stack_file": f"rank-{r}.txt"} for r in range(2)]
+    report = {"id": "h1", "kind": "peer_failure", "culprits": [1], "reporter": 0, "ranks": ranks}
+    (folder / "report.json").write_text(json.dumps(report))
+    for rank in range(2):
+        _write(
+            tmp_path / "events" / f"rank-{rank}.jsonl",
+            [
+                _event(999.0, 0, "start", world_size=2),
+                _event(1000.0, 20, "peer_failure", hang_id="h1", culprits=[1], reason="x"),
+            ],
+        )
+    assert [h["step"] for h in summarize(tmp_path).hangs] == [20]

@@ -211,7 +211,7 @@ def _summary(found: _RunDir, run: str | None) -> RunSummary:
     summary.timing, summary.timing_summary = rank_table(times), phase_summary(times)
     _fill_from_events(summary, events)
     summary.captures = own(found.captures, "run")
-    summary.hangs = own(found.hangs, None) or _hang_events(events)
+    summary.hangs = _live_steps(own(found.hangs, None), events) or _hang_events(events)
     summary.crashes = with_comm_errors(own(found.crashes, None), events)
     summary.ended = ending(events, summary.hangs, own(found.records, None), summary.crashes)
     starts = run_starts(events, own(found.records, None))
@@ -387,6 +387,21 @@ def _cause(events: list[dict[str, Any]], rollback: dict[str, Any]) -> dict[str, 
     last = found[-1]
     reason = "spike" if last["kind"] == "spike" else "non-finite"
     return {"reason": reason, "consecutive": last.get("consecutive")}
+
+
+def _live_steps(hangs: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each hang at the lowest step its ranks' own ``hang`` / ``peer_failure`` events name
+    (each rank's step when it acted) rather than the heartbeats' (a second old: a rank that
+    failed in its first second read as step 0); a rank that wrote none is not counted."""
+    for hang in hangs:
+        steps = [
+            int_of(e.get("step"))
+            for e in events
+            if e["kind"] in ("hang", "peer_failure") and e.get("hang_id") == hang.get("id")
+        ]
+        if steps:
+            hang["step"] = min(steps)
+    return hangs
 
 
 def _hang_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
