@@ -245,3 +245,16 @@ def test_a_sigterm_handler_installed_after_the_dump_survives_its_close(tmp_path:
     )
     assert done.returncode == 5, done.stderr
     assert "checkpoint on preemption" in done.stdout
+
+
+def test_each_fatal_signal_is_named_by_faulthandlers_words() -> None:
+    words = {
+        "Aborted": "SIGABRT",
+        "Segmentation fault": "SIGSEGV",
+        "Bus error": "SIGBUS",
+        "Floating point exception": "SIGFPE",
+        "Illegal instruction": "SIGILL",
+    }
+    for said, name in words.items():
+        text = f"Fatal Python error: {said}\n\n" + TERMINATED
+        assert parse_signal_dump(text)["signal"] == name

@@ -56,6 +56,8 @@ class SignalDump:
         self.path = path
         self._file: TextIO | None = None
         self._fatal = False
+        self._terminate = False
+        """Whether this dump registered the SIGTERM dump."""
         self._python_handler: object = None
         """The Python-level SIGTERM handler when this dump registered (see ``_drop_handlers``)."""
         if _active is not None:
@@ -66,9 +68,12 @@ class SignalDump:
         self._fatal = not faulthandler.is_enabled()
         if self._fatal:
             faulthandler.enable(file=self._file, all_threads=True)
+        register = getattr(faulthandler, "register", None)  # absent on Windows
         try:
-            self._python_handler = signal.getsignal(TERMINATE)
-            faulthandler.register(TERMINATE, file=self._file, all_threads=True, chain=True)
+            if register is not None:
+                self._python_handler = signal.getsignal(TERMINATE)
+                register(TERMINATE, file=self._file, all_threads=True, chain=True)
+                self._terminate = True
         except (RuntimeError, ValueError, OSError) as exc:  # not the main interpreter
             logger.debug("trainguard: no SIGTERM stack dump: %s", exc)
         _active = self
@@ -94,8 +99,9 @@ def _drop_handlers(dump: SignalDump) -> None:
     Unregistering puts back the handler faulthandler replaced; a Python ``SIGTERM`` handler
     installed since (a preemption handler a framework sets when training starts) replaced
     faulthandler's already and must stay: then it is left as it is."""
-    if signal.getsignal(TERMINATE) is dump._python_handler:
+    if dump._terminate and signal.getsignal(TERMINATE) is dump._python_handler:
         faulthandler.unregister(TERMINATE)
+    dump._terminate = False
     if dump._fatal:
         faulthandler.disable()  # before the file closes: its descriptor may be reused
         dump._fatal = False

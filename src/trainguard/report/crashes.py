@@ -25,6 +25,7 @@ _FATAL = {
     "Segmentation fault": "SIGSEGV",
     "Bus error": "SIGBUS",
     "Floating point exception": "SIGFPE",
+    "Floating-point exception": "SIGFPE",
     "Illegal instruction": "SIGILL",
 }
 """faulthandler's names of the fatal signals."""
