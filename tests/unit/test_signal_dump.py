@@ -258,3 +258,21 @@ def test_each_fatal_signal_is_named_by_faulthandlers_words() -> None:
     for said, name in words.items():
         text = f"Fatal Python error: {said}\n\n" + TERMINATED
         assert parse_signal_dump(text)["signal"] == name
+
+
+def test_an_abort_outside_a_collective_gets_no_collective_hint() -> None:
+    """A native crash in a plain backward is not said to be a collective's."""
+    from trainguard.hang.frames import TORCH_DIR
+    from trainguard.report.crashes import crash_line
+
+    text = (
+        "Fatal Python error: Aborted\n\nCurrent thread 0x1 (most recent call first):\n"
+        f'  File "{TORCH_DIR}autograd/__init__.py", line 9 in backward\n'
+        f'  File "{TORCH_DIR}_tensor.py", line 5 in backward\n'
+        '  File "/job/train.py", line 30 in <module>\n'
+    )
+    crash = {"rank": 0, "path": "hangs/x/rank-0.signal.txt"} | parse_signal_dump(text)
+    assert (crash["call"], crash["collective"]) == ("backward", False)
+    line = crash_line(crash)
+    assert line.startswith("rank 0: SIGABRT in backward, called from /job/train.py:30")
+    assert "in a collective" not in line

@@ -76,6 +76,7 @@ def parse_signal_dump(text: str) -> dict[str, Any]:
     return {
         "signal": signal,
         "call": call.label or None,
+        "collective": call.op is not None,
         "site": f"{site.file}:{site.line}" if site is not None else None,
         "in_failure_handling": any(_failure_handling(f) for f in frames),
     }
@@ -117,7 +118,7 @@ def crash_line(crash: dict[str, Any]) -> str:
     elif crash.get("site"):
         line += f" at {crash['site']}"
     hint = _HINTS.get(str(crash.get("signal")))
-    if hint and (crash.get("signal") == "SIGTERM" or crash.get("call")):
+    if hint and (crash.get("signal") == "SIGTERM" or crash.get("collective")):
         line += f" [{hint}]"
     return line + f"; stacks {crash.get('path')}"
 
