@@ -30,8 +30,10 @@ def test_an_aborted_rank_and_the_one_torchrun_ended_name_their_lines(tmp_path: P
     assert "SIGABRT" in done.stderr, done.stderr[-3000:]
     summary = summarize(run_dir)
     stacks = {c["rank"]: (run_dir / c["path"]).read_text() for c in summary.crashes}
+    # both ranks are accounted for: one aborted by gloo, the other ended by torchrun
+    assert sorted(c["rank"] for c in summary.crashes) == [0, 1], (summary.crashes, stacks)
     by_signal = {c["signal"]: c for c in summary.crashes}
-    assert "SIGABRT" in by_signal, summary.crashes
+    assert sorted(by_signal) == ["SIGABRT", "SIGTERM"], summary.crashes
     aborted = by_signal["SIGABRT"]
     # the aborted rank was inside a collective, called from one of the loop's lines
     assert aborted["call"], (aborted, stacks)

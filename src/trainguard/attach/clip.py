@@ -126,6 +126,8 @@ class ClipWatch:
         )
 
     def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        by_value = original.__name__ == "clip_grad_value_"
+
         @functools.wraps(original)
         def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
             if self._due():
@@ -134,7 +136,6 @@ class ClipWatch:
                     return None  # a skipped step: torch's clip_grad_value_ raises on no grads
             return original(parameters, *args, **kwargs)
 
-        by_value = original.__name__ == "clip_grad_value_"
         return clip
 
     def _check_before(self, parameters: Any) -> tuple[Any, list[Tensor]]:

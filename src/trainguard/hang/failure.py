@@ -134,16 +134,17 @@ class FailurePublisher:
         it, written before this rank waits for the watchdog (a launcher may end it with
         SIGTERM meanwhile: the signal's stack dump then shows only the wait)."""
         call = classify(frames_of_traceback(exc.__traceback__), ddp_in_process)
-        site = call.site
-        where = f" at {site.file}:{site.line}" if site is not None else ""
-        self.comm_error = f"{call.label or 'a collective'}{where}: {type(exc).__name__}: {exc}"
+        site = f"{call.site.file}:{call.site.line}" if call.site is not None else None
+        error = f"{type(exc).__name__}: {exc}"
+        at = f" at {site}" if site else ""
+        self.comm_error = f"{call.label or 'a collective'}{at}: {error}"
         with contextlib.suppress(Exception):  # the log may be closing
             self.events.write(
                 "comm_error",
                 self.progress.step,
-                error=f"{type(exc).__name__}: {exc}"[:500],
+                error=error[:500],
                 call=call.label or None,
-                site=f"{site.file}:{site.line}" if site is not None else None,
+                site=site,
             )
 
     def _peers_that_left(self) -> list[int]:
