@@ -43,7 +43,9 @@ def stored_values(tensor: Tensor) -> Tensor:
 
 def is_additive_mask(tensor: Tensor) -> bool:
     """Every value is 0 or -inf, and some is -inf: an additive attention / padding mask
-    (``scores + mask``) carried in a batch on purpose, not broken data (a host read)."""
+    (``scores + mask``) carried in a batch on purpose, not broken data (a host read). Stricter
+    than a mask *buffer*'s rule (``replay/seeds._is_mask``: every non-finite value -inf): a
+    feature tensor with a ``log(0)`` among real values is data, not a mask."""
     if not tensor.is_floating_point() or is_sparse(tensor) or not tensor.numel():
         return False
     data = tensor.detach()
