@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from tg_dist import run_ranks, values
+from tg_dist import cpu_fully_shard, run_ranks, values
 from tg_models import TinyNet, loss_fn, make_batches
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainguard as tg
@@ -35,9 +34,7 @@ STEPS = 9
 def _wrap(model: TinyNet, mode: str) -> torch.nn.Module:
     if mode == "ddp":
         return DDP(model)
-    fully_shard(model.encoder)
-    fully_shard(model.head)
-    fully_shard(model)
+    cpu_fully_shard(model.encoder, model.head, model)
     return model
 
 

@@ -18,10 +18,9 @@ from typing import Any
 
 import pytest
 import torch
-from tg_dist import run_ranks, values
+from tg_dist import cpu_fully_shard, run_ranks, values
 from tg_models import TinyNet, loss_fn, make_batches
 from torch import Tensor, nn
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainguard as tg
@@ -129,8 +128,7 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
     out["ddp_warned"] = _no_grad_events(base / "ddp", rank)
     torch.manual_seed(0)
     sharded = TinyNet()
-    fully_shard(sharded.encoder)
-    fully_shard(sharded)
+    cpu_fully_shard(sharded.encoder, sharded)
     out["fsdp"] = _float_losses(rank, sharded, base / "fsdp", bad_rank=0)
     out["fsdp_warned"] = _no_grad_events(base / "fsdp", rank)
     out["check_first"] = _check_first(rank, base / "first")

@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from tg_dist import run_ranks, values
+from tg_dist import cpu_fully_shard, run_ranks, values
 from tg_models import TinyNet
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainguard as tg
@@ -23,9 +22,7 @@ STEPS = 32
 
 def _wrap(model: TinyNet, mode: str) -> torch.nn.Module:
     if mode == "fsdp":
-        fully_shard(model.encoder)
-        fully_shard(model.head)
-        fully_shard(model)
+        cpu_fully_shard(model.encoder, model.head, model)
         return model
     return DDP(model)
 

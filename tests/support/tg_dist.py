@@ -217,3 +217,16 @@ def count_collectives(calls: list[tuple[str, int]]) -> None:
                 return _orig(*args, **kw)
 
             setattr(module, name, wrapper)
+
+
+def cpu_fully_shard(*modules: Any) -> None:
+    """``fully_shard`` each module (inner ones first) over a CPU mesh of the whole gloo world.
+    Without a mesh, FSDP2 shards over CUDA wherever a GPU is visible and moves the
+    parameters there, so a test's CPU batches would meet CUDA weights on a GPU machine."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for module in modules:
+        fully_shard(module, mesh=mesh)

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tg_dist import cpu_fully_shard
 from tg_models import TinyNet
 from torch import Tensor, nn
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainguard as tg
@@ -56,10 +56,10 @@ def wrap(model: TinyNet, mode: str) -> nn.Module:
         return model
     if mode == "ddp":
         return DDP(model)
-    fully_shard(model.encoder)
+    inner = [model.encoder]
     if mode != "fsdp_root":  # "fsdp_root": the root's own group holds the head's parameters
-        fully_shard(model.head)
-    fully_shard(model)
+        inner.append(model.head)
+    cpu_fully_shard(*inner, model)
     return model
 
 

@@ -1,7 +1,8 @@
 """CUDA paths: the sync-free step, the single sync of check(), capture and replay on a GPU;
 the buffer restore and input check of a skipped step, the sync-free step with every feature
 on, a rollback to an in-memory snapshot, an fp16 overflow under autocast captured on one
-device and replayed on the other, and torch's flight recorder over NCCL (issue 28).
+device and replayed on the other, torch's flight recorder over NCCL (issue 28), and the
+lazy RNG snapshot with CUDA's generators (issue 26).
 
 Skipped where torch sees no GPU (CI and the development machines); run on a GPU machine with
 ``python -m pytest tests/unit/test_cuda.py``. ``torch.cuda.set_sync_debug_mode`` makes every
@@ -459,3 +460,26 @@ def test_flight_recorder_reads_nccl_collectives(tmp_path: Path) -> None:
     assert len(seqs) == 3 and seqs == list(range(seqs[0], seqs[0] + 3)), out
     assert out["status"] == [seqs[-1], seqs[-1]], out  # enqueued and completed
     assert all(c[1] == "all_reduce" and c[2] == [[4]] and c[3] for c in out["calls"]), out
+
+
+def test_rng_snapshot_is_reused_until_a_cuda_generator_moves() -> None:
+    """CUDA initialized: a step that draws nothing gets the last snapshot again; a dropout on
+    the device gives a new one, and restoring the earlier one replays that dropout exactly."""
+    from trainguard.capture.rng import RngSnapshot, set_rng_state
+
+    torch.cuda.init()
+    torch.cuda.manual_seed_all(3)
+    first = RngSnapshot.take()
+    assert "cuda" in first.state()
+    assert _syncs_in(RngSnapshot.take) == 0
+    assert RngSnapshot.take() is first
+    ones = torch.ones(4096, device="cuda")
+    dropped = nn.functional.dropout(ones, 0.5)
+    moved = RngSnapshot.take()
+    assert moved is not first
+    now = torch.cuda.get_rng_state_all()
+    assert all(torch.equal(a, b) for a, b in zip(moved.state()["cuda"], now, strict=True))
+    set_rng_state(first.state())
+    assert torch.equal(nn.functional.dropout(ones, 0.5), dropped)
+    torch.cuda.manual_seed_all(4)
+    assert RngSnapshot.take() is not moved

@@ -377,14 +377,14 @@ def test_fsdp2_shards_turn_the_lone_path_off_for_the_run(tmp_path: Path) -> None
     the first step with gradients, before the fused pass is tried; from then on every step
     takes the full path, which sums shard norms and still skips a NaN step."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    from tg_dist import cpu_fully_shard
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
-        fully_shard(model)
+        cpu_fully_shard(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         guard = tg.Guard(model, opt, run_dir=tmp_path / "run", hang_timeout=0)
         lone = guard._lone

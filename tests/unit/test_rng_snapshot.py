@@ -239,9 +239,54 @@ def test_without_a_fingerprint_every_snapshot_is_new(
         monkeypatch.setattr(rng_module, "_PYTHON", _PythonRaw())
         monkeypatch.setattr(rng_module._PYTHON, "_view", None)
     else:
-        # CUDA initialized (its generators made); the copies themselves need no device here
+        # CUDA initialized, but its generators' offsets cannot be read (a CPU generator
+        # raises there, as a torch without get_offset would); the copies need no device
         monkeypatch.setattr(torch.cuda, "default_generators", (torch.Generator(),))
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     first = RngSnapshot.take()
     assert RngSnapshot.take() is not first
     assert _same_states(RngSnapshot.take().state(), rng_state())
+
+
+class _FakeCudaGenerator:
+    """What the fingerprint reads of a CUDA device's Philox generator: its seed and offset
+    (host values). A draw moves the offset; ``manual_seed`` sets the seed, offset 0."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.offset = seed, 0
+
+    def initial_seed(self) -> int:
+        return self.seed
+
+    def get_offset(self) -> int:
+        return self.offset
+
+    def state(self) -> torch.Tensor:
+        return torch.tensor([self.seed, self.offset], dtype=torch.int64).view(torch.uint8)
+
+
+def test_cuda_generators_are_fingerprinted_by_seed_and_offset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With CUDA initialized, a step that draws nothing on any device still gets the last
+    snapshot again; a device draw or seed gives a new one holding that device's new state.
+    (The real generators: tests/unit/test_cuda.py.)"""
+    devices = (_FakeCudaGenerator(5), _FakeCudaGenerator(5))
+    monkeypatch.setattr(torch.cuda, "default_generators", ())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: bool(torch.cuda.default_generators))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [g.state() for g in devices])
+    before_init = RngSnapshot.take()
+    assert "cuda" not in before_init.state()
+    monkeypatch.setattr(torch.cuda, "default_generators", devices)  # CUDA's initialization
+    first = RngSnapshot.take()
+    assert first is not before_init  # the generators CUDA made are in this one
+    assert RngSnapshot.take() is first
+    for move in (lambda: setattr(devices[1], "offset", 4), lambda: setattr(devices[0], "seed", 9)):
+        last = RngSnapshot.take()
+        move()
+        moved = RngSnapshot.take()
+        assert moved is not last
+        found = moved.state()["cuda"]
+        assert [bytes(t.tolist()) for t in found] == [bytes(g.state().tolist()) for g in devices]
+        assert RngSnapshot.take() is moved

@@ -349,8 +349,9 @@ _MARKS: _Marks | None = None
 
 def _fingerprint() -> tuple[Any, ...] | None:
     """Every generator's fingerprint now (``rng_fingerprint.py``); None when one is not read
-    raw (``readable``: the layout, the module's generator), or CUDA is initialized (its
-    generators, made by its initialization, are copied at every step). NumPy's is read
+    raw (``readable``: the layout, the module's generator). CUDA's generators exist once
+    CUDA is initialized (``default_generators`` filled): their part is empty before, so
+    that the first step after the initialization takes a new snapshot. NumPy's is read
     without its lock: a draw in another thread at that moment is seen either before or
     after it (a torn read differs from the last fingerprint, and the snapshot is then taken
     under the lock)."""
@@ -360,16 +361,30 @@ def _fingerprint() -> tuple[Any, ...] | None:
     if marks is None or marks.numpy_random is not numpy_random:
         marks = _MARKS = _Marks(numpy_random)
     reads, python = marks.reads, marks.python
-    if reads is None or torch.cuda.default_generators or not python.readable():
-        return None  # CUDA initialized (its generators filled), or not read raw
+    if reads is None or not python.readable():
+        return None  # not read raw
+    cuda = _cuda_fingerprint() if torch.cuda.default_generators else ()
+    if cuda is None:
+        return None
     gauss_next = getattr(python.generator, "gauss_next", None)
     numpy = marks.numpy
     if numpy is None:
-        return (reads[0](), reads[1](), gauss_next)
+        return (reads[0](), reads[1](), gauss_next, cuda)
     if not numpy.readable():
         return None
     views: Any = numpy._views
-    return (reads[0](), reads[1](), gauss_next, reads[2](), views[1].tobytes())
+    return (reads[0](), reads[1](), gauss_next, cuda, reads[2](), views[1].tobytes())
+
+
+def _cuda_fingerprint() -> tuple[tuple[int, int], ...] | None:
+    """Each CUDA device's generator as its seed and Philox offset, the whole of its state
+    (what ``get_state()`` packs): every draw moves the offset, and a seed or a state set
+    sets both. Host values, read without a sync. None where this torch cannot read them
+    (or refuses, inside a CUDA graph's capture): every snapshot is then taken afresh."""
+    try:
+        return tuple((g.initial_seed(), g.get_offset()) for g in torch.cuda.default_generators)
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def states_of(found: RngSnapshot | dict[str, Any] | None) -> dict[str, Any] | None:

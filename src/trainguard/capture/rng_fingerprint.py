@@ -22,9 +22,10 @@ other than those three, between two steps.
 
 Each read is a ``struct`` unpack at a fixed offset of the generator's own memory, found once
 and validated against the generator's official state (``_TorchRaw``; Python's and NumPy's
-raw readers in ``rng.py``). Without a validated layout (another interpreter or torch build,
-a replaced or non-MT19937 generator) or with CUDA initialized (its generators are copied at
-every step, as before), ``rng._fingerprint`` gives None and every snapshot is taken afresh.
+raw readers in ``rng.py``). A CUDA device's generator (Philox) is its seed and offset,
+read as they are (``rng._cuda_fingerprint``). Without a validated layout (another
+interpreter or torch build, a replaced or non-MT19937 generator) or a CUDA offset this torch
+cannot read, ``rng._fingerprint`` gives None and every snapshot is taken afresh.
 The reads take no lock (torch's engine has a mutex, NumPy's generator a lock): a draw in
 another thread at that moment is seen either before or after it, as a locked read would
 order it; a torn read differs from the last fingerprint, and the copy is then made as
