@@ -370,7 +370,16 @@ def _run(args: argparse.Namespace) -> int:
         hang_timeout=args.hang_timeout,
         capture=args.capture,
     )
-    return run_command(command, options)
+    finished = run_command(command, options)
+    if not finished.attached:
+        print(
+            f"trainguard run: no guard events in {args.run_dir} from this run: no process "
+            "reached an optimizer step with the guard attached (it cannot attach under "
+            "python -I, -E or -S, or where PYTHONPATH is reset: docs/run.md), or each stood "
+            "aside (its line above)",
+            file=sys.stderr,
+        )
+    return finished.code
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from trainguard.attach.discovery import describe, describe_module, existing_guard, find_model
+from trainguard.attach.launch import guard_exit_code
 from trainguard.attach.options import BOOTSTRAP_DIR, ENV_VAR, RunOptions, child_env, launcher_of
 from trainguard.attach.prestart import batch_of
 from trainguard.cli import main
@@ -97,6 +98,50 @@ def test_an_unusable_run_dir_is_one_line_exit_2_before_the_command_runs(
     run_dir = tmp_path / "new" / "run"
     assert main(["run", "--run-dir", str(run_dir), "--", "touch", str(marker)]) == 0
     assert marker.exists() and run_dir.is_dir()
+
+
+def test_a_command_that_never_attached_is_said_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No guard events from this run (``python -I``, a script that ends before its first
+    step): one line says nothing was guarded; events written during the run: no line."""
+    run_dir = tmp_path / "run"
+    assert main(["run", "--run-dir", str(run_dir), "--", sys.executable, "-I", "-c", "pass"]) == 0
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"trainguard run: no guard events in {run_dir} from this run")
+    assert "python -I, -E or -S" in line
+    write = "import pathlib,sys; p=pathlib.Path(sys.argv[1]); p.parent.mkdir(); p.write_text('{}')"
+    events = str(run_dir / "events" / "rank-0.jsonl")
+    assert main(["run", "--run-dir", str(run_dir), "--", sys.executable, "-c", write, events]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def _hang_report(run_dir: Path, name: str, mtime: float, **fields: Any) -> None:
+    path = run_dir / "hangs" / name / "report.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(fields))
+    os.utime(path, (mtime, mtime))
+
+
+def test_the_guards_exit_code_is_returned_unless_a_ranks_own_exception_caused_it(
+    tmp_path: Path,
+) -> None:
+    """torchrun reports any worker's failure as 1. A peer failure that a rank's own exception
+    caused (it published it: its culprit decided the verdict) is the script's error: 1
+    stands, as torchrun names that rank the root cause. A rank that died or froze (another
+    rank decided), or a hang: the guard ended the run, and its code replaces 1."""
+    raised = {"kind": "peer_failure", "culprits": [1], "decided_by": 1, "exit_code": 92}
+    failing = ["run", "--run-dir", str(tmp_path), "--", sys.executable, "-c", "exit(1)"]
+    _hang_report(tmp_path, "raised", 2.0e9, **raised)  # mtimes ahead: written during the run
+    assert guard_exit_code(tmp_path, since=0.0) is None
+    assert main(failing) == 1
+    died = {"kind": "peer_failure", "culprits": [1], "decided_by": 0, "exit_code": 92}
+    _hang_report(tmp_path, "died", 2.1e9, **died)
+    assert main(failing) == 92
+    hang = {"kind": "hang", "culprits": [1], "decided_by": 1, "exit_code": 91}
+    _hang_report(tmp_path, "hang", 2.2e9, **hang)
+    assert main(failing) == 91  # the newest report
+    assert guard_exit_code(tmp_path, since=3e9) is None  # written before this run: not its own
 
 
 def test_find_model_takes_the_outermost_module_holding_the_optimizers_parameters() -> None:

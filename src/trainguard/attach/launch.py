@@ -4,7 +4,16 @@ The command runs as a child process in an environment that attaches the guard
 (``options.child_env``); this process only waits for it, passes on SIGINT/SIGTERM/SIGHUP,
 and returns its exit status. Under torchrun the agent reports a worker's failure as its own
 status 1, so when the guard ended the workers (a hang: 91, a peer failure: 92) and wrote a
-report under ``run_dir/hangs/`` during this run, that report's code is returned instead.
+report under ``run_dir/hangs/`` during this run, that report's code is returned instead. Not
+for a peer failure that a rank's own exception caused (the rank published it: the report's
+culprit decided it): that is the script's error, and the command's status (1) stands, as
+torchrun names the failing rank the root cause.
+
+``Finished.attached`` says whether a guard wrote events under ``run_dir/events`` during the
+run. None did when no process attached (``python -I``, a launcher that resets
+``PYTHONPATH``, a script that ends before its first optimizer step) or each stood aside
+before building a guard (the script has its own: said on stderr then); the CLI says so in
+one line, rather than let an unguarded run pass for a guarded one.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
@@ -26,8 +36,22 @@ logger = logging.getLogger(__name__)
 
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
+MTIME_SLACK_S = 2.0
+"""A file system may store modification times coarsely (2 s on FAT): an events file written
+in the run's first moments can look older than its start by that much."""
 
-def run_command(command: Sequence[str], options: RunOptions) -> int:
+
+@dataclass(frozen=True)
+class Finished:
+    """How ``COMMAND`` ended under ``trainguard run``."""
+
+    code: int
+    """The exit status to return: the command's, or the guard's (the module docstring)."""
+    attached: bool
+    """Whether a process of the command wrote guard events during the run."""
+
+
+def run_command(command: Sequence[str], options: RunOptions) -> Finished:
     """Run ``command`` with the guard attached; its exit status (or the guard's, above)."""
     if not command:
         raise ConfigError("COMMAND", "nothing to run; use: trainguard run [OPTIONS] -- COMMAND...")
@@ -52,6 +76,10 @@ def run_command(command: Sequence[str], options: RunOptions) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    return Finished(_exit_status(code, run_dir, started), attached_since(run_dir, started))
+
+
+def _exit_status(code: int, run_dir: Path, started: float) -> int:
     if code < 0:  # killed by a signal: the shell's convention
         return 128 - code
     if code != 0:
@@ -85,16 +113,42 @@ def _forward_to(child: subprocess.Popen[bytes]) -> Callable[[int, FrameType | No
 
 
 def guard_exit_code(run_dir: Path, since: float) -> int | None:
-    """The exit code of the newest hang or peer-failure report written since ``since``."""
+    """The exit code of the newest hang or peer-failure report written since ``since``, but
+    for one a rank's own exception caused (``raised_by_culprit``)."""
     newest: tuple[float, int] | None = None
     for report in run_dir.glob("hangs/*/report.json"):
         try:
             mtime = report.stat().st_mtime
             if mtime < since:
                 continue
-            code = json.loads(report.read_text()).get("exit_code")
+            data = json.loads(report.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(code, int) and (newest is None or mtime > newest[0]):
+        code = data.get("exit_code") if isinstance(data, dict) else None
+        if raised_by_culprit(data) or not isinstance(code, int):
+            continue
+        if newest is None or mtime > newest[0]:
             newest = (mtime, code)
     return newest[1] if newest is not None else None
+
+
+def raised_by_culprit(report: dict[str, object]) -> bool:
+    """A peer failure the failing rank published itself (its exception: ``decided_by`` is
+    its culprit), not a rank that died, froze or left without a word."""
+    culprits = report.get("culprits")
+    return (
+        report.get("kind") == "peer_failure"
+        and isinstance(culprits, list)
+        and report.get("decided_by") in culprits
+    )
+
+
+def attached_since(run_dir: Path, since: float) -> bool:
+    """Whether any rank wrote guard events under ``run_dir`` since ``since``."""
+    for path in run_dir.glob("events/rank-*.jsonl"):
+        try:
+            if path.stat().st_mtime >= since - MTIME_SLACK_S:
+                return True
+        except OSError:
+            continue
+    return False
