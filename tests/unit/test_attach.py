@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from trainguard.attach.discovery import describe, describe_module, existing_guard, find_model
+from trainguard.attach.hooks import second_optimizer_reason
 from trainguard.attach.launch import guard_exit_code
 from trainguard.attach.options import BOOTSTRAP_DIR, ENV_VAR, RunOptions, child_env, launcher_of
 from trainguard.attach.prestart import batch_of
@@ -223,3 +224,14 @@ def test_removing_the_prestart_hooks_leaves_no_global_hook_behind() -> None:
     assert prestart.candidates == [model]
     prestart.remove()
     assert not module_hooks._has_any_global_hook()
+
+
+def test_an_optimizer_made_anew_is_named_as_such() -> None:
+    """A new optimizer over every guarded parameter (made each epoch, or after unfreezing) is
+    named as made anew; one over part of them steps besides the guarded one."""
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    guarded = torch.optim.SGD(net.parameters(), lr=0.1)
+    anew = second_optimizer_reason(torch.optim.SGD(net.parameters(), lr=0.1), guarded)
+    assert anew.startswith("a new optimizer (SGD) over every guarded parameter") and "anew" in anew
+    head = second_optimizer_reason(torch.optim.Adam(net[1].parameters()), guarded)
+    assert head.startswith("a second optimizer (Adam) steps besides the guarded SGD")

@@ -95,6 +95,31 @@ def announcer() -> logging.Logger:
     return log
 
 
+def second_optimizer_reason(new: torch.optim.Optimizer, guarded: torch.optim.Optimizer) -> str:
+    """Why an optimizer other than the guarded one stepping ends the guarding: one over every
+    guarded parameter (and maybe more) is most likely the optimizer made anew (each epoch,
+    after unfreezing a backbone), and is named so."""
+    new_name, guarded_name = type(new).__name__, type(guarded).__name__
+    if _parameter_ids(new) >= _parameter_ids(guarded):
+        what = (
+            f"a new optimizer ({new_name}) over every guarded parameter steps instead of, or "
+            f"besides, the guarded {guarded_name} (made anew mid-run?): trainguard run guards "
+            "the one optimizer of the first step (make it once, or use trainguard.Guard in "
+            "the script)"
+        )
+    else:
+        what = (
+            f"a second optimizer ({new_name}) steps besides the guarded {guarded_name}: "
+            "trainguard run guards scripts with one optimizer (use trainguard.Guard in the "
+            "script for more)"
+        )
+    return what
+
+
+def _parameter_ids(optimizer: torch.optim.Optimizer) -> set[int]:
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -186,11 +211,7 @@ class Attacher:
         if self.aside:
             return None
         if self.optimizer is not None and optimizer is not self.optimizer:
-            self.stand_aside(
-                f"a second optimizer ({type(optimizer).__name__}) steps besides the guarded "
-                f"{type(self.optimizer).__name__}: trainguard run guards scripts with one "
-                "optimizer (use trainguard.Guard in the script for more)"
-            )
+            self.stand_aside(second_optimizer_reason(optimizer, self.optimizer))
             return None
         # ``args`` starts with the optimizer itself (torch passes the step's own arguments)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
