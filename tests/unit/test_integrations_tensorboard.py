@@ -180,3 +180,63 @@ def test_after_a_rollback_events_stay_beside_the_loops_scalars(tmp_path: Path) -
     ]
     assert len(kinds_at["rollback"]) == 2
     assert any(f"at step {s} " not in t for s, t in texts)  # the text keeps the guard's step
+
+
+def test_log_without_a_step_writes_the_numbers_at_the_step_they_are_of(tmp_path: Path) -> None:
+    """``log()`` with no step: at the step the numbers describe. After a rollback the guard's
+    own step is the restored one: the escalating step's numbers still go at that step."""
+    from tg_recovery import make_data
+
+    config = tg.GuardConfig(
+        run_dir=tmp_path, on_escalation="rollback", max_consecutive=2, snapshot_every=2,
+        good_after=2, hang_timeout=0, capture=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = tg.Guard(model, opt, config=config)
+    tb = TensorBoardLogger(guard)
+    for x, y, _ in guard.watch(make_data(0, 14, {5: math.nan, 6: math.nan})):
+        loss = nn.functional.mse_loss(model(x) * y.sum() / y.sum(), y)
+        loss.backward()
+        if guard.check(loss):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        tb.log()
+    guard.close()
+    tb.close()
+    (escalated,) = [e["step"] for e in tg.read_events(tmp_path, 0) if e["kind"] == "rollback"]
+    scalars = [(s.step, s.value) for s in _read(tmp_path / "tensorboard").Scalars(
+        "trainguard/rollbacks"
+    )]  # fmt: skip
+    first = next(step for step, value in scalars if value == 1)
+    assert first == escalated
+    losses = [(s.step, s.value) for s in _read(tmp_path / "tensorboard").Scalars("trainguard/loss")]
+    assert math.isnan(next(v for step, v in losses if step == escalated))  # its first point
+
+
+def test_the_sync_free_steps_last_numbers_are_written_at_the_guards_close(tmp_path: Path) -> None:
+    """Under the sync-free ``step()`` the host reads a step during the next one, and the last
+    one in ``close()``: a skip there still reaches the scalars, at its own step, beside its
+    text."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    guard = tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0, capture=False)
+    tb = TensorBoardLogger(guard)
+    steps = 6
+    for i in range(steps):
+        x = torch.randn(8, 4)
+        if i == steps - 1:
+            x[0, 0] = math.nan  # the last step is bad
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        guard.step(loss)
+        tb.log()
+    guard.close()
+    tb.close()
+    acc = _read(tmp_path / "tensorboard")
+    skipped = {s.step: s.value for s in acc.Scalars("trainguard/skipped_steps")}
+    assert skipped[steps - 1] == 1 and max(skipped) == steps - 1
+    (skip_at,) = [s for s, t in _texts(acc) if t.startswith("**skip**")]
+    assert skip_at == steps - 1

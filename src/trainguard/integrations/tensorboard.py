@@ -130,6 +130,8 @@ class TensorBoardLogger:
         self.writer: Writer | None = None
         self._offset = 0
         """Your step minus the guard's, at the last ``log(step)``: where events go."""
+        self._logged: int | None = None
+        """The guard's step whose metrics ``log`` wrote last (None: ``log`` never called)."""
         if all_ranks or guard.rank == 0:
             if writer is None:
                 writer = summary_writer(log_dir or Path(guard.run_dir) / "tensorboard")
@@ -138,26 +140,49 @@ class TensorBoardLogger:
             guard.events.add_listener(self._on_event)
 
     def log(self, step: int | None = None) -> None:
-        """``guard.metrics()`` as scalars at ``step`` (default: the step just checked,
-        ``trainguard/step - 1``). Pass your loop's own counter to line them up with your
-        other scalars (a rollback sends the guard's step back)."""
+        """``guard.metrics()`` as scalars at ``step`` (default: the step the numbers are of,
+        the last decided one: ``trainguard/step - 1`` but after a rollback, which sends the
+        guard's step back, and under the sync-free ``step()``, read a step late). Pass your
+        loop's own counter to line them up with your other scalars (after a rollback the
+        guard's steps repeat)."""
         writer = self.writer
         if writer is None:
             return
         metrics = self.guard.metrics()
-        checked = int(metrics["trainguard/step"]) - 1
+        decided = self._decided(metrics)
         if step is not None:
-            self._offset = step - checked
-        write_scalars(writer, metrics, checked if step is None else step)
+            self._offset = step - decided
+        self._logged = decided
+        write_scalars(writer, metrics, decided if step is None else step)
+
+    def _decided(self, metrics: dict[str, float | int]) -> int:
+        """The guard's step that ``metrics`` describe: the newest record of its history."""
+        last = self.guard.history.last()
+        return last.step if last is not None else int(metrics["trainguard/step"]) - 1
 
     def _on_event(self, record: dict[str, Any]) -> None:
         writer = self.writer
-        if writer is None or record.get("kind") not in self.events:
+        if writer is None:
+            return
+        if record.get("kind") == "close":
+            self._log_unlogged(writer)
+        if record.get("kind") not in self.events:
             return
         step = record.get("step")
         at = step + self._offset if isinstance(step, int) else 0
         writer.add_text(TEXT_TAG, event_text(record), global_step=at)
         writer.flush()  # rare; and a hang's event must be on disk before the exit
+
+    def _log_unlogged(self, writer: Writer) -> None:
+        """At the guard's close: the numbers of a step decided after the last ``log`` (the
+        sync-free ``step()`` reads its last step in ``close()``), at that step."""
+        if self._logged is None:
+            return  # the loop logs no scalars through this logger
+        metrics = self.guard.metrics()
+        decided = self._decided(metrics)
+        if decided != self._logged:
+            self._logged = decided
+            write_scalars(writer, metrics, decided + self._offset)
 
     def close(self) -> None:
         """Stop listening; flush (and close the writer this logger made)."""
