@@ -239,10 +239,15 @@ class _RecordingLogger(L.loggers.logger.Logger):  # type: ignore[misc]
         self.calls.append((step, dict(metrics)))
 
 
+_RECORDED: list[_RecordingLogger] = []
+"""Every logger ``_fit_with_logger`` made (the last one: of a fit that raised)."""
+
+
 def _fit_with_logger(tmp_path: Path, **options: Any) -> tuple[_RecordingLogger, Any]:
     ex = _example()
     L.seed_everything(0, verbose=False)
     logger = _RecordingLogger()
+    _RECORDED.append(logger)
     callback = TrainGuard(run_dir=tmp_path, hang_timeout=0, capture=False, **options)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -276,6 +281,51 @@ def test_guard_metrics_reach_the_trainers_logger(tmp_path: Path) -> None:
     assert all(type(v) in (int, float) for _, m in ours for v in m.values())  # no tensors
     lightnings = [step for step, m in logger.calls if "loss" in m]  # the module's self.log
     assert set(lightnings) >= {1, 5, 7}  # the same step numbers as Lightning's own
+
+
+def test_the_step_that_ends_the_run_reaches_the_logger(tmp_path: Path) -> None:
+    """An escalation raises out of the check: that step's numbers still reach the loggers
+    (a dead run's dashboard shows the step that killed it)."""
+    with pytest.raises(tg.NonFiniteError):
+        _fit_with_logger(tmp_path, max_consecutive=1)
+    ours = [(step, m) for step, m in _RECORDED[-1].calls if "trainguard/skipped_steps" in m]
+    bad = _example().POISONED // 8
+    step, last = ours[-1]
+    assert step == bad and last["trainguard/consecutive_bad"] == 1
+    assert last["trainguard/nonfinite_steps"] == 1 and not math.isfinite(last["trainguard/loss"])
+
+
+def test_a_training_step_returning_none_has_an_unknown_loss_and_no_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Lightning skips a batch whose ``training_step`` returns None (no backward): the guard
+    records the step with no loss (not 0.0), and does not take it for a ``check()`` called
+    before ``backward()``."""
+    ex = _example()
+
+    class SkipsBatchTwo(ex.Regressor):  # type: ignore[misc,name-defined]
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return None if batch_idx == 2 else super().training_step(batch, batch_idx)
+
+    L.seed_everything(0, verbose=False)
+    logger = _RecordingLogger()
+    callback = TrainGuard(run_dir=tmp_path, hang_timeout=0, capture=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, callbacks=[callback], logger=logger,
+        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(SkipsBatchTwo(), DataLoader(ex.Points(poisoned=None), batch_size=8))
+    events = tg.read_events(tmp_path, 0)
+    assert not [e for e in events if e["kind"] == "check_without_gradients"]
+    assert "found no gradient" not in caplog.text
+    lines = [json.loads(line) for line in (tmp_path / "metrics" / "rank-0.jsonl").open()]
+    losses = {line["step"]: line["losses"] for line in lines}
+    assert losses[2] in ([], None) and all(losses[s] for s in losses if s != 2)
+    ours = {step: m for step, m in logger.calls if "trainguard/step" in m}
+    assert "trainguard/loss" not in ours[2] and "trainguard/loss" in ours[1]
 
 
 def test_log_metrics_false_keeps_the_logger_clean(tmp_path: Path) -> None:

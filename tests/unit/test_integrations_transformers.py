@@ -218,6 +218,37 @@ def test_guard_metrics_reach_the_reporters_logs(tmp_path: Path) -> None:
     assert history[-1]["trainguard/skipped_steps"] == 1
 
 
+def test_the_step_that_ends_the_run_reaches_the_reporters(tmp_path: Path) -> None:
+    """An escalation raises out of the check: that step's numbers still reach the reporters'
+    ``on_log`` and the log history (a dead run's dashboard shows the step that killed it)."""
+    ex = _example()
+    reader = _LogReader()
+    options = {"run_dir": tmp_path, "hang_timeout": 0, "capture": False, "max_consecutive": 1}
+    trainer = ex.GuardedTrainer(
+        model=ex.tiny_gpt2(),
+        args=_args(tmp_path, max_steps=8, logging_steps=4, average_tokens_across_devices=False),
+        train_dataset=ex.Tokens(),  # sample MASKED is all -100: its step's loss is NaN
+        callbacks=[reader, TrainGuardCallback(**options)],
+    )
+    with pytest.raises(tg.NonFiniteError):
+        trainer.train()
+    [escalated] = [e["step"] for e in tg.read_events(tmp_path, 0) if e["kind"] == "escalate"]
+    last = reader.logs[-1]
+    assert last["trainguard/step"] == escalated + 1 and last["trainguard/nonfinite_steps"] == 1
+    assert last["trainguard/consecutive_bad"] == 1 and math.isnan(last["trainguard/loss"])
+    assert trainer.state.log_history[-1]["trainguard/nonfinite_steps"] == 1
+
+
+def test_an_evaluation_without_the_callback_is_a_plain_one(tmp_path: Path) -> None:
+    """The mixin's Trainer class reused for an evaluation-only run (no callback): nothing to
+    guard, the Trainer's own ``evaluate``."""
+    ex = _example()
+    trainer = ex.GuardedTrainer(
+        model=ex.tiny_gpt2(), args=_args(tmp_path), eval_dataset=ex.Tokens(2, masked=None)
+    )
+    assert "eval_loss" in trainer.evaluate()
+
+
 def test_under_accumulation_the_guards_loss_is_the_trainers(tmp_path: Path) -> None:
     """The Trainer's training_step returns each micro-batch's share of the window's loss; the
     guard reports the window's loss, as the Trainer logs it (not half of it)."""

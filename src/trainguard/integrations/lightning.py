@@ -183,9 +183,15 @@ class TrainGuard(Callback):  # type: ignore[misc]
         if guard is None:
             return
         loss, self._loss = self._loss, None
-        if loss is None:  # no backward this step (training_step returned None on every rank)
-            loss = torch.zeros((), device=next(pl_module.parameters()).device)
-        applied = guard.check(loss)  # skip: gradients cleared on every rank; raise: on every rank
+        try:  # skip: gradients cleared on every rank; raise: on every rank
+            if loss is None:  # no backward this step (training_step returned None everywhere)
+                applied = guard.check_gradients(backward_ran=False)  # the loss is unknown
+            else:
+                applied = guard.check(loss)
+        except BaseException:
+            if self._log_metrics:  # the step that ends the run reaches the loggers too
+                _log_final_metrics(trainer, guard)
+            raise
         if self._log_metrics:
             _log_guard_metrics(trainer, guard, applied)
 
@@ -247,6 +253,17 @@ def _log_guard_metrics(trainer: pl.Trainer, guard: Guard, applied: bool) -> None
     metrics = guard.metrics()
     for logger_ in trainer.loggers:
         logger_.log_metrics(metrics, step=step)
+
+
+def _log_final_metrics(trainer: pl.Trainer, guard: Guard) -> None:
+    """``guard.metrics()`` of a step whose check raised (an escalation stops the run), to
+    the loggers at once; never masks the exception being raised."""
+    try:
+        _log_guard_metrics(trainer, guard, applied=False)
+        for logger_ in trainer.loggers:
+            logger_.save()
+    except Exception:
+        logger.exception("trainguard: logging the metrics of the step that ended the run")
 
 
 def _step_loss(loss: Tensor, trainer: pl.Trainer) -> Tensor:

@@ -215,7 +215,23 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
             guard.record_loss(loss)
             return
         self._checked = True
-        guard.check(loss)  # skip: gradients cleared on every rank; raise: on every rank
+        try:
+            guard.check(loss)  # skip: gradients cleared on every rank; raise: on every rank
+        except BaseException:
+            self._log_final_metrics()  # the step that ends the run reaches the reporters too
+            raise
+
+    def _log_final_metrics(self) -> None:
+        """``guard.metrics()`` of a step whose check raised (an escalation stops the run),
+        through the Trainer's ``log`` (its reporters' ``on_log``, ``state.log_history``);
+        never masks the exception being raised."""
+        guard, trainer = self.guard, self._trainer
+        if guard is None or trainer is None or not self._log_metrics:
+            return
+        try:
+            trainer.log(dict(guard.metrics()))
+        except Exception:
+            logger.exception("trainguard: logging the metrics of the step that ended the run")
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -238,14 +254,17 @@ class TrainGuardMixin:
     batch and its loss to the ``TrainGuardCallback`` in ``callbacks``."""
 
     def _trainguard(self) -> TrainGuardCallback:
-        handler = getattr(self, "callback_handler", None)
-        callbacks = getattr(handler, "callbacks", [])
-        found = next((c for c in callbacks if isinstance(c, TrainGuardCallback)), None)
+        found = self._trainguard_or_none()
         if found is None:
             raise ConfigError(
                 "callbacks", "TrainGuardMixin needs a TrainGuardCallback(...) in callbacks"
             )
         return found
+
+    def _trainguard_or_none(self) -> TrainGuardCallback | None:
+        handler = getattr(self, "callback_handler", None)
+        callbacks = getattr(handler, "callbacks", [])
+        return next((c for c in callbacks if isinstance(c, TrainGuardCallback)), None)
 
     def training_step(
         self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None
@@ -291,7 +310,13 @@ class TrainGuardMixin:
             raise
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        with self._trainguard().phase("evaluation"):
+        """The Trainer's ``evaluate``, as a phase of the guard (the watchdog does not take it
+        for a hang); without a ``TrainGuardCallback`` (an evaluation-only script reusing the
+        training Trainer class) the plain one: there is no training to guard."""
+        callback = self._trainguard_or_none()
+        if callback is None:
+            return super().evaluate(*args, **kwargs)  # type: ignore[misc]
+        with callback.phase("evaluation"):
             return super().evaluate(*args, **kwargs)  # type: ignore[misc]
 
 

@@ -187,16 +187,20 @@ class Guard(GuardAssembly):
         self._start.begin(self.state.step)
         self._recorded.record(batch, self.state.step)
 
-    def check_gradients(self) -> bool:
+    def check_gradients(self, *, backward_ran: bool = True) -> bool:
         """``check()`` where the loss is not at hand (``trainguard run`` sees the optimizer,
         not the loss): the gradients alone decide. The agreement's loss columns carry 0.0,
         but the step's record (history, metrics log, ``metrics()``) holds no loss: unknown,
-        not zero."""
+        not zero. ``backward_ran=False``: the step ran no backward on any rank by design (a
+        Lightning ``training_step`` that returned None): it has no gradient, and the warning
+        of a ``check()`` called before ``backward()`` does not apply."""
         self._loss_known = False
+        self._no_grads.backward_ran = backward_ran
         try:
             return self.check(torch.zeros(()))
         finally:
             self._loss_known = True
+            self._no_grads.backward_ran = True
 
     def check(self, loss: LossLike) -> bool:
         """After backward, before the optimizer step. True only when the loss and every

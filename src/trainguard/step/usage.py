@@ -35,10 +35,13 @@ class NoGradientsCheck:
         self._events = events
         self._rank = rank
         self.warned = False
+        self.backward_ran = True
+        """False while a step that ran no backward by design is checked
+        (``Guard.check_gradients(backward_ran=False)``): no gradient is expected there."""
 
     def seen(self, stats: GradStats, step: int) -> None:
         """After the gradient pass of ``step``: warn (once) when it read no gradient."""
-        if self.warned or stats.grads:
+        if self.warned or stats.grads or not self.backward_ran:
             return
         if not any(param.requires_grad for _, param in self._params):
             return  # frozen: nothing to check, nothing forgotten
