@@ -135,12 +135,8 @@ def test_importing_the_module_imports_no_tensorboard() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_after_a_rollback_events_stay_beside_the_loops_scalars(tmp_path: Path) -> None:
-    """A rollback sends the guard's step back; the loop's counter goes on and ``log(i)``
-    writes the scalars there. Each skip and the rollback are written where their scalar
-    moved, not at the guard's (lower) step."""
-    from tg_recovery import make_data
-
+def _rolling_back_guard(tmp_path: Path) -> tuple[nn.Module, torch.optim.Optimizer, tg.Guard]:
+    """A small model whose guard rolls back after two bad steps in a row."""
     config = tg.GuardConfig(
         run_dir=tmp_path, on_escalation="rollback", max_consecutive=2, snapshot_every=2,
         good_after=2, hang_timeout=0, capture=False,
@@ -148,7 +144,16 @@ def test_after_a_rollback_events_stay_beside_the_loops_scalars(tmp_path: Path) -
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    guard = tg.Guard(model, opt, config=config)
+    return model, opt, tg.Guard(model, opt, config=config)
+
+
+def test_after_a_rollback_events_stay_beside_the_loops_scalars(tmp_path: Path) -> None:
+    """A rollback sends the guard's step back; the loop's counter goes on and ``log(i)``
+    writes the scalars there. Each skip and the rollback are written where their scalar
+    moved, not at the guard's (lower) step."""
+    from tg_recovery import make_data
+
+    model, opt, guard = _rolling_back_guard(tmp_path)
     tb = TensorBoardLogger(guard)
     ruined = 0
     for i, (x, y, scale) in enumerate(guard.watch(make_data(0, 20, {5: 1e37, 9: 1e37}))):
@@ -187,14 +192,7 @@ def test_log_without_a_step_writes_the_numbers_at_the_step_they_are_of(tmp_path:
     own step is the restored one: the escalating step's numbers still go at that step."""
     from tg_recovery import make_data
 
-    config = tg.GuardConfig(
-        run_dir=tmp_path, on_escalation="rollback", max_consecutive=2, snapshot_every=2,
-        good_after=2, hang_timeout=0, capture=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    guard = tg.Guard(model, opt, config=config)
+    model, opt, guard = _rolling_back_guard(tmp_path)
     tb = TensorBoardLogger(guard)
     for x, y, _ in guard.watch(make_data(0, 14, {5: math.nan, 6: math.nan})):
         loss = nn.functional.mse_loss(model(x) * y.sum() / y.sum(), y)
