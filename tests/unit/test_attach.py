@@ -143,6 +143,11 @@ def test_the_guards_exit_code_is_returned_unless_a_ranks_own_exception_caused_it
     _hang_report(tmp_path, "hang", 2.2e9, **hang)
     assert main(failing) == 91  # the newest report
     assert guard_exit_code(tmp_path, since=3e9) is None  # written before this run: not its own
+    garbled = tmp_path / "hangs" / "garbled" / "report.json"
+    garbled.parent.mkdir()
+    garbled.write_text("[1, 2]")  # valid JSON, not a report: skipped
+    os.utime(garbled, (2.3e9, 2.3e9))
+    assert main(failing) == 91
 
 
 def test_find_model_takes_the_outermost_module_holding_the_optimizers_parameters() -> None:

@@ -124,8 +124,10 @@ def guard_exit_code(run_dir: Path, since: float) -> int | None:
             data = json.loads(report.read_text())
         except (OSError, ValueError):
             continue
-        code = data.get("exit_code") if isinstance(data, dict) else None
-        if raised_by_culprit(data) or not isinstance(code, int):
+        if not isinstance(data, dict) or raised_by_culprit(data):
+            continue
+        code = data.get("exit_code")
+        if not isinstance(code, int):
             continue
         if newest is None or mtime > newest[0]:
             newest = (mtime, code)
