@@ -45,6 +45,8 @@ def pytest_configure(config: pytest.Config) -> None:
     multi-process run runs once per worker, minutes of CI. Refused here instead."""
     if config.getoption("dist", default="no") != "loadgroup":
         return
+    if not config.getoption("numprocesses", default=None):  # -n 0: one process, no groups
+        return
     xdist = sys.modules.get("xdist")
     xdist_version = _release(getattr(xdist, "__version__", "0"))
     if _release(pytest.__version__) >= (9, 2) and xdist_version <= (3, 8, 0):
