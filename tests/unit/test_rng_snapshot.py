@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from trainguard.capture import rng as rng_module
-from trainguard.capture.rng import RngSnapshot, _PythonRaw, rng_state, set_rng_state
+from trainguard.capture import rng_raw
+from trainguard.capture.rng import RngSnapshot, rng_state, set_rng_state
+from trainguard.capture.rng_raw import PythonRaw
 
 
 def _draws() -> tuple[list[float], list[float], torch.Tensor, np.ndarray]:
@@ -39,7 +41,7 @@ def test_snapshot_equals_rng_state_and_replays_exactly() -> None:
 
 
 def test_python_state_is_read_raw_on_cpython() -> None:
-    raw = _PythonRaw()
+    raw = PythonRaw()
     assert raw.offset is not None  # CPython with the GIL: the fast path is taken
     random.seed(1)
     taken = raw.take()
@@ -50,15 +52,15 @@ def test_python_state_is_read_raw_on_cpython() -> None:
 def test_a_replaced_module_generator_falls_back_to_getstate(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    raw = _PythonRaw()
+    raw = PythonRaw()
     other = random.Random(5)
     monkeypatch.setattr(random, "getstate", other.getstate)
     assert raw.take() == other.getstate()
 
 
 def test_without_the_layout_getstate_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rng_module, "_PYTHON", _PythonRaw())
-    monkeypatch.setattr(rng_module._PYTHON, "offset", None)
+    monkeypatch.setattr(rng_raw, "_PYTHON", PythonRaw())
+    monkeypatch.setattr(rng_raw._PYTHON, "offset", None)
     random.seed(2)
     snapshot = RngSnapshot.take()
     expected = random.getstate()
@@ -68,7 +70,7 @@ def test_without_the_layout_getstate_is_used(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_numpy_state_is_read_raw_and_exact() -> None:
     """NumPy's legacy global state read raw equals get_state(), gaussian cache included."""
-    raw = rng_module._NumpyRaw(np.random)
+    raw = rng_raw.NumpyRaw(np.random)
     assert raw.offset is not None  # CPython with the GIL, MT19937: the fast path is taken
     for draw in (np.random.randn, np.random.random_sample, lambda: np.random.randn(3)):
         np.random.seed(5)
@@ -76,7 +78,7 @@ def test_numpy_state_is_read_raw_and_exact() -> None:
         taken = raw.take()
         assert isinstance(taken[0], bytes)
         expected: Any = np.random.get_state()
-        found = rng_module._numpy_value(taken)
+        found = rng_raw.numpy_value(taken)
         assert found[0] == expected[0] and np.array_equal(found[1], expected[1])
         assert found[1].dtype == expected[1].dtype and found[1].flags.writeable
         assert found[2:] == expected[2:]
@@ -94,7 +96,7 @@ def test_numpy_snapshot_restores_the_gaussian_cache() -> None:
 
 
 def test_numpy_falls_back_to_get_state(monkeypatch: pytest.MonkeyPatch) -> None:
-    raw = rng_module._NumpyRaw(np.random)
+    raw = rng_raw.NumpyRaw(np.random)
     other = np.random.RandomState(4)
     monkeypatch.setattr(np.random, "get_state", other.get_state)  # the module's replaced
     assert str(raw.take()) == str(other.get_state())
@@ -105,7 +107,7 @@ def test_numpy_falls_back_to_get_state(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_numpy_another_bit_generator_falls_back() -> None:
-    raw = rng_module._NumpyRaw(np.random)
+    raw = rng_raw.NumpyRaw(np.random)
     np_random: Any = np.random  # the bit generator functions are not in numpy's stubs
     original = np_random.get_bit_generator()
     try:
@@ -124,7 +126,7 @@ def test_numpy_raw_read_waits_for_a_draw_in_another_thread() -> None:
     import threading
     import time
 
-    raw = rng_module._NumpyRaw(np.random)
+    raw = rng_raw.NumpyRaw(np.random)
     assert raw.offset is not None
     done: list[object] = []
     lock = np.random.mtrand._rand._bit_generator.lock
@@ -236,8 +238,8 @@ def test_without_a_fingerprint_every_snapshot_is_new(
         raw.view = None
         monkeypatch.setattr(rng_fingerprint, "_TORCH", raw)
     elif cannot == "python":
-        monkeypatch.setattr(rng_module, "_PYTHON", _PythonRaw())
-        monkeypatch.setattr(rng_module._PYTHON, "_view", None)
+        monkeypatch.setattr(rng_raw, "_PYTHON", PythonRaw())
+        monkeypatch.setattr(rng_raw._PYTHON, "view", None)
     else:
         # CUDA initialized, but its generators' offsets cannot be read (a CPU generator
         # raises there, as a torch without get_offset would); the copies need no device

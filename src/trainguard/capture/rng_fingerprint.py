@@ -22,7 +22,7 @@ other than those three, between two steps.
 
 Each read is a ``struct`` unpack at a fixed offset of the generator's own memory, found once
 and validated against the generator's official state (``_TorchRaw``; Python's and NumPy's
-raw readers in ``rng.py``). A CUDA device's generator (Philox) is its seed and offset,
+raw readers in ``rng_raw.py``). A CUDA device's generator (Philox) is its seed and offset,
 read as they are (``rng._cuda_fingerprint``). Without a validated layout (another
 interpreter or torch build, a replaced or non-MT19937 generator) or a CUDA offset this torch
 cannot read, ``rng._fingerprint`` gives None and every snapshot is taken afresh.
@@ -73,9 +73,9 @@ TORCH_FINGERPRINT = _sampled_words("QiB3xI", f"4x{struct.calcsize('=' + _TORCH_C
 hold whatever was copied there while its flag is clear, but they change only when the
 optional is written (a draw or ``set_state``): at worst a snapshot taken afresh."""
 PYTHON_FINGERPRINT = _sampled_words("i")
-"""CPython's ``RandomObject`` raw (``rng._PythonRaw``): ``int index`` then the state."""
+"""CPython's ``RandomObject`` raw (``rng_raw.PythonRaw``): ``int index`` then the state."""
 NUMPY_FINGERPRINT = _sampled_words("", "i")
-"""NumPy's ``mt19937_state`` raw (``rng._NumpyRaw``): the key, then ``int pos``."""
+"""NumPy's ``mt19937_state`` raw (``rng_raw.NumpyRaw``): the key, then ``int pos``."""
 _LEGACY = struct.Struct(f"=QiiQ{_WORDS}Q")
 """The head of ``get_state()``'s legacy layout: seed, left, seeded, next, the words as
 uint64."""
