@@ -260,8 +260,9 @@ def _log_final_metrics(trainer: pl.Trainer, guard: Guard) -> None:
     the loggers at once; never masks the exception being raised."""
     try:
         _log_guard_metrics(trainer, guard, applied=False)
-        for logger_ in trainer.loggers:
-            logger_.save()
+        if trainer.is_global_zero:  # where they were logged (a custom logger saves anywhere)
+            for logger_ in trainer.loggers:
+                logger_.save()
     except Exception:
         logger.exception("trainguard: logging the metrics of the step that ended the run")
 
