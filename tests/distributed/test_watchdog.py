@@ -322,6 +322,7 @@ def test_a_sigkilled_watcher_is_reported_by_the_other_watcher(tmp_path: Path) ->
     ranks = {r["rank"]: r for r in report["ranks"]}
     assert ranks[2]["heartbeat_age"] >= timeout
     assert all(ranks[r]["heartbeat_age"] < timeout for r in (0, 1, 3))
+    assert [ranks[r]["state"] for r in range(4)] == ["running", "running", "stopped", "running"]
     for rank in (0, 1, 3):
         events = tg.read_events(tmp_path, rank)
         assert [e["watchers"] for e in events if e["kind"] == "watchdog"] == [[0, 2]]
@@ -358,6 +359,7 @@ def test_torchrun_names_the_rank_that_raised_not_a_peer(tmp_path: Path) -> None:
     assert "rank      : 1 (local_rank: 1)" in root and "exitcode  : 1 " in root, log[-3000:]
     report = only_report(tmp_path)
     assert report["kind"] == "peer_failure" and report["culprits"] == [1]
+    assert {r["rank"]: r["state"] for r in report["ranks"]}[1] == "failed"
     (failure,) = [e for e in tg.read_events(tmp_path, 0) if e["kind"] == "peer_failure"]
     assert failure["culprits"] == [1]  # written before rank 0 waited
 

@@ -14,7 +14,7 @@ import pytest
 
 from trainguard.hang.heartbeat import RankView
 from trainguard.hang.report import build_report, format_report, write_report
-from trainguard.hang.rules import HANG, Verdict
+from trainguard.hang.rules import HANG, PEER_FAILURE, Verdict, failure_verdict
 from trainguard.hang.stacks import FrozenDump, py_spy_stacks, python_stacks, write_stack_dump
 
 
@@ -103,3 +103,29 @@ def test_report_files_name_the_culprits_and_every_rank(tmp_path: Path) -> None:
     assert "culprit ranks: 1" in text
     assert "  1*       4  data" in text
     assert not list(path.parent.glob("*.tmp"))
+
+
+def _view(rank: int, state: str = "running", heartbeat_age: float = 0.1) -> RankView:
+    return RankView(rank, True, state, 4, "step", False, 3.0, heartbeat_age, 0.5, "h", 10 + rank)
+
+
+def test_a_peer_failure_report_says_the_culprit_failed_or_stopped() -> None:
+    """A heartbeat written before the failure says ``running``: the report says what the
+    verdict knows (its own exception: ``failed``; its heartbeats stopped: ``stopped``)."""
+    views = [_view(0), _view(1), _view(2, "closed")]
+    own = failure_verdict(1, [0, 1, 2], RuntimeError("boom"))
+    states = [
+        r["state"]
+        for r in build_report("a", own, views, timeout=3.0, dead_after=3.0, exit_code=92)["ranks"]
+    ]
+    assert states == ["running", "failed", "closed"]
+
+    views = [_view(0), _view(1, heartbeat_age=9.0), _view(2)]
+    dead = Verdict(PEER_FAILURE, [1], "heartbeats stopped", by=0, reporter=0, silent=[1])
+    report = build_report("b", dead, views, timeout=3.0, dead_after=3.0, exit_code=92)
+    assert [r["state"] for r in report["ranks"]] == ["running", "stopped", "running"]
+    assert "stopped" in format_report(report)
+
+    hang = Verdict(HANG, [1], "no rank made progress for 3s", by=0, reporter=0, silent=[1])
+    report = build_report("c", hang, views, timeout=3.0, dead_after=3.0, exit_code=91)
+    assert [r["state"] for r in report["ranks"]] == ["running"] * 3  # a hang: all alive

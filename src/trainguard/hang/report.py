@@ -3,10 +3,11 @@
 ``report.json`` holds ``id``, ``kind`` (``"hang"`` or ``"peer_failure"``), ``culprits``
 (ranks), ``reason``, ``exit_code``, ``decided_by`` and ``reporter`` (ranks), ``timeout``
 and ``dead_after`` (seconds), ``time`` (the reporter's unix time) and ``ranks``: per rank
-``step``, ``phase``, ``state``, ``heartbeat_age`` and ``progress_age`` (seconds, measured
-on the reporter's clock since it last saw that rank's counters change), ``host``, ``pid``,
-``stack_file`` and ``collective`` (the collective it waited in and its last few, once its
-loop had stalled: ``collective_record.CollectiveRecord.to_dict``; null before). With
+``step``, ``phase``, ``state`` (``report_state``), ``heartbeat_age`` and ``progress_age``
+(seconds, measured on the reporter's clock since it last saw that rank's counters change),
+``host``, ``pid``, ``stack_file`` and ``collective`` (the collective it waited in and its
+last few, once its loop had stalled: ``collective_record.CollectiveRecord.to_dict``; null
+before). With
 ``collective_mismatch`` (``mismatch.Mismatch.to_dict``: kind, culprits, the first differing
 sequence id, each side's ranks, collective and call sites, and the one-line ``line``) when
 the ranks' collectives disagree, else null. Stacks are in ``rank-<r>.txt`` next to it, one
@@ -25,11 +26,25 @@ from typing import Any
 from trainguard.hang.collective_record import CollectiveRecord
 from trainguard.hang.heartbeat import RankView
 from trainguard.hang.mismatch import rank_list
-from trainguard.hang.rules import HANG, Verdict, collective_mismatch
+from trainguard.hang.rules import HANG, PEER_FAILURE, Verdict, collective_mismatch
 
 
 def stack_file(rank: int) -> str:
     return f"rank-{rank}.txt"
+
+
+def report_state(view: RankView, verdict: Verdict) -> str:
+    """A rank's state in the report: its last heartbeat's (``running``, ``closed``,
+    ``failed``), except for a culprit of a peer failure whose heartbeat still said
+    ``running``: ``failed`` when the verdict is its own exception (it published the failure
+    before its heartbeat thread wrote the new state), ``stopped`` when its heartbeats
+    stopped (a dead or frozen process)."""
+    state = view.state
+    if verdict.kind != PEER_FAILURE or state != "running" or view.rank not in verdict.culprits:
+        return state
+    if view.rank == verdict.by:
+        return "failed"
+    return "stopped" if view.rank in verdict.silent else state
 
 
 def build_report(
@@ -44,6 +59,7 @@ def build_report(
     ranks = []
     for view in views:
         record = view.to_dict()
+        record["state"] = report_state(view, verdict)
         record["culprit"] = view.rank in verdict.culprits
         record["stack_file"] = stack_file(view.rank)
         ranks.append(record)
