@@ -61,6 +61,25 @@ def train_with_a_lone_barrier(
     return "finished"
 
 
+def train_then_deadlock_between_loops(rank: int, world_size: int, run_dir: str) -> str:
+    """A pass of training, then every rank outside its loop: rank 0 waits in its
+    checkpoint's barrier while the others wait in an all-reduce of their own evaluation."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(TinyNet())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tg.Guard(model, optimizer, run_dir=run_dir, hang_timeout=TIMEOUT_S) as guard:
+        for batch in guard.watch(make_batches(10, seed=rank)):
+            loss = loss_fn(model, batch)
+            loss.backward()
+            guard.step(loss)
+        Path(run_dir, f"between-{rank}").write_text(repr(time.time()))
+        if rank == 0:
+            dist.barrier()  # EPOCH_END_BARRIER
+        else:
+            dist.all_reduce(torch.ones(3))  # EVAL_ALL_REDUCE
+    return "finished"
+
+
 def line_of(marker: str) -> int:
     lines = Path(__file__).read_text().splitlines()
     return next(i for i, text in enumerate(lines, 1) if text.endswith(f"# {marker}"))
@@ -154,3 +173,29 @@ def test_a_lone_barrier_in_a_user_phase_is_named_too(
     assert "in a user phase, collective mismatch" in report["reason"]
     phases = {r["rank"]: r["phase"] for r in report["ranks"]}
     assert phases[0] == "checkpoint"
+
+
+@pytest.mark.timeout(120)
+def test_a_deadlock_between_two_loops_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Detection pauses while every rank is between two ``watch()`` loops (a long evaluation
+    is no hang), but a deadlock there is one: every rank exits with 91, rank 0 named."""
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    results = run_ranks(train_then_deadlock_between_loops, 3, str(tmp_path), timeout=RUN_LIMIT_S)
+    gone = time.time()
+
+    assert [r.exitcode for r in results] == [tg.EXIT_HANG] * 3, [r.traceback for r in results]
+    started = max(float((tmp_path / f"between-{r}").read_text()) for r in range(3))
+    assert gone - started < TIMEOUT_S + SLACK_S
+    report, text = only_report(tmp_path)
+    assert report["kind"] == "hang" and report["culprits"] == [0]
+    here = Path(__file__).name
+    line = (
+        f"outside the training loop, collective mismatch at sequence id "
+        f"{report['collective_mismatch']['seq']}: rank 0 waits in barrier "
+        f"({here}:{line_of('EPOCH_END_BARRIER')}) while ranks 1, 2 wait in all_reduce"
+    )
+    assert line in report["reason"], report["reason"]
+    assert [r["phase"] for r in report["ranks"]] == ["done"] * 3
+    assert f"({here}:{line_of('EVAL_ALL_REDUCE')})" in text

@@ -348,3 +348,40 @@ def test_a_collective_mismatch_outside_a_phase_is_not_told_about_guard_phase() -
     tie = [view(0, recorded(barrier(), line=19)), view(1, recorded(bucket(), DDP))]
     verdict = assess(tie, me=1, timeout=2.0, dead_after=2.0)
     assert verdict is not None and "guard.phase" not in verdict.reason
+
+
+def test_a_deadlock_between_two_loops_is_a_hang() -> None:
+    """Every rank finished its ``watch()`` loop (``done``): rank 0 waits in a barrier of its
+    epoch-end checkpoint, ranks 1 and 2 in an all-reduce of their own evaluation. Being
+    outside the loop excuses slowness (a long evaluation), not a deadlock."""
+    views = [view(0, recorded(barrier(), line=19), phase="done")]
+    views += [view(r, recorded(bucket(), "", line=60), phase="done") for r in (1, 2)]
+    verdict = assess(views, me=1, timeout=2.0, dead_after=2.0)
+    assert verdict is not None and verdict.kind == HANG and verdict.culprits == [0]
+    assert verdict.reason.startswith(
+        "no rank made progress for 2s; outside the training loop, collective mismatch at "
+        "sequence id 12: rank 0 waits in barrier"
+    )
+
+
+def test_work_between_two_loops_outside_a_collective_is_no_hang() -> None:
+    """Rank 0 evaluates after the epoch (in no collective) while the others wait in the
+    barrier after it: no hang, however long; nor when every rank waits in one collective."""
+    views = [view(0, recorded(None, line=40), phase="done")]
+    views += [view(r, recorded(barrier(), line=19), phase="done") for r in (1, 2)]
+    assert assess(views, me=1, timeout=2.0, dead_after=2.0) is None
+    views = [view(r, recorded(barrier(), line=19), phase="done") for r in range(3)]
+    assert assess(views, me=1, timeout=2.0, dead_after=2.0) is None
+    assert assess([view(r, None, phase="done") for r in range(3)], 1, 2.0, 2.0) is None
+
+
+def test_a_rank_between_loops_is_behind_and_its_record_is_not_compared() -> None:
+    """Rank 0 left its loop and waits in a barrier while ranks 1 and 2 wait in the next
+    step's gradient all-reduce: rank 0 is behind; the ranks in their loop agree, so no
+    mismatch is said "among the ranks in their loop"."""
+    views = [view(0, recorded(barrier(), line=19), phase="done")]
+    views += [view(r, recorded(bucket(), DDP)) for r in (1, 2)]
+    verdict = assess(views, me=1, timeout=2.0, dead_after=2.0)
+    assert verdict is not None and verdict.culprits == [0]
+    assert "behind: rank 0 at step 15 in 'done'" in verdict.reason
+    assert "among the ranks in their loop" not in verdict.reason

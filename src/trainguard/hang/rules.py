@@ -6,15 +6,16 @@
 * **Hang**: no rank that is still training made progress for the timeout (the largest
   timeout any rank publishes), unless a rank is in a user phase (``guard.phase(...)``) or
   every rank has finished its loop (``done``: between ``watch()`` loops or after the last).
-  A phase excuses no deadlock (``phase_deadlock``): a rank in one waiting in a collective
-  while every other rank waits in another is a hang, its culprit the rank in the phase.
+  Neither excuses a deadlock (``phase_deadlock``): a rank in a phase, or outside its loop,
+  waiting in a collective while every other rank waits in another is a hang, its culprit
+  the rank in the phase (between loops: the mismatch's own culprits).
 * **Culprits of a hang**: the ranks furthest behind, ordered by ``(step, phase)`` with
   ``init = done < data < step < check`` (a rank stuck fetching data at step 5 is behind
   ranks waiting in step 5's check; a rank still between two loops, or one that broke out of
   its loop early, is behind ranks already in the next step, whatever the others' collective
-  records say: it publishes none). When every training rank is at the same place, the culprits
-  are the ranks that already closed or failed (the others wait for them) or, failing that,
-  every rank: nobody is behind, so nobody can be singled out.
+  records say: only theirs are compared). When every training rank is at the same place,
+  the culprits are the ranks that already closed or failed (the others wait for them) or,
+  failing that, every rank: nobody is behind, so nobody can be singled out.
 * **Collective mismatch** (``mismatch.find_mismatch``): when the stalled ranks' collective
   records (published with their heartbeats) disagree, the culprits are the ranks that never
   entered the collective the others wait in, else the ranks in the minority collective; the
@@ -128,14 +129,16 @@ def detection_suspended(views: Sequence[RankView]) -> bool:
 
 
 def phase_deadlock(views: Sequence[RankView]) -> Mismatch | None:
-    """What no phase excuses: a rank in a user phase waits in a collective and every other
-    training rank waits in another one (ops or sizes differ: a lone ``barrier`` in a rank-0
-    checkpoint while the others wait in the next step's all-reduce). Each waits for a
-    collective that can never start. None while any rank works outside a collective (a long
-    evaluation: the phase may still end) or the collectives agree. The culprits are the
-    ranks in the phase on the mismatch's sides (all of them when every side is in one)."""
+    """What no phase excuses: a rank in a user phase, or outside its loop (``done``: every
+    rank between two ``watch()`` loops), waits in a collective and every other training rank
+    waits in another one (ops or sizes differ: a lone ``barrier`` in a rank-0 checkpoint
+    while the others wait in the next step's all-reduce, or in an all-reduce of their own
+    evaluation after the epoch). Each waits for a collective that can never start. None
+    while any rank works outside a collective (a long evaluation: the phase may still end)
+    or the collectives agree. The culprits are the paused ranks on the mismatch's sides
+    (the mismatch's own culprits when every side is paused)."""
     training = [v for v in views if v.state == "running"]
-    phased = {v.rank for v in training if v.registered and v.user_phase}
+    phased = {v.rank for v in training if v.registered and (v.user_phase or v.phase == "done")}
     if not phased:
         return None
     records = collective_records(views)
@@ -174,7 +177,8 @@ def assess(views: Sequence[RankView], me: int, timeout: float, dead_after: float
     if not all(v.progress_age >= limit for v in training):
         return None
     if deadlock is not None:
-        culprits, reason = deadlock.culprits, f"in a user phase, {deadlock.line()}"
+        culprits = deadlock.culprits
+        reason = f"{paused_where(views, culprits)}, {deadlock.line()}"
     elif records_pending(training, limit):
         return None
     else:
@@ -223,12 +227,20 @@ def records_pending(training: Sequence[RankView], limit: float) -> bool:
     return waited < min(limit / 2.0, RECORD_WAIT_S)
 
 
+def paused_where(views: Sequence[RankView], culprits: Sequence[int]) -> str:
+    """Where a deadlock's culprits paused: in a user phase, or outside the training loop."""
+    if any(v.user_phase for v in views if v.rank in culprits):
+        return "in a user phase"
+    return "outside the training loop"
+
+
 def hang_culprits(views: Sequence[RankView]) -> tuple[list[int], str]:
     """The culprits of a hang and why: the ranks furthest behind when some are outside
-    their loop (they publish no collective: the records cannot see them), else a collective
+    their loop (the others' collectives are compared among themselves), else a collective
     mismatch when the records show one, else the ranks furthest behind."""
-    mismatch = collective_mismatch(views)
     outside = outside_the_loop(views)
+    in_loop = [v for v in views if v.phase not in ("init", "done")] if outside else views
+    mismatch = collective_mismatch(in_loop)
     if mismatch is not None and mismatch.kind != BEHIND and not outside:
         return mismatch.culprits, mismatch.line()
     culprits = pick_culprits(views) if mismatch is None or outside else mismatch.culprits

@@ -286,10 +286,10 @@ class Watchdog:
 
     def _collective(self, now: float) -> dict[str, Any] | None:
         """The collective this rank waits in, once its loop has stalled for
-        ``record_after`` (not outside the loop; in a user phase too: a phase excuses no
-        deadlock, ``rules.phase_deadlock``)."""
+        ``record_after`` (not before the loop or after the guard closed; in a user phase and
+        between loops too: neither excuses a deadlock, ``rules.phase_deadlock``)."""
         p = self.progress
-        if self._probe is None or p.phase in ("init", "done", "closed"):
+        if self._probe is None or p.phase in ("init", "closed"):
             return None
         if self._stalls.stalled_for(now) < timing.record_after(self.timeout):
             return None
