@@ -29,6 +29,8 @@ TIMEOUT_S = 2.0
 SLACK_S = 15.0
 """The issue's bound: every rank is gone within hang_timeout + 15 s of the lone barrier."""
 BARRIER_STEP = 15
+EVAL_CALLS = 4 * int(TIMEOUT_S / 0.03)
+"""The evaluation's collectives: four hang timeouts at the slowest rank's 30 ms a call."""
 RUN_LIMIT_S = 100.0
 """Spawning 4 ranks that import torch takes seconds on an idle 2-core machine, much longer on
 a busy one; the bound that matters is SLACK_S, from the barrier on."""
@@ -77,6 +79,28 @@ def train_then_deadlock_between_loops(rank: int, world_size: int, run_dir: str) 
             dist.barrier()  # EPOCH_END_BARRIER
         else:
             dist.all_reduce(torch.ones(3))  # EVAL_ALL_REDUCE
+    return "finished"
+
+
+def train_then_evaluate_between_loops(rank: int, world_size: int, run_dir: str) -> str:
+    """A pass of training, then a distributed evaluation far longer than the hang timeout
+    (collectives of several kinds and sizes, each rank at its own pace), then another pass."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(TinyNet())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tg.Guard(model, optimizer, run_dir=run_dir, hang_timeout=TIMEOUT_S) as guard:
+        for epoch in range(2):
+            for batch in guard.watch(make_batches(5, seed=rank + 10 * epoch)):
+                loss = loss_fn(model, batch)
+                loss.backward()
+                guard.step(loss)
+            started = time.monotonic()
+            for call in range(EVAL_CALLS):  # the same calls on every rank, as they must be
+                dist.all_reduce(torch.ones(1 + call % 7))
+                if call % 3 == 0:
+                    dist.barrier()
+                time.sleep(0.01 * (1 + rank))
+            Path(run_dir, f"eval-{epoch}-rank{rank}").write_text(repr(time.monotonic() - started))
     return "finished"
 
 
@@ -199,3 +223,18 @@ def test_a_deadlock_between_two_loops_is_named(
     assert line in report["reason"], report["reason"]
     assert [r["phase"] for r in report["ranks"]] == ["done"] * 3
     assert f"({here}:{line_of('EVAL_ALL_REDUCE')})" in text
+
+
+@pytest.mark.timeout(120)
+def test_a_long_distributed_evaluation_between_loops_is_no_hang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank between two loops for four hang timeouts, in and out of collectives at
+    its own pace: the records are read at different moments, and no mismatch is made of
+    them."""
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    results = run_ranks(train_then_evaluate_between_loops, 3, str(tmp_path), timeout=RUN_LIMIT_S)
+    assert [r.value for r in results] == ["finished"] * 3, [r.traceback for r in results]
+    assert not list(tmp_path.glob("hangs/*/report.json"))
+    evaluations = [float(p.read_text()) for p in tmp_path.glob("eval-*-rank*")]
+    assert len(evaluations) == 6 and min(evaluations) > 3 * TIMEOUT_S

@@ -378,14 +378,19 @@ def test_work_between_two_loops_outside_a_collective_is_no_hang() -> None:
 def test_stacks_alone_are_not_compared_between_two_loops() -> None:
     """With the flight recorder off the records are stacks, read at different moments: rank
     0 seen in a barrier and the others in an all-reduce may be an evaluation going on (no
-    sequence id tells), so no deadlock is declared between loops; nor when a rank in a user
-    phase evaluates while the others are between loops."""
+    sequence id tells), so no deadlock is declared between loops, nor while every rank is in
+    a phase; with ranks stuck in their loop, the paused rank's collective still tells."""
     views = [view(0, stacked("barrier", line=19), phase="done")]
     views += [view(r, stacked("all_reduce", line=60), phase="done") for r in (1, 2)]
     assert assess(views, me=1, timeout=2.0, dead_after=2.0) is None
     views[0] = _in_phase(view(0, stacked("all_reduce", line=70)), "eval")
     views[1:] = [view(r, stacked("barrier", line=19), phase="done") for r in (1, 2)]
     assert assess(views, me=1, timeout=2.0, dead_after=2.0) is None
+    views[1:] = [_in_phase(view(r, stacked("barrier", line=19)), "eval") for r in (1, 2)]
+    assert assess(views, me=1, timeout=2.0, dead_after=2.0) is None  # all in a phase
+    views[1:] = [view(r, stacked("all_reduce", DDP, line=41)) for r in (1, 2)]
+    verdict = assess(views, me=1, timeout=2.0, dead_after=2.0)  # the others stuck in the loop
+    assert verdict is not None and verdict.culprits == [0] and "in a user phase" in verdict.reason
 
 
 def test_a_rank_between_loops_is_behind_and_its_record_is_not_compared() -> None:

@@ -144,11 +144,12 @@ def phase_deadlock(views: Sequence[RankView]) -> Mismatch | None:
     records = collective_records(views)
     if any(v.rank not in records or records[v.rank].op is None for v in training):
         return None
-    if any(v.phase == "done" for v in training) and any(r.seq is None for r in records.values()):
-        # Between loops the ranks may still be working (an evaluation's collectives): the
-        # records, read at different moments, are compared only by sequence id (torch's
-        # flight recorder), never by the stacks alone (rank 0 seen in a barrier and rank 1
-        # a moment later in the all-reduce after it is no deadlock).
+    if len(phased) == len(training) and any(r.seq is None for r in records.values()):
+        # Every rank paused (between loops, or all in a phase): none is known to be stuck,
+        # they may all still be working (an evaluation's collectives), so the records, read
+        # at different moments, are compared only by sequence id (torch's flight recorder),
+        # never by the stacks alone (rank 0 seen in a barrier and rank 1 a moment later in
+        # the all-reduce after it is no deadlock).
         return None
     mismatch = find_mismatch(records)
     if mismatch is None or mismatch.kind == BEHIND:
