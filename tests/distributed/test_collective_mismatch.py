@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from tg_dist import run_ranks
 from tg_models import TinyNet, loss_fn, make_batches
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import trainguard as tg
@@ -42,14 +43,25 @@ def train_with_a_lone_barrier_in_a_phase(rank: int, world_size: int, run_dir: st
     return train_with_a_lone_barrier(rank, world_size, run_dir, in_phase=True)
 
 
+def tiny_ddp() -> tuple[DistributedDataParallel, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = DistributedDataParallel(TinyNet())
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def train_pass(guard: tg.Guard, model: nn.Module, batches: list[Any]) -> None:
+    for batch in guard.watch(batches):
+        loss = loss_fn(model, batch)
+        loss.backward()
+        guard.step(loss)
+
+
 def train_with_a_lone_barrier(
     rank: int, world_size: int, run_dir: str, in_phase: bool = False
 ) -> str:
     progress = Path(run_dir, f"progress-rank{rank}")
     progress.write_text("started")
-    torch.manual_seed(0)
-    model = DistributedDataParallel(TinyNet())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = tiny_ddp()
     with tg.Guard(model, optimizer, run_dir=run_dir, hang_timeout=TIMEOUT_S) as guard:
         for batch in guard.watch(make_batches(100, seed=rank)):
             loss = loss_fn(model, batch)
@@ -66,14 +78,9 @@ def train_with_a_lone_barrier(
 def train_then_deadlock_between_loops(rank: int, world_size: int, run_dir: str) -> str:
     """A pass of training, then every rank outside its loop: rank 0 waits in its
     checkpoint's barrier while the others wait in an all-reduce of their own evaluation."""
-    torch.manual_seed(0)
-    model = DistributedDataParallel(TinyNet())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = tiny_ddp()
     with tg.Guard(model, optimizer, run_dir=run_dir, hang_timeout=TIMEOUT_S) as guard:
-        for batch in guard.watch(make_batches(10, seed=rank)):
-            loss = loss_fn(model, batch)
-            loss.backward()
-            guard.step(loss)
+        train_pass(guard, model, make_batches(10, seed=rank))
         Path(run_dir, f"between-{rank}").write_text(repr(time.time()))
         if rank == 0:
             dist.barrier()  # EPOCH_END_BARRIER
@@ -85,15 +92,10 @@ def train_then_deadlock_between_loops(rank: int, world_size: int, run_dir: str) 
 def train_then_evaluate_between_loops(rank: int, world_size: int, run_dir: str) -> str:
     """A pass of training, then a distributed evaluation far longer than the hang timeout
     (collectives of several kinds and sizes, each rank at its own pace), then another pass."""
-    torch.manual_seed(0)
-    model = DistributedDataParallel(TinyNet())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = tiny_ddp()
     with tg.Guard(model, optimizer, run_dir=run_dir, hang_timeout=TIMEOUT_S) as guard:
         for epoch in range(2):
-            for batch in guard.watch(make_batches(5, seed=rank + 10 * epoch)):
-                loss = loss_fn(model, batch)
-                loss.backward()
-                guard.step(loss)
+            train_pass(guard, model, make_batches(5, seed=rank + 10 * epoch))
             started = time.monotonic()
             for call in range(EVAL_CALLS):  # the same calls on every rank, as they must be
                 dist.all_reduce(torch.ones(1 + call % 7))

@@ -58,3 +58,30 @@ def test_fixed_cost_ab_runs_alternating_processes(tmp_path: Path) -> None:
         [*cmd[:3], str(tmp_path), *cmd[4:]], capture_output=True, text=True, timeout=60
     )
     assert bad.returncode == 2 and "holds no trainguard package" in bad.stderr
+
+
+def test_fixed_cost_features_quick(tmp_path: Path) -> None:
+    """benchmarks/fixed_cost_features.py: every mode timed, each feature's share computed."""
+    out = tmp_path / "features.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "fixed_cost_features.py"), "--quick"]
+    proc = subprocess.run(
+        [*cmd, "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| mode | us/step | fixed us | feature us |" in proc.stdout
+    report = json.loads(out.read_text(encoding="utf-8"))
+    modes = report["modes"]
+    assert list(modes) == [
+        "bare",
+        "guard",
+        "no_input_check",
+        "no_stragglers",
+        "no_spike_rule",
+        "no_history",
+        "no_watch",
+        "none_of_these",
+    ]
+    assert all(len(times) == 3 for times in report["per_step_us"].values())
+    guard = modes["guard"]["fixed_us"]
+    for entry in modes.values():
+        assert abs(entry["feature_us"] - (guard - entry["fixed_us"])) < 1e-9
