@@ -155,6 +155,29 @@ def test_with_every_watcher_closed_the_others_still_see_a_hang(tmp_path: Path) -
     assert report_of(tmp_path)["culprits"] == [2]
 
 
+def test_a_rank_left_running_when_the_watchers_close_does_not_judge_itself_unseen(
+    tmp_path: Path,
+) -> None:
+    """Every rank between loops (no hang), then the watchers close their guards while rank
+    2 still works: at its first tick reading every heartbeat it must not take its own
+    heartbeat, never read before, for a rank absent since the watchdog started (that made a
+    finished run exit 91)."""
+    store, clock = FakeStore(), Clock()
+    world = ranks(3, store, clock, tmp_path)
+    assert select_watchers([0, 1, 2], 2) == [0, 1]
+    for r in world:
+        r.progress.enter("step", 1)
+    run(clock, world, 1.0)
+    for r in world:
+        r.progress.enter("done")
+    run(clock, world, 10.0)
+    world[0].wd.stop()
+    world[1].wd.stop()
+    run(clock, [world[2]], 3.0)
+    assert [r.exits for r in world] == [[], [], []]
+    assert not list(tmp_path.glob("hangs/*/report.json"))
+
+
 def test_every_rank_watches_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, "all")
     store, clock = CountingStore(), Clock()

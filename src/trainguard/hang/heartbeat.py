@@ -98,6 +98,11 @@ class PeerTracker:
         seen = self._seen.get(rank)
         return seen if seen is not None else _Seen(seq_at=self._start, beats_at=self._start)
 
+    def count_unseen_from(self, now: float) -> None:
+        """The ranks not read yet count their ages from ``now`` (a non-watcher about to
+        read every heartbeat: it never looked at them, they were not silent to it)."""
+        self._start = now
+
     def update(self, rank: int, beat: Heartbeat | None, now: float) -> None:
         if beat is None:
             return

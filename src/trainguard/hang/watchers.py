@@ -94,6 +94,9 @@ class Watch:
             self.tracker.update(rank, beat, now)
         if not self.full and self._watchers_left(now):
             self._promoted = True
+            # the ranks it did not watch (itself included) were never read: their ages count
+            # from now, not from the watchdog's start (they would all look long silent)
+            self.tracker.count_unseen_from(now)
             logger.info(
                 "trainguard watchdog: no watcher runs any more; rank %d reads all", self.rank
             )
