@@ -6,20 +6,25 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "fixed_cost.py"
 
 
-def test_fixed_cost_quick(tmp_path: Path) -> None:
-    out = tmp_path / "fixed.json"
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--rounds", "2", "--steps", "5"]
+def run_quick(tmp_path: Path, script: str, *args: str) -> tuple[str, dict[str, Any]]:
+    """Run ``benchmarks/<script> --quick``; its stdout and its JSON report."""
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--quick", *args]
     proc = subprocess.run(
         [*cmd, "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "| mode | us/step |" in proc.stdout
-    report = json.loads(out.read_text(encoding="utf-8"))
+    return proc.stdout, json.loads(out.read_text(encoding="utf-8"))
+
+
+def test_fixed_cost_quick(tmp_path: Path) -> None:
+    stdout, report = run_quick(tmp_path, "fixed_cost.py", "--rounds", "2", "--steps", "5")
+    assert "| mode | us/step |" in stdout
     modes = report["modes"]
     assert set(modes) == {
         "bare",
@@ -36,7 +41,7 @@ def test_fixed_cost_quick(tmp_path: Path) -> None:
     target = report["target"]  # issue 26: <= 50 us, said met or not, the floor beside it
     assert target["limit_us"] == 50.0 and isinstance(target["met"], bool)
     assert target["minimal_us"] == modes["minimal"]["fixed_cost_us"]
-    assert "target: guard_check fixed cost" in proc.stdout
+    assert "target: guard_check fixed cost" in stdout
     parts = report["breakdown"]["parts"]
     assert parts["check()"]["calls_per_step"] == 1.0
     assert set(report["breakdown"]["loop_phases_us"]) == {"bare", "bare+python", "guard_check"}
@@ -62,14 +67,8 @@ def test_fixed_cost_ab_runs_alternating_processes(tmp_path: Path) -> None:
 
 def test_fixed_cost_features_quick(tmp_path: Path) -> None:
     """benchmarks/fixed_cost_features.py: every mode timed, each feature's share computed."""
-    out = tmp_path / "features.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "fixed_cost_features.py"), "--quick"]
-    proc = subprocess.run(
-        [*cmd, "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "| mode | us/step | fixed us | feature us |" in proc.stdout
-    report = json.loads(out.read_text(encoding="utf-8"))
+    stdout, report = run_quick(tmp_path, "fixed_cost_features.py")
+    assert "| mode | us/step | fixed us | feature us |" in stdout
     modes = report["modes"]
     assert list(modes) == [
         "bare",
