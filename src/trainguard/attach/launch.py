@@ -31,6 +31,7 @@ from types import FrameType
 
 from trainguard.attach.options import RunOptions, child_env, launcher_of
 from trainguard.errors import ConfigError
+from trainguard.hang.rules import own_failure
 
 logger = logging.getLogger(__name__)
 
@@ -135,14 +136,9 @@ def guard_exit_code(run_dir: Path, since: float) -> int | None:
 
 
 def raised_by_culprit(report: dict[str, object]) -> bool:
-    """A peer failure the failing rank published itself (its exception: ``decided_by`` is
-    its culprit), not a rank that died, froze or left without a word."""
-    culprits = report.get("culprits")
-    return (
-        report.get("kind") == "peer_failure"
-        and isinstance(culprits, list)
-        and report.get("decided_by") in culprits
-    )
+    """A peer failure the failing rank published itself (its exception), not a rank that
+    died, froze or left without a word (``rules.own_failure``)."""
+    return own_failure(report.get("kind"), report.get("culprits"), report.get("decided_by"))
 
 
 def attached_since(run_dir: Path, since: float) -> bool:

@@ -26,7 +26,7 @@ from typing import Any
 from trainguard.hang.collective_record import CollectiveRecord
 from trainguard.hang.heartbeat import RankView
 from trainguard.hang.mismatch import rank_list
-from trainguard.hang.rules import HANG, PEER_FAILURE, Verdict, collective_mismatch
+from trainguard.hang.rules import HANG, PEER_FAILURE, Verdict, collective_mismatch, own_failure
 
 
 def stack_file(rank: int) -> str:
@@ -40,11 +40,13 @@ def report_state(view: RankView, verdict: Verdict) -> str:
     before its heartbeat thread wrote the new state), ``stopped`` when its heartbeats
     stopped (a dead or frozen process)."""
     state = view.state
-    if verdict.kind != PEER_FAILURE or state != "running" or view.rank not in verdict.culprits:
+    if state != "running" or view.rank not in verdict.culprits:
         return state
-    if view.rank == verdict.by:
+    if own_failure(verdict.kind, verdict.culprits, verdict.by):  # its one culprit raised
         return "failed"
-    return "stopped" if view.rank in verdict.silent else state
+    if verdict.kind == PEER_FAILURE and view.rank in verdict.silent:
+        return "stopped"
+    return state
 
 
 def build_report(

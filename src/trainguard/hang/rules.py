@@ -138,13 +138,13 @@ def phase_deadlock(views: Sequence[RankView]) -> Mismatch | None:
     or the collectives agree. The culprits are the paused ranks on the mismatch's sides
     (the mismatch's own culprits when every side is paused)."""
     training = [v for v in views if v.state == "running"]
-    phased = {v.rank for v in training if v.registered and (v.user_phase or v.phase == "done")}
-    if not phased:
+    paused = {v.rank for v in training if v.registered and (v.user_phase or v.phase == "done")}
+    if not paused:
         return None
     records = collective_records(views)
     if any(v.rank not in records or records[v.rank].op is None for v in training):
         return None
-    if len(phased) == len(training) and any(r.seq is None for r in records.values()):
+    if len(paused) == len(training) and any(r.seq is None for r in records.values()):
         # Every rank paused (between loops, or all in a phase): none is known to be stuck,
         # they may all still be working (an evaluation's collectives), so the records, read
         # at different moments, are compared only by sequence id (torch's flight recorder),
@@ -155,7 +155,7 @@ def phase_deadlock(views: Sequence[RankView]) -> Mismatch | None:
     if mismatch is None or mismatch.kind == BEHIND:
         return None
     sides = {r for side in mismatch.sides for r in side.ranks}
-    culprits = sorted(phased & sides)
+    culprits = sorted(paused & sides)
     if not culprits or set(culprits) == sides:
         return mismatch
     return replace(mismatch, culprits=culprits)
@@ -291,6 +291,13 @@ def failure_verdict(rank: int, members: Sequence[int], exc: BaseException) -> Ve
     others = [r for r in members if r != rank]
     reporter = min(others) if others else rank
     return Verdict(PEER_FAILURE, [rank], message, by=rank, reporter=reporter, silent=[rank])
+
+
+def own_failure(kind: object, culprits: object, decided_by: object) -> bool:
+    """Whether a verdict (or a ``report.json``'s ``kind``, ``culprits``, ``decided_by``) is a
+    peer failure its culprit published itself (``failure_verdict``: its own exception), not
+    a rank that died, froze or left without a word (another rank decided those)."""
+    return kind == PEER_FAILURE and isinstance(culprits, list) and decided_by in culprits
 
 
 def left_verdict(rank: int, left: Sequence[int], exc: BaseException) -> Verdict:
