@@ -181,9 +181,11 @@ def _accumulate(run_dir: Path, pattern: str) -> tg.Guard:
         value: Any = loss
         if pattern == "floats":
             value = loss.item()
-        if pattern in ("all", "floats") or not last:
+        if pattern in ("all", "floats", "no_loss_to_check") or not last:
             guard.record_loss(value)  # "all": every micro-batch, the last included
-        if last:
+        if last and pattern == "no_loss_to_check":
+            guard.check()  # the recorded losses are the step's
+        elif last:
             guard.check(value)  # the same object as last recorded ("all", "floats")
             guard.optimizer.step()
             guard.optimizer.zero_grad()
@@ -191,7 +193,7 @@ def _accumulate(run_dir: Path, pattern: str) -> tg.Guard:
     return guard
 
 
-@pytest.mark.parametrize("pattern", ["all", "all_but_last", "floats"])
+@pytest.mark.parametrize("pattern", ["all", "all_but_last", "floats", "no_loss_to_check"])
 def test_each_micro_batch_loss_is_recorded_once(tmp_path: Path, pattern: str) -> None:
     guard = _accumulate(tmp_path, pattern)
     assert guard.state.nonfinite_steps[-1] == 1 and guard.state.step == 3
@@ -201,6 +203,25 @@ def test_each_micro_batch_loss_is_recorded_once(tmp_path: Path, pattern: str) ->
     assert math.isnan(float(micro[0])) and math.isfinite(float(micro[1]))
     # the reported loss of the step is the mean of its micro-batches': NaN, not the last one's
     assert math.isnan(float(bundle.meta(0)["loss"]))
+
+
+def test_check_without_a_loss_needs_a_recorded_one(tmp_path: Path) -> None:
+    """``check()``/``step()`` with no loss take the step's recorded losses; with none recorded
+    they refuse, naming the fixes, and change nothing (the step can still be checked)."""
+    guard = _guard(tmp_path)
+    batches = make_batches(2, seed=3)
+    loss_fn(guard.model, batches[0]).backward()
+    for call in (guard.check, guard.step):
+        with pytest.raises(tg.ConfigError, match=r"record_loss\(loss\).*check_gradients"):
+            call()
+    assert guard.state.step == 0
+    loss = loss_fn(guard.model, batches[1])
+    loss.backward()
+    guard.record_loss(loss)
+    assert guard.step() and guard.state.step == 1
+    record = guard.history.last()
+    assert record is not None and record.losses == [pytest.approx(loss.item())]
+    guard.close()
 
 
 def test_step_losses_rule() -> None:

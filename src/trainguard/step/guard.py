@@ -202,10 +202,13 @@ class Guard(GuardAssembly):
             self._loss_known = True
             self._no_grads.backward_ran = True
 
-    def check(self, loss: LossLike) -> bool:
+    def check(self, loss: LossLike | None = None) -> bool:
         """After backward, before the optimizer step. True only when the loss and every
         gradient are finite on every rank; every rank gets the same answer. ``loss``: a
-        tensor, or a Python float/int (``loss.item()``)."""
+        tensor, or a Python float/int (``loss.item()``); omitted, the losses given to
+        ``record_loss()`` in this step (``step/losses.py``)."""
+        if loss is None:
+            loss = self._losses.last_recorded()
         lone = self._lone
         if lone is not None and self.scaler is None and isinstance(loss, Tensor):
             if self._sync_free is not None:
@@ -253,8 +256,9 @@ class Guard(GuardAssembly):
             agreement, stats = self._transient.rerun(step, agreement, stats)
         return stats, agreement
 
-    def step(self, loss: LossLike) -> StepOutcome:
-        """``check()``, then the optimizer step (when good) and ``zero_grad`` in one call.
+    def step(self, loss: LossLike | None = None) -> StepOutcome:
+        """``check()``, then the optimizer step (when good) and ``zero_grad`` in one call
+        (``loss`` omitted: the losses given to ``record_loss()`` in this step, as ``check()``).
 
         With a fused optimizer (and no GradScaler) the step is sync-free: the agreed flag goes
         to the optimizer as ``found_inf`` and a bad step is skipped on the device. Events,
@@ -262,6 +266,8 @@ class Guard(GuardAssembly):
         ``step()``/``check()``/``close()``, or when the returned outcome is tested. So a
         "raise" or an escalation surfaces one step later; the skipped update does not.
         """
+        if loss is None:
+            loss = self._losses.last_recorded()
         loss = self._losses.tensor(loss, self._consensus.device)
         if self._sync_free is not None:
             self._refuse_join()

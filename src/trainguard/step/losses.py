@@ -22,7 +22,8 @@ loss is recorded exactly once.
   same Python number object. So both usual loops record each loss once: ``record_loss()`` on
   every micro-batch and ``check()`` with the last one, or ``record_loss()`` on all but the last
   and ``check()`` with the last. Without ``record_loss()``, ``check()``'s loss is the step's
-  only loss.
+  only loss. ``check()`` with no loss takes the loss last recorded (``record_loss()`` on
+  every micro-batch, then ``check()``); with none recorded it is a ``ConfigError``.
 - Every recorded loss is checked too, so a NaN in any micro-batch marks the step bad even
   when its gradients came out finite.
 
@@ -87,6 +88,19 @@ class StepLosses:
         if self._recorded and self._last_number is not None and loss is self._last_number:
             return self._recorded[-1]
         return as_loss(loss, device)
+
+    def last_recorded(self) -> Tensor:
+        """The loss last recorded this step, for a ``check()`` given none (``ConfigError``
+        when none was)."""
+        if not self._recorded:
+            raise ConfigError(
+                "loss",
+                "check() was given no loss and no record_loss() came before it in this step; "
+                "pass the loss (check(loss): a tensor or a Python float), call "
+                "guard.record_loss(loss) after each micro-batch's backward, or use "
+                "guard.check_gradients() where no loss is at hand",
+            )
+        return self._recorded[-1]
 
     def record(self, loss: Any, device: torch.device) -> None:
         """A micro-batch's loss (``record_loss``); kept on its device, no sync."""
