@@ -26,7 +26,7 @@ def _rollback_job(rank: int, world: int, root: str, mode: str) -> dict[str, Any]
 
     return {
         "clean": train(rank, mode, base / "clean", BATCHES, {}, **cfg("clean")),
-        "rollback": train(rank, mode, base / "rb", BATCHES, POISON, **cfg("rb")),
+        "rollback": train(rank, mode, base / "rb", BATCHES, POISON, ema=True, **cfg("rb")),
         "stop": train(
             rank, mode, base / "stop", 40, {i: float("nan") for i in range(6, 40)}, **cfg("stop")
         ),
@@ -79,6 +79,11 @@ def test_ddp_rollback_skips_the_bad_batch_and_finishes(tmp_path: Path) -> None:
         event = rollbacks[0]
         assert event["step"] == 8 and event["restored_step"] == 4
         assert event["batches_skipped"] == [4, 5, 6, 7, 8]
+        # the loop's EMA (extra_state) came back with the weights: step 5's huge update,
+        # averaged into it, is gone, and the ranks' EMAs agree
+        assert rb["ema_rollbacks"] == [True], rank
+        assert all(torch.isfinite(e).all() for e in rb["ema"]), rank
+        assert torch.equal(rb["ema"][0], rb["ema"][1]), rank
         # 20 batches, 5 skipped: steps 0..8 then 4..14 again
         assert rb["step"] == BATCHES - 5
         clean = run["clean"]["eval_loss"]

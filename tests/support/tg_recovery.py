@@ -121,6 +121,7 @@ def train(
     watch_optimizer: bool = False,
     prefetch: bool = False,
     give_scheduler: bool = True,
+    ema: bool = False,
     **guard_kwargs: Any,
 ) -> dict[str, Any]:
     """``watch_optimizer``: copy the optimizer state at the start of every step and, when a
@@ -128,7 +129,10 @@ def train(
     when it last started (``saved``) and the failing step's (``before``), in
     ``out["optimizer_rollbacks"]``; ``out["optimizer_final"]``: the state at the end.
     ``prefetch``: take the next batch right after the forward, before backward and the
-    update (nanoGPT's loop)."""
+    update (nanoGPT's loop). ``ema``: an EMA of the weights (``AveragedModel``, updated
+    after each applied step) given to the guard as ``extra_state``: ``out["ema"]`` its final
+    weights (gathered from every rank), ``out["ema_rollbacks"]`` per rollback whether it
+    came back to what it was when the restored step last started."""
     torch.manual_seed(0)
     model = wrap(TinyNet(), mode)
     opt = OPTIMIZERS[optimizer](model.parameters())
@@ -136,8 +140,12 @@ def train(
     scheduler = sched if give_scheduler else None  # False: the loop steps one the guard lacks
     if "config" not in guard_kwargs:  # a config holds its own run_dir and hang_timeout
         guard_kwargs = {"run_dir": run_dir, "hang_timeout": 0, **guard_kwargs}
+    averaged = _ema_of(model) if ema else None
+    if averaged is not None:
+        guard_kwargs["extra_state"] = {"ema": averaged}
     guard = tg.Guard(model, opt, scheduler=scheduler, **guard_kwargs)
-    out: dict[str, Any] = {"error": None}
+    out: dict[str, Any] = {"error": None, "ema_rollbacks": []}
+    ema_at_start: dict[int, Tensor] = {}
     at_start: dict[int, dict[str, Any]] = {}  # step -> state when it last started
     rollbacks: list[dict[str, Any]] = []
     try:
@@ -149,11 +157,16 @@ def train(
                 step = guard.state.step
                 if watch_optimizer:
                     at_start[step] = optimizer_state(opt)
+                if averaged is not None:
+                    ema_at_start[step] = full_params(averaged).clone()
                 loss = nn.functional.mse_loss(model(x), y)
                 if prefetch:
                     item = next(stream, None)
                 loss.backward()
                 ok = guard.check(loss)
+                if averaged is not None and guard.state.step <= step:  # rolled back
+                    was = ema_at_start[guard.state.step]
+                    out["ema_rollbacks"].append(torch.equal(full_params(averaged), was))
                 if watch_optimizer and guard.state.step <= step:  # rolled back
                     restored = guard.state.step
                     rollbacks.append(
@@ -171,6 +184,8 @@ def train(
                             p.grad.fill_(scale)  # type: ignore[union-attr]
                     opt.step()
                     sched.step()
+                    if averaged is not None:
+                        averaged.update_parameters(_inner(model))
                 opt.zero_grad(set_to_none=True)
                 if not prefetch:
                     item = next(stream, None)
@@ -191,6 +206,26 @@ def train(
     )
     if watch_optimizer:
         out.update(optimizer_rollbacks=rollbacks, optimizer_final=optimizer_state(opt))
+    if averaged is not None:
+        out["ema"] = _gathered(full_params(averaged))
+    return out
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DDP) else model
+
+
+def _ema_of(model: nn.Module) -> torch.optim.swa_utils.AveragedModel:
+    ema_fn = torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+    return torch.optim.swa_utils.AveragedModel(_inner(model), multi_avg_fn=ema_fn)
+
+
+def _gathered(values: Tensor) -> list[Tensor]:
+    """``values`` of every rank (this one's alone in one process)."""
+    if not dist.is_initialized():
+        return [values]
+    out = [torch.zeros_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, values)
     return out
 
 

@@ -2,11 +2,12 @@
 
 Written at a step boundary with ``torch.distributed.checkpoint`` (model and optimizer,
 sharded under FSDP2, through ``get_state_dict``) into a temporary folder, plus one small
-``rank-{r}.pt`` per rank (RNG, data position, scheduler, GradScaler, guard and recovery
-state); once every rank is done rank 0 writes ``manifest.json`` and renames the folder. A
-checkpoint is *good* once ``good_after`` healthy steps follow it: rank 0 then writes ``GOOD``
-(with the first step's loss) and deletes all but the newest ``keep`` good ones. A bad step
-before that deletes it: it may hold weights that were already drifting.
+``rank-{r}.pt`` per rank (RNG, data position, scheduler, GradScaler, the loop's own
+``extra_state``, guard and recovery state); once every rank is done rank 0 writes
+``manifest.json`` and renames the folder. A checkpoint is *good* once ``good_after`` healthy
+steps follow it: rank 0 then writes ``GOOD`` (with the first step's loss) and deletes all
+but the newest ``keep`` good ones. A bad step before that deletes it: it may hold weights
+that were already drifting.
 
 With ``async_save`` (``torch.distributed.checkpoint``; the default where the torch version
 has it) the step waits only while DCP copies the state to CPU memory; the write runs in a
@@ -17,6 +18,7 @@ the checkpoint is judged (good or not), collectively, ``good_after`` steps later
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -33,6 +35,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from trainguard.recovery.snapshot import TrainingObjects
+
+logger = logging.getLogger(__name__)
 
 dcp_async_save: Any = getattr(state_dict_saver, "async_save", None)  # None: the save blocks
 
@@ -75,6 +79,8 @@ def rank_extras(objects: TrainingObjects) -> dict[str, Any]:
         out["scheduler"] = objects.scheduler.state_dict()
     if objects.scaler is not None:
         out["scaler"] = objects.scaler.state_dict()
+    if objects.extra:
+        out["extra"] = objects.extra_state()
     return out
 
 
@@ -184,6 +190,14 @@ def load(path: Path, objects: TrainingObjects, rank: int) -> dict[str, Any]:
         objects.scheduler.load_state_dict(extras["scheduler"])
     if objects.scaler is not None and "scaler" in extras:
         objects.scaler.load_state_dict(extras["scaler"])
+    missing = objects.load_extra(extras.get("extra") or {})
+    if missing:
+        logger.warning(
+            "trainguard: the checkpoint %s holds no %s (Guard(extra_state=...)): left as they "
+            "are (a checkpoint written before they were given to the guard)",
+            path,
+            ", ".join(repr(name) for name in missing),
+        )
     return extras
 
 

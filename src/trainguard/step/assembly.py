@@ -141,20 +141,19 @@ class GuardAssembly:
 
     def _build_decision(
         self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
+        objects: TrainingObjects,
         rerun: LossFn | None,
         process_group: dist.ProcessGroup | None,
     ) -> None:
-        """Evidence, the measure, recovery, acting on the decision, the sync-free step, rerun."""
-        scaler = self.scaler
+        """Evidence, the measure, recovery, acting on the decision, the sync-free step, rerun
+        (``objects``: what recovery saves and restores)."""
+        scaler, optimizer = self.scaler, objects.optimizer
         self._transient: TransientFaults | None = None  # rerun=: step/transient.py
         self._evidence = StepEvidence(self._evidence_parts(rerun is not None))
         self._measure = StepMeasure(self._measure_parts())  # this rank's row: step/measure.py
         self.recovery = build_recovery(
             self.config,
-            TrainingObjects(model, optimizer, scheduler, scaler),
+            objects,
             self.state,
             self.events,
             process_group,

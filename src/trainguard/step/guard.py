@@ -14,7 +14,7 @@ import contextlib
 import inspect
 import logging
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -33,6 +33,7 @@ from trainguard.config import (
     more_options,
 )
 from trainguard.errors import ConfigError
+from trainguard.recovery.snapshot import TrainingObjects, stateful_objects
 from trainguard.step import amp
 from trainguard.step.assembly import GuardAssembly
 from trainguard.step.consensus import Agreement
@@ -74,6 +75,7 @@ class Guard(GuardAssembly):
         checkpoint_every: int = 0,
         keep_checkpoints: int = 3,
         scheduler: Any = None,
+        extra_state: Mapping[str, Any] | None = None,
         resume: bool = False,
         on_spike: SpikeAction = "warn",
         replica_check_every: int = 100,
@@ -122,7 +124,10 @@ class Guard(GuardAssembly):
         try:
             self._build_step_path(model, optimizer)
             self._build_health(model, optimizer, process_group)
-            self._build_decision(model, optimizer, scheduler, rerun, process_group)
+            objects = TrainingObjects(
+                model, optimizer, scheduler, scaler, stateful_objects(extra_state)
+            )
+            self._build_decision(objects, rerun, process_group)
         except BaseException:  # a refused option or resume: the model keeps no hook of ours
             for part in (getattr(self, "_start", None), getattr(self, "_timer", None)):
                 if part is not None:
