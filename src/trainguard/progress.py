@@ -33,6 +33,10 @@ class Progress:
             self.phase_since = time.monotonic()
         self.beats += 1
 
+    def beat(self) -> None:
+        """Progress in the phase the loop is in (an evaluation's forward between steps)."""
+        self.beats += 1
+
     @property
     def in_user_phase(self) -> bool:
         return bool(self.user_phases)

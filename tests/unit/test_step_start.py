@@ -141,3 +141,23 @@ def test_each_step_start_holds_that_moment_s_rng_states_drawn_or_not(tmp_path: P
             guard.step(loss)
     distinct = [i for i in range(1, 12) if snapshots[i] is not snapshots[i - 1]]
     assert distinct == [3, 5, 7, 10]  # a new snapshot only after a generator moved
+
+
+def test_an_evaluation_forward_is_progress_and_starts_no_step(tmp_path: Path) -> None:
+    """Rank 0 evaluating alone between steps is not stuck: each forward of the guarded model
+    with grad disabled or in eval mode is a beat of the watchdog's progress counter, and no
+    step starts there (its RNG states and inputs stay those of the step before)."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0) as guard:
+        for batch in guard.watch([torch.randn(3, 4) for _ in range(2)]):
+            model(batch).pow(2).mean().backward()
+            guard.step(torch.zeros(()))
+        started, beats = guard._start.step, guard.progress.beats
+        with torch.no_grad():
+            model(torch.randn(3, 4))
+        model.eval()
+        model(torch.randn(3, 4)).sum().backward()  # grad on, eval mode: still an evaluation
+        model.train()
+        assert guard.progress.beats == beats + 2
+        assert guard._start.step == started  # no step started by either

@@ -94,6 +94,7 @@ class GuardAssembly:
         self._start = StepStart(
             model, lambda: state.step, restore_buffers=self.config.restore_buffers
         )
+        self._start.on_evaluation = self.progress.beat  # evaluating is not being stuck
         self._losses = StepLosses()  # record_loss() and check()'s loss: step/losses.py
         self._loss_known = True  # False inside check_gradients(): no loss is recorded
         self._no_grads = NoGradientsCheck(self._params, self.events, self.rank)

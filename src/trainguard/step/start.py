@@ -9,7 +9,8 @@ the RNG states (dropout draws from them), and the autocast state the forward run
 wrappers (DDP, ``torch.compile``) and on that module's direct children (a LightningModule's
 ``training_step`` often calls its children, not ``forward``). The first hook call of a step
 (grad enabled, the module in training mode: an evaluation pass under ``no_grad`` does not
-count) records the step's start; the other calls of the step cost one comparison. Once a
+count, but each of its forwards is progress for the hang watchdog) records the step's
+start; the other calls of the step cost one comparison. Once a
 step was started by the guarded module itself (the loop calls ``model(x)``), the children's
 hooks are removed: a hook sends every call of its module down PyTorch's slow call path, a
 cost a small model pays at every step. A later step that starts in a child only (the loop
@@ -121,6 +122,10 @@ class StepStart:
         self._args_module: nn.Module | None = None
         """The root module whose forwards ``_forward_args`` holds: the first of the step's
         training forwards (None: none yet, or the loop called a child)."""
+        self.on_evaluation: Callable[[], None] | None = None
+        """Runs at each forward of an evaluation (grad disabled or the model in eval mode):
+        the watchdog counts it as progress, so that rank 0 evaluating alone while the
+        others wait in the next step's collective is not taken for a hang."""
         self.on_begin: Callable[[], None] | None = None
         """Runs at each recorded start, before the states are taken: recovery's step boundary
         (snapshots and checkpoints at the true start of the step, also where the loop
@@ -187,6 +192,8 @@ class StepStart:
                 self._keep_inputs(module, args, kwargs)
             return
         if not torch.is_grad_enabled() or not self._inner.training:
+            if self.on_evaluation is not None:
+                self.on_evaluation()
             return
         self.seen = True
         self.begin(step)
