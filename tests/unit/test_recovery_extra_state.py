@@ -123,3 +123,13 @@ def test_extra_state_that_cannot_be_saved_is_refused_naming_it(
     with pytest.raises(tg.ConfigError, match=says) as info:
         tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0, extra_state=extra)
     assert info.value.option == "extra_state"
+
+
+def test_extra_state_without_recovery_is_said_to_be_unused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="trainguard"):
+        tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0, extra_state={"c": Counter()}).close()
+    assert "extra_state (c) is saved and restored by recovery only" in caplog.text

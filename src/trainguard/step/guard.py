@@ -128,6 +128,13 @@ class Guard(GuardAssembly):
                 model, optimizer, scheduler, scaler, stateful_objects(extra_state)
             )
             self._build_decision(objects, rerun, process_group)
+            if objects.extra and self.recovery is None and self.rank == 0:
+                logger.warning(
+                    "trainguard: extra_state (%s) is saved and restored by recovery only "
+                    "(on_escalation='rollback', checkpoint_every or resume); with none of "
+                    "them it is not used",
+                    ", ".join(objects.extra),
+                )
         except BaseException:  # a refused option or resume: the model keeps no hook of ours
             for part in (getattr(self, "_start", None), getattr(self, "_timer", None)):
                 if part is not None:
