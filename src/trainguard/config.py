@@ -138,6 +138,13 @@ class GuardConfig:
     """Check each floating-point tensor of every batch from ``watch()`` for NaN/Inf (on the
     device, no sync): a non-finite input marks the step bad on every rank (``bad_input``)."""
 
+    ignore_inputs: tuple[str, ...] = ()
+    """Batch entries the input check leaves out, for inputs that hold NaN/Inf on purpose (an
+    additive ``-inf`` attention mask): a dict key or attribute name (``"attention_mask"``:
+    that entry wherever it sits in the batch) or a whole path as the guard's messages name
+    it (``"[0]['mask']"``). The rest of the batch stays checked; ``check_inputs=False``
+    turns the whole check off."""
+
     replica_check_every: int = 100
     """Steps between checks that the replicated weights (DDP, or one process per replica)
     agree across ranks: a fingerprint rides the step's agreement (0: off). Not for FSDP2
@@ -221,6 +228,8 @@ class GuardConfig:
             check_run_option(self.run)
         except ValueError as exc:
             raise ConfigError("run", str(exc)) from None
+        _check_ignore_inputs(self.ignore_inputs)
+        self.ignore_inputs = tuple(self.ignore_inputs)
         _check_recovery(self)
         _check_spikes(self)
 
@@ -261,6 +270,21 @@ def _check_health(config: GuardConfig) -> None:
     if not config.straggler_min_lost >= 0.0:
         raise ConfigError(
             "straggler_min_lost", f"got {config.straggler_min_lost!r}; use seconds >= 0"
+        )
+
+
+def _check_ignore_inputs(names: object) -> None:
+    if isinstance(names, str):
+        raise ConfigError(
+            "ignore_inputs",
+            f"got the string {names!r}; use a tuple of names: ignore_inputs=({names!r},)",
+        )
+    if not isinstance(names, tuple | list) or not all(
+        isinstance(name, str) and name for name in names
+    ):
+        raise ConfigError(
+            "ignore_inputs",
+            f"got {names!r}; use a tuple of batch keys or paths, e.g. ('attention_mask',)",
         )
 
 

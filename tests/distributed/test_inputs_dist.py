@@ -18,11 +18,14 @@ import trainguard as tg
 BAD_STEP = 3
 
 
-def _train(rank: int, run_dir: Path, sync_free: bool) -> dict[str, Any]:
+def _train(rank: int, run_dir: Path, sync_free: bool, mask: bool = False) -> dict[str, Any]:
+    """``mask``: rank 1's batches also carry an additive -inf mask at every step, unused by
+    the loss and named in ``ignore_inputs``: it skips nothing and is never reported."""
     torch.manual_seed(0)
     model = DDP(TinyNet())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=sync_free)
-    guard = tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0)
+    ignore = ("mask",) if mask else ()
+    guard = tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0, ignore_inputs=ignore)
     gen = torch.Generator().manual_seed(rank)
     batches = [
         {
@@ -34,6 +37,8 @@ def _train(rank: int, run_dir: Path, sync_free: bool) -> dict[str, Any]:
     ]
     if rank == 1:
         batches[BAD_STEP]["weight"][1] = float("nan")  # an unused input: only the check sees it
+    for batch in batches if mask and rank == 1 else []:
+        batch["mask"] = torch.zeros(4, 4).masked_fill(torch.eye(4, dtype=torch.bool), -float("inf"))
     oks = []
     for batch in guard.watch(batches):
         loss = model(batch["x"]).pow(2).mean()
@@ -61,13 +66,14 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
     return {
         "check": _train(rank, Path(root) / "check", sync_free=False),
         "fused": _train(rank, Path(root) / "fused", sync_free=True),
+        "ignored": _train(rank, Path(root) / "ignored", sync_free=False, mask=True),
     }
 
 
 @pytest.mark.timeout(90)
 def test_a_nan_input_on_one_rank_skips_the_step_everywhere(tmp_path: Path) -> None:
     ranks = values(run_ranks(_job, 2, str(tmp_path), timeout=80))
-    for name in ("check", "fused"):
+    for name in ("check", "fused", "ignored"):
         r0, r1 = ranks[0][name], ranks[1][name]
         expected = [step != BAD_STEP for step in range(6)]
         assert r0["ok"] == r1["ok"] == expected, name

@@ -13,7 +13,7 @@ from tg_models import TinyNet
 
 import trainguard as tg
 from trainguard.capture.batchtree import nonfinite_tensors as bad_tensors
-from trainguard.step.inputs import max_abs
+from trainguard.step.inputs import float_tensors, is_ignored, mask_note, max_abs
 
 NAN = float("nan")
 
@@ -52,12 +52,16 @@ def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in map(json.loads, lines) if e["kind"] == kind]
 
 
-def _run(run_dir: Path, check_inputs: bool, record: bool = False) -> list[bool]:
+def _run(
+    run_dir: Path, check_inputs: bool, record: bool = False, ignore: tuple[str, ...] = ()
+) -> list[bool]:
     """``record``: the loop hands its batches to ``record_batch`` instead of ``watch()``."""
     torch.manual_seed(0)
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    config = tg.GuardConfig(run_dir=run_dir, check_inputs=check_inputs, hang_timeout=0)
+    config = tg.GuardConfig(
+        run_dir=run_dir, check_inputs=check_inputs, hang_timeout=0, ignore_inputs=ignore
+    )
     guard = tg.Guard(model, opt, config=config)
     batches = [{"x": torch.randn(4, 8), "aux": torch.zeros(4, 2)} for _ in range(4)]
     batches[2]["aux"][3, 0] = NAN  # not used by the loss: only the input check sees it
@@ -93,6 +97,54 @@ def test_an_input_only_skip_names_the_option_for_inputs_meant_so(
         _run(tmp_path, check_inputs=True)
     [line] = [r.getMessage() for r in caplog.records if "non-finite input on" in r.getMessage()]
     assert "check_inputs=False" in line and "-inf attention mask" in line
+
+
+@pytest.mark.parametrize("record", [False, True], ids=["watch", "record_batch"])
+@pytest.mark.parametrize("name", ["aux", "['aux']"])
+def test_an_ignored_input_is_left_out_and_the_rest_stays_checked(
+    tmp_path: Path, record: bool, name: str
+) -> None:
+    """``ignore_inputs`` by key name or by the path the guard's messages use: the NaN in
+    ``aux`` skips nothing; ignoring another entry leaves ``aux`` checked."""
+    assert _run(tmp_path / "aux", True, record, ignore=(name,)) == [True] * 4
+    assert _events(tmp_path / "aux", "bad_input") == []
+    assert _run(tmp_path / "x", True, record, ignore=("x",)) == [True, True, False, True]
+
+
+def test_ignore_inputs_matches_keys_and_attributes_anywhere_in_the_batch() -> None:
+    ignore = frozenset({"attention_mask"})
+    for path in (
+        "['attention_mask']",
+        "[0]['attention_mask']",
+        ".attention_mask",
+        "[1].attention_mask",
+    ):
+        assert is_ignored(path, ignore), path
+    for path in ("['attention_mask_2']", "['input']", "[0]", ""):
+        assert not is_ignored(path, ignore), path
+    assert is_ignored("[1]", frozenset({"[1]"}))  # a whole path: a tuple batch's entry
+    mask = torch.zeros(2, 2).fill_diagonal_(-float("inf"))
+    batch = ({"x": torch.ones(2), "attention_mask": mask}, torch.zeros(2))
+    kept = float_tensors([batch], ignore)
+    assert len(kept) == 2 and all(t is not mask for t in kept)
+    assert len(float_tensors([batch])) == 3
+
+
+def test_the_mask_note_names_the_entry_to_ignore() -> None:
+    assert "ignore_inputs=('attention_mask',)" in mask_note("[0]['attention_mask']")
+    assert "ignore_inputs=('[1]',)" in mask_note("[1]")
+    assert "check_inputs=False" in mask_note("")  # the batch is the mask itself
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [("attention_mask", r"ignore_inputs=\('attention_mask',\)"), (("",), "tuple of batch keys")],
+)
+def test_ignore_inputs_must_be_a_tuple_of_names(value: Any, says: str) -> None:
+    with pytest.raises(tg.ConfigError, match=says) as info:
+        tg.GuardConfig(ignore_inputs=value)
+    assert info.value.option == "ignore_inputs"
+    assert tg.GuardConfig(ignore_inputs=["mask"]).ignore_inputs == ("mask",)
 
 
 def test_check_inputs_off(tmp_path: Path) -> None:

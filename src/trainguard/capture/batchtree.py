@@ -15,9 +15,11 @@ tensor or a list of ints), those are the samples' dataset indices.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import math
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import ModuleType
@@ -238,6 +240,25 @@ def leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
         return
     for suffix, child in children:
         yield from leaves(child, path + suffix)
+
+
+_PATH_NAMES = re.compile(r"\[('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")\]|\.(\w+)")
+
+
+def path_names(path: str) -> list[str]:
+    """The dict keys (strings) and attribute names along a batch path (``leaves``):
+    ``"[0]['mask'].x"`` -> ``["mask", "x"]``."""
+    names = []
+    for key, attribute in _PATH_NAMES.findall(path):
+        names.append(attribute or ast.literal_eval(key))
+    return names
+
+
+def ignore_name(path: str) -> str:
+    """What ``GuardConfig.ignore_inputs`` takes for ``path``: its last key or attribute name,
+    else the whole path."""
+    names = path_names(path)
+    return names[-1] if names else path
 
 
 def map_tensors(obj: Any, fn: Callable[[Tensor], Any]) -> Any:

@@ -104,7 +104,9 @@ class GuardAssembly:
         self._capturer = Capturer(self.run_dir, self._consensus, self.events)
         self.spikes = SpikeWatch(self.config, self.events, self.rank)
         self.state.spikes = self.spikes  # saved and restored with the counters
-        self._inputs = InputCheck(self.config.check_inputs, self.events, self.rank)
+        self._inputs = InputCheck(
+            self.config.check_inputs, self.events, self.rank, self.config.ignore_inputs
+        )
         self._sampler_epochs = SamplerEpochs(self.events, self.rank)
         metrics = (
             MetricsLog(

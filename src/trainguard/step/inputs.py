@@ -31,19 +31,29 @@ from trainguard.step.detect import fused_takes
 logger = logging.getLogger(__name__)
 
 
-MASK_NOTE = (
-    "; it holds only 0 and -inf: an additive mask? If deliberate, pass check_inputs=False "
-    "(the loss and gradients stay checked) or build the -inf in the model from a boolean mask"
-)
-"""Said of a non-finite input that looks like an additive attention / padding mask."""
+def mask_note(path: str) -> str:
+    """Said of a non-finite input at ``path`` that looks like an additive attention / padding
+    mask: how to leave it out of the check."""
+    name = batchtree.ignore_name(path)
+    leave_out = f"ignore_inputs=({name!r},)" if name else "check_inputs=False"
+    return (
+        f"; it holds only 0 and -inf: an additive mask? If deliberate, pass {leave_out} (the "
+        "loss and the gradients stay checked) or build the -inf in the model from a boolean mask"
+    )
 
 
-def float_tensors(batches: Sequence[Any]) -> list[Tensor]:
+def is_ignored(path: str, ignore: frozenset[str]) -> bool:
+    """Whether ``ignore_inputs`` names ``path``: the whole path, or one of its names."""
+    return path in ignore or any(name in ignore for name in batchtree.path_names(path))
+
+
+def float_tensors(batches: Sequence[Any], ignore: frozenset[str] = frozenset()) -> list[Tensor]:
     """The non-empty floating-point tensors of the batches (detached; no copies); a sparse
-    tensor by its stored values (``numerics.stored_values``: a COO tensor coalesced)."""
+    tensor by its stored values (``numerics.stored_values``: a COO tensor coalesced).
+    ``ignore``: ``ignore_inputs``, the entries left out (``is_ignored``)."""
     found: list[Tensor] = []
     for batch in batches:
-        for tensor in batchtree.tensors(batch):
+        for tensor in batchtree.tensors(batch) if not ignore else _kept(batch, ignore):
             if not tensor.is_floating_point() or tensor.numel() == 0:
                 continue
             if tensor.layout == torch.strided:  # the usual case: itself, no detach op
@@ -53,6 +63,15 @@ def float_tensors(batches: Sequence[Any]) -> list[Tensor]:
             if values.numel() > 0:
                 found.append(values)
     return found
+
+
+def _kept(batch: Any, ignore: frozenset[str]) -> list[Tensor]:
+    """The batch's tensors whose paths ``ignore`` does not name (a walk with paths: only
+    when ``ignore_inputs`` is set)."""
+    leaves = batchtree.leaves(batch)
+    return [
+        leaf for path, leaf in leaves if isinstance(leaf, Tensor) and not is_ignored(path, ignore)
+    ]
 
 
 def max_abs(tensors: list[Tensor], device: torch.device) -> Tensor:
@@ -113,8 +132,12 @@ def _cpu_max_abs(group: list[Tensor]) -> Tensor:
 class InputCheck:
     """The guard's input check: a device value per step, a report on a bad step."""
 
-    def __init__(self, enabled: bool, events: EventLog, rank: int) -> None:
+    def __init__(
+        self, enabled: bool, events: EventLog, rank: int, ignore: tuple[str, ...] = ()
+    ) -> None:
         self.enabled = enabled
+        self.ignore = frozenset(ignore)
+        """``ignore_inputs``: the batch entries left out of the check."""
         self._events = events
         self._rank = rank
         self._checked: deque[tuple[int, list[Any]]] = deque(maxlen=3)
@@ -128,7 +151,7 @@ class InputCheck:
                 self._zero = torch.zeros((), dtype=torch.float64, device=device)
             return self._zero
         self._checked.append((step, list(batches)))
-        return max_abs(float_tensors(batches), device)
+        return max_abs(float_tensors(batches, self.ignore), device)
 
     def foldable(
         self, step: int, batches: Sequence[Any], device: torch.device, keep: bool = True
@@ -140,7 +163,7 @@ class InputCheck:
         kept for a bad step's ``report`` (``step/lone.py``: a bad step takes the full path)."""
         if not self.enabled or not batches:
             return []
-        tensors = float_tensors(batches)
+        tensors = float_tensors(batches, self.ignore)
         for tensor in tensors:
             if tensor.device != device or not fused_takes(tensor):
                 return None
@@ -154,7 +177,7 @@ class InputCheck:
         if not agreement.input_ranks:
             return
         batches = next((b for s, b in self._checked if s == step), [])
-        here = batchtree.nonfinite_tensors(batches) if self._rank in agreement.input_ranks else []
+        here = self._nonfinite_here(batches) if self._rank in agreement.input_ranks else []
         self._events.write("bad_input", step, ranks=agreement.input_ranks, tensors=here)
         for entry in here:
             logger.warning(
@@ -166,5 +189,12 @@ class InputCheck:
                 f" (dataset indices {entry['dataset_indices']})"
                 if "dataset_indices" in entry
                 else "",
-                MASK_NOTE if entry.get("additive_mask") else "",
+                mask_note(entry["path"]) if entry.get("additive_mask") else "",
             )
+
+    def _nonfinite_here(self, batches: list[Any]) -> list[dict[str, Any]]:
+        """``batchtree.nonfinite_tensors`` of the entries the check reads."""
+        found = batchtree.nonfinite_tensors(batches)
+        if not self.ignore:
+            return found
+        return [entry for entry in found if not is_ignored(entry["path"], self.ignore)]

@@ -58,7 +58,8 @@ def log_nonfinite(
 
 INPUTS_ON_PURPOSE = (
     " (the batch holds NaN/Inf while the loss and gradients are finite; if it does on purpose,"
-    " as an additive -inf attention mask does, pass check_inputs=False)"
+    " as an additive -inf attention mask does, name it in ignore_inputs, e.g."
+    " ignore_inputs=('attention_mask',), or pass check_inputs=False)"
 )
 """Said where the input check alone stopped a step: the fix for inputs meant to be so."""
 
