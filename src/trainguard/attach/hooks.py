@@ -18,10 +18,10 @@ script's process changes. The attach points need no cooperation from the script:
   optimizer's parameters checks the step before it clips, so the guard sees the gradients
   as backward made them;
 * a forward pre-hook on the model records each step's micro-batches (the call's
-  arguments, by reference) and marks the loop's progress for the watchdog, as a forward of
-  the module inside its wrappers outside a training step does (an evaluation through
-  ``model.module``); the post-step hook marks the data phase (a rank stuck in its loader is
-  named as such);
+  arguments, by reference) and marks the loop's progress for the watchdog (an evaluation's
+  forwards, through the model or ``model.module``, are progress too: the guard's own
+  step-start hook counts them); the post-step hook marks the data phase (a rank stuck in its
+  loader is named as such);
 * ``torch.distributed.destroy_process_group`` (wrapped) closes the guard first, so that
   work after training is not taken for a hang.
 
@@ -52,10 +52,9 @@ from trainguard.attach.discovery import describe, describe_module, existing_guar
 from trainguard.attach.options import RunOptions
 from trainguard.attach.prestart import PreStart, StepZero, batch_of
 from trainguard.errors import ConfigError
-from trainguard.step.capturer import unwrap
 from trainguard.step.guard import Guard
 from trainguard.step.join import JOIN_REASON, shadowed_in_join
-from trainguard.user_hooks import HookHandle, add_forward_hooks, eager_module
+from trainguard.user_hooks import HookHandle, add_forward_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -308,12 +307,6 @@ class Attacher:
         # a Hook: a copy of the model (EMA, torch.save) carries an inert one; run eagerly
         # around a model compiled in place (user_hooks.add_forward_hooks)
         self._handles.append(add_forward_hooks(model, pre=self._model_pre))
-        inner = unwrap(model)
-        if inner is not model:  # an evaluation through ``model.module`` is progress too
-            # inside a torch.compile wrapper: nothing in the trace (its eager calls still run)
-            compiled = type(eager_module(model)).__name__ == "OptimizedModule"
-            hook = add_forward_hooks(inner, pre=self._inner_pre, inside_compiled=compiled)
-            self._handles.append(hook)
         atexit.register(self.close)
         self._announce(guard, optimizer, model)
         return True
@@ -322,20 +315,11 @@ class Attacher:
         guard = self.guard
         if guard is None:
             return
-        progress = guard.progress
         if not torch.is_grad_enabled() or not module.training:
-            progress.enter(progress.phase)  # evaluation is progress, not a hang
-            return
-        progress.enter("step")
+            return  # an evaluation: progress, counted by the guard's step-start hook
+        guard.progress.enter("step")
         self._clip.forward()
         guard.record_batch(batch_of(args, kwargs))
-
-    def _inner_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The module inside the model's wrappers (DDP's ``module``): a forward of it outside
-        a training step (rank 0's evaluation through ``model.module``) is progress."""
-        guard = self.guard
-        if guard is not None and (not torch.is_grad_enabled() or not module.training):
-            guard.progress.enter(guard.progress.phase)
 
     def _announce(self, guard: Guard, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
         world = guard.world_size
