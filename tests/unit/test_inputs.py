@@ -123,11 +123,15 @@ def test_ignore_inputs_matches_keys_and_attributes_anywhere_in_the_batch() -> No
     for path in ("['attention_mask_2']", "['input']", "[0]", ""):
         assert not is_ignored(path, ignore), path
     assert is_ignored("[1]", frozenset({"[1]"}))  # a whole path: a tuple batch's entry
+    assert is_ignored("[1]['x']", frozenset({"[1]"}))  # and everything inside it
+    assert not is_ignored("[0]['x']", frozenset({"[1]"}))
     mask = torch.zeros(2, 2).fill_diagonal_(-float("inf"))
     batch = ({"x": torch.ones(2), "attention_mask": mask}, torch.zeros(2))
     kept = float_tensors([batch], ignore)
     assert len(kept) == 2 and all(t is not mask for t in kept)
     assert len(float_tensors([batch])) == 3
+    [only] = float_tensors([batch], frozenset({"[0]"}))  # the entry left out whole
+    assert only is batch[1]
 
 
 def test_the_mask_note_names_the_entry_to_ignore() -> None:

@@ -43,8 +43,11 @@ def mask_note(path: str) -> str:
 
 
 def is_ignored(path: str, ignore: frozenset[str]) -> bool:
-    """Whether ``ignore_inputs`` names ``path``: the whole path, or one of its names."""
-    return path in ignore or any(name in ignore for name in batchtree.path_names(path))
+    """Whether ``ignore_inputs`` names ``path`` or an entry holding it: its key or attribute
+    name, or the whole path (as ``batchtree.tensors_outside`` leaves it out)."""
+    if any(name in ignore for name in batchtree.path_names(path)):
+        return True
+    return any(prefix in ignore for prefix in batchtree.path_prefixes(path))
 
 
 def float_tensors(batches: Sequence[Any], ignore: frozenset[str] = frozenset()) -> list[Tensor]:
@@ -53,7 +56,8 @@ def float_tensors(batches: Sequence[Any], ignore: frozenset[str] = frozenset()) 
     ``ignore``: ``ignore_inputs``, the entries left out (``is_ignored``)."""
     found: list[Tensor] = []
     for batch in batches:
-        for tensor in batchtree.tensors(batch) if not ignore else _kept(batch, ignore):
+        walked = batchtree.tensors_outside(batch, ignore) if ignore else batchtree.tensors(batch)
+        for tensor in walked:
             if not tensor.is_floating_point() or tensor.numel() == 0:
                 continue
             if tensor.layout == torch.strided:  # the usual case: itself, no detach op
@@ -63,15 +67,6 @@ def float_tensors(batches: Sequence[Any], ignore: frozenset[str] = frozenset()) 
             if values.numel() > 0:
                 found.append(values)
     return found
-
-
-def _kept(batch: Any, ignore: frozenset[str]) -> list[Tensor]:
-    """The batch's tensors whose paths ``ignore`` does not name (a walk with paths: only
-    when ``ignore_inputs`` is set)."""
-    leaves = batchtree.leaves(batch)
-    return [
-        leaf for path, leaf in leaves if isinstance(leaf, Tensor) and not is_ignored(path, ignore)
-    ]
 
 
 def max_abs(tensors: list[Tensor], device: torch.device) -> Tensor:
