@@ -348,6 +348,21 @@ def _add_run_command(commands: Any) -> None:
         default=True,
         help="write a replay bundle of the first bad step (default: on)",
     )
+    run.add_argument(
+        "--check-inputs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="check the model call's floating-point inputs for NaN/Inf (default: on)",
+    )
+    run.add_argument(
+        "--ignore-inputs",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="an input the check leaves out (an additive -inf mask): a keyword argument's name "
+        "or a path as the guard's messages print it, e.g. '[1]' for the second positional "
+        "argument (repeatable)",
+    )
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     run.set_defaults(handler=_run)
 
@@ -369,6 +384,8 @@ def _run(args: argparse.Namespace) -> int:
         on_nonfinite=args.on_nonfinite,
         hang_timeout=args.hang_timeout,
         capture=args.capture,
+        check_inputs=args.check_inputs,
+        ignore_inputs=tuple(args.ignore_inputs),
     )
     finished = run_command(command, options)
     if not finished.attached:

@@ -295,6 +295,8 @@ class Attacher:
                 on_nonfinite=options.on_nonfinite,
                 capture=options.capture,
                 hang_timeout=options.hang_timeout,
+                check_inputs=options.check_inputs,
+                ignore_inputs=options.ignore_inputs,
             )
         except Exception as exc:
             self.stand_aside(f"the guard could not start: {type(exc).__name__}: {exc}")

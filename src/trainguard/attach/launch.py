@@ -18,6 +18,7 @@ one line, rather than let an unguarded run pass for a guarded one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -57,13 +58,7 @@ def run_command(command: Sequence[str], options: RunOptions) -> Finished:
     if not command:
         raise ConfigError("COMMAND", "nothing to run; use: trainguard run [OPTIONS] -- COMMAND...")
     run_dir = usable_run_dir(Path(options.run_dir).resolve())
-    options = RunOptions(
-        run_dir=str(run_dir),
-        on_nonfinite=options.on_nonfinite,
-        hang_timeout=options.hang_timeout,
-        capture=options.capture,
-        launcher=launcher_of(command),
-    )
+    options = dataclasses.replace(options, run_dir=str(run_dir), launcher=launcher_of(command))
     started = time.time()
     try:
         child = subprocess.Popen(list(command), env=child_env(options))

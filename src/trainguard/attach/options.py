@@ -39,6 +39,10 @@ class RunOptions:
     on_nonfinite: NonFiniteAction = "skip"
     hang_timeout: float | None = None
     capture: bool = True
+    check_inputs: bool = True
+    ignore_inputs: tuple[str, ...] = ()
+    """``GuardConfig.ignore_inputs``: entries of the model call's inputs (``prestart.batch_of``)
+    the input check leaves out, e.g. ``"[1]"`` for the second positional argument."""
     launcher: Launcher = "plain"
     """``torchrun``: the command launches workers; its own process (the agent) never attaches."""
 
@@ -47,6 +51,10 @@ class RunOptions:
             raise ConfigError("on_nonfinite", f"got {self.on_nonfinite!r}; use skip, warn or raise")
         if self.hang_timeout is not None and self.hang_timeout < 0:
             raise ConfigError("hang_timeout", f"got {self.hang_timeout}; use seconds >= 0")
+        names = self.ignore_inputs
+        if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):
+            raise ConfigError("ignore_inputs", f"got {names!r}; use a list of entry names")
+        object.__setattr__(self, "ignore_inputs", tuple(names))  # a list from JSON
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -15,6 +15,7 @@ carries an ``index`` / ``indices`` field) the dataset indices.
 from __future__ import annotations
 
 import logging
+import shlex
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -35,7 +36,11 @@ def mask_note(path: str) -> str:
     """Said of a non-finite input at ``path`` that looks like an additive attention / padding
     mask: how to leave it out of the check."""
     name = batchtree.ignore_name(path)
-    leave_out = f"ignore_inputs=({name!r},)" if name else "check_inputs=False"
+    leave_out = (
+        f"ignore_inputs=({name!r},) (trainguard run: --ignore-inputs {shlex.quote(name)})"
+        if name
+        else "check_inputs=False (trainguard run: --no-check-inputs)"
+    )
     return (
         f"; it holds only 0 and -inf: an additive mask? If deliberate, pass {leave_out} (the "
         "loss and the gradients stay checked) or build the -inf in the model from a boolean mask"

@@ -59,7 +59,8 @@ def log_nonfinite(
 INPUTS_ON_PURPOSE = (
     " (the batch holds NaN/Inf while the loss and gradients are finite; if it does on purpose,"
     " as an additive -inf attention mask does, name it in ignore_inputs, e.g."
-    " ignore_inputs=('attention_mask',), or pass check_inputs=False)"
+    " ignore_inputs=('attention_mask',) (trainguard run: --ignore-inputs NAME), or pass"
+    " check_inputs=False (--no-check-inputs))"
 )
 """Said where the input check alone stopped a step: the fix for inputs meant to be so."""
 

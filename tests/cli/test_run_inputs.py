@@ -1,0 +1,49 @@
+"""``trainguard run --ignore-inputs`` / ``--no-check-inputs``: a script whose model takes an
+additive -inf mask as an input trains through, the rest of its inputs still checked; without
+them its steps are skipped until the guard stops it, and the message names the flag."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainguard.attach.options import RunOptions
+from trainguard.cli import main
+from trainguard.errors import ConfigError
+
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "run_scripts" / "additive_mask.py"
+
+
+def _kinds(run_dir: Path) -> list[str]:
+    lines = (run_dir / "events" / "rank-0.jsonl").read_text().splitlines()
+    return [json.loads(line)["kind"] for line in lines]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags", [["--ignore-inputs", "[1]"], ["--no-check-inputs"]])
+def test_a_mask_input_left_out_trains_through(tmp_path: Path, flags: list[str]) -> None:
+    command = [sys.executable, str(SCRIPT)]
+    assert main(["run", "--run-dir", str(tmp_path), *flags, "--", *command]) == 0
+    kinds = _kinds(tmp_path)
+    assert "start" in kinds and "bad_input" not in kinds and "nonfinite" not in kinds
+
+
+@pytest.mark.timeout(120)
+def test_without_them_the_guard_stops_the_script_naming_the_flag(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    command = [sys.executable, str(SCRIPT)]
+    assert main(["run", "--run-dir", str(tmp_path), "--", *command]) == 1  # NonFiniteError
+    err = capfd.readouterr().err
+    assert "--ignore-inputs '[1]'" in err  # the entry's own path, quoted for the shell
+    assert _kinds(tmp_path).count("bad_input") == 5  # max_consecutive, then the stop
+
+
+def test_the_input_options_reach_the_workers_as_json() -> None:
+    options = RunOptions(check_inputs=False, ignore_inputs=("mask", "[1]"))
+    assert RunOptions.from_mapping(json.loads(options.to_json())) == options
+    with pytest.raises(ConfigError, match="ignore_inputs"):
+        RunOptions(ignore_inputs="mask")  # type: ignore[arg-type]
