@@ -137,6 +137,7 @@ def test_ignore_inputs_matches_keys_and_attributes_anywhere_in_the_batch() -> No
 def test_the_mask_note_names_the_entry_to_ignore() -> None:
     assert "ignore_inputs=('attention_mask',)" in mask_note("[0]['attention_mask']")
     assert "ignore_inputs=('[1]',)" in mask_note("[1]")
+    assert "ignore_inputs=(\"['args'][1]\",)" in mask_note("['args'][1]")  # not all args
     assert "check_inputs=False" in mask_note("")  # the batch is the mask itself
 
 

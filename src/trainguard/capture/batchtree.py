@@ -282,10 +282,12 @@ def path_prefixes(path: str) -> list[str]:
 
 
 def ignore_name(path: str) -> str:
-    """What ``GuardConfig.ignore_inputs`` takes for ``path``: its last key or attribute name,
-    else the whole path."""
-    names = path_names(path)
-    return names[-1] if names else path
+    """What ``GuardConfig.ignore_inputs`` takes for ``path``: its key or attribute name when
+    it ends in one, else the whole path (``"['args'][1]"``: the name ``args`` would leave out
+    every positional argument)."""
+    segments = _SEGMENT.findall(path)
+    name = _segment_name(segments[-1]) if segments else None
+    return name if name is not None else path
 
 
 def tensors_outside(obj: Any, ignore: frozenset[str], path: str = "") -> list[Tensor]:
