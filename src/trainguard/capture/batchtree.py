@@ -15,11 +15,9 @@ tensor or a list of ints), those are the samples' dataset indices.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import importlib
 import math
-import re
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import ModuleType
@@ -219,11 +217,11 @@ def _build_dataclass(cls: type, fields: dict[str, Any]) -> Any:
 
 def _children(obj: Any) -> list[tuple[str, Any]] | None:
     """``(path suffix, child)`` pairs of a container, or None for a leaf."""
-    named = _named_children(obj)
+    named = named_children(obj)
     return None if named is None else [(suffix, child) for suffix, _, child in named]
 
 
-def _named_children(obj: Any) -> list[tuple[str, str | None, Any]] | None:
+def named_children(obj: Any) -> list[tuple[str, str | None, Any]] | None:
     """``(path suffix, name, child)`` of a container (``name``: a string dict key or an
     attribute name, None for an index or another key), or None for a leaf."""
     if isinstance(obj, (Tensor, *_PRIMITIVES)):
@@ -247,67 +245,6 @@ def leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
         return
     for suffix, child in children:
         yield from leaves(child, path + suffix)
-
-
-_SEGMENT = re.compile(r"\[(?:'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|[^\]]*)\]|\.\w+")
-"""One step of a batch path (``leaves``): ``['key']``, ``[3]`` or ``.name``."""
-
-
-def _segment_name(segment: str) -> str | None:
-    """The dict key (a string) or attribute name of one path segment; None for an index."""
-    if segment.startswith("."):
-        return segment[1:]
-    inner = segment[1:-1]
-    if inner[:1] in ("'", '"'):
-        name: str = ast.literal_eval(inner)
-        return name
-    return None
-
-
-def path_names(path: str) -> list[str]:
-    """The dict keys (strings) and attribute names along a batch path (``leaves``):
-    ``"[0]['mask'].x"`` -> ``["mask", "x"]``."""
-    names = (_segment_name(segment) for segment in _SEGMENT.findall(path))
-    return [name for name in names if name is not None]
-
-
-def path_prefixes(path: str) -> list[str]:
-    """``path`` and the paths of its containers in the batch, outermost first:
-    ``"[0]['mask']"`` -> ``["[0]", "[0]['mask']"]``."""
-    prefixes, at = [], ""
-    for segment in _SEGMENT.findall(path):
-        at += segment
-        prefixes.append(at)
-    return prefixes
-
-
-def ignore_name(path: str) -> str:
-    """What ``GuardConfig.ignore_inputs`` takes for ``path``: its key or attribute name when
-    it ends in one, else the whole path (``"['args'][1]"``: the name ``args`` would leave out
-    every positional argument)."""
-    segments = _SEGMENT.findall(path)
-    name = _segment_name(segments[-1]) if segments else None
-    return name if name is not None else path
-
-
-def tensors_outside(obj: Any, ignore: frozenset[str], path: str = "") -> list[Tensor]:
-    """The tensor leaves of ``obj`` outside the entries ``ignore`` names: an entry whose key
-    or attribute name, or whose whole path, is in ``ignore`` is left out with everything in
-    it (``GuardConfig.ignore_inputs``)."""
-    found: list[Tensor] = []
-    _collect_outside(obj, ignore, path, found)
-    return found
-
-
-def _collect_outside(obj: Any, ignore: frozenset[str], path: str, found: list[Tensor]) -> None:
-    if isinstance(obj, Tensor):
-        found.append(obj)
-        return
-    for suffix, name, child in _named_children(obj) or ():
-        at = path + suffix
-        if name in ignore or at in ignore:
-            continue
-        _collect_outside(child, ignore, at, found)
 
 
 def map_tensors(obj: Any, fn: Callable[[Tensor], Any]) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainguard.capture import batchtree
+from trainguard.capture import batchpaths
 from trainguard.report.crashes import crash_line
 from trainguard.report.readers import int_of, number
 from trainguard.report.runs import LEGACY
@@ -193,7 +193,7 @@ def _bad_input(e: dict[str, Any]) -> str:
     tensors = [t for t in e.get("tensors") or [] if isinstance(t, dict)]
     if tensors and all(t.get("additive_mask") for t in tensors):
         found = sorted({str(t.get("path")) for t in tensors})
-        names = tuple(dict.fromkeys(batchtree.ignore_name(path) for path in found))
+        names = tuple(dict.fromkeys(batchpaths.ignore_name(path) for path in found))
         leave_out = f"ignore_inputs={names!r}" if all(names) else "check_inputs=False"
         line += (
             f" ({', '.join(found)}: only 0 and -inf, an additive mask: {leave_out} if deliberate)"

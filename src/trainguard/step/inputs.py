@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainguard.capture import batchtree
+from trainguard.capture import batchpaths, batchtree
 from trainguard.events import EventLog
 from trainguard.numerics import stored_values
 from trainguard.step.consensus import Agreement
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 def mask_note(path: str) -> str:
     """Said of a non-finite input at ``path`` that looks like an additive attention / padding
     mask: how to leave it out of the check."""
-    name = batchtree.ignore_name(path)
+    name = batchpaths.ignore_name(path)
     leave_out = (
         f"ignore_inputs=({name!r},) (trainguard run: --ignore-inputs {shlex.quote(name)})"
         if name
@@ -49,10 +49,10 @@ def mask_note(path: str) -> str:
 
 def is_ignored(path: str, ignore: frozenset[str]) -> bool:
     """Whether ``ignore_inputs`` names ``path`` or an entry holding it: its key or attribute
-    name, or the whole path (as ``batchtree.tensors_outside`` leaves it out)."""
-    if any(name in ignore for name in batchtree.path_names(path)):
+    name, or the whole path (as ``batchpaths.tensors_outside`` leaves it out)."""
+    if any(name in ignore for name in batchpaths.path_names(path)):
         return True
-    return any(prefix in ignore for prefix in batchtree.path_prefixes(path))
+    return any(prefix in ignore for prefix in batchpaths.path_prefixes(path))
 
 
 def float_tensors(batches: Sequence[Any], ignore: frozenset[str] = frozenset()) -> list[Tensor]:
@@ -61,7 +61,7 @@ def float_tensors(batches: Sequence[Any], ignore: frozenset[str] = frozenset()) 
     ``ignore``: ``ignore_inputs``, the entries left out (``is_ignored``)."""
     found: list[Tensor] = []
     for batch in batches:
-        walked = batchtree.tensors_outside(batch, ignore) if ignore else batchtree.tensors(batch)
+        walked = batchpaths.tensors_outside(batch, ignore) if ignore else batchtree.tensors(batch)
         for tensor in walked:
             if not tensor.is_floating_point() or tensor.numel() == 0:
                 continue
