@@ -204,6 +204,15 @@ def test_a_slow_loop_and_an_unlimited_log_keep_every_step(tmp_path: Path) -> Non
         MetricsLog(tmp_path / "m.jsonl", max_lines_per_second=0.0)
 
 
+def test_a_slow_loops_lines_are_on_disk_within_a_second(tmp_path: Path) -> None:
+    """What a killed process (a launcher's SIGTERM) loses: the last second at most."""
+    clock = _Clock()
+    log = MetricsLog(tmp_path / "m.jsonl", clock=clock)
+    _offer(log, clock, range(4), 0.4)  # 2.5 steps a second: flushed at step 2 (1.2 s)
+    on_disk = [json.loads(line)["step"] for line in log.path.read_text().splitlines()]
+    assert on_disk == [0, 1, 2]  # step 3 (0.4 s later) still buffered, not lost for long
+
+
 @pytest.mark.parametrize("lines_per_second", [50.0, math.inf])
 def test_the_guard_thins_its_metrics_log_by_the_option(
     tmp_path: Path, lines_per_second: float

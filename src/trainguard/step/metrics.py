@@ -14,8 +14,12 @@ Writes are batched: records are buffered as they are (their fields are built and
 line encoded at the flush, in one tight loop, which costs a step less than building them
 between two steps of training) and appended every ``flush_every`` lines or
 ``flush_seconds`` seconds (checked when a step is recorded), at once after a step that is not
-``ok``, and on close. A process killed, or ended by the hang watchdog (``os._exit``), loses
-the lines still buffered: at most ``flush_every`` steps, or the last ``flush_seconds``.
+``ok``, and on close. A process killed (a launcher's SIGTERM after another rank failed, which
+no Python code sees while the main thread waits in a collective) loses the lines still
+buffered: at most ``flush_every`` steps, or the last ``flush_seconds`` (1 s: a flush is a
+file append, about 50-100 us, so a loop slower than 100 steps a second pays that once a
+second and keeps all but its last second). The hang watchdog flushes before it ends the
+process (``os._exit``).
 
 The size is bounded by thinning: every step is written up to ``dense_steps``, then every
 10th step up to ``10 * dense_steps``, every 100th up to ``100 * dense_steps``, and so on
@@ -115,7 +119,7 @@ class MetricsLog:
         path: Path,
         *,
         flush_every: int = 100,
-        flush_seconds: float = 5.0,
+        flush_seconds: float = 1.0,
         dense_steps: int = 10_000,
         max_lines_per_second: float = 100.0,
         rate_free_steps: int = 1_000,
