@@ -192,10 +192,7 @@ def train(
     except tg.NonFiniteError as exc:
         out["error"] = type(exc).__name__
     params = full_params(model)
-    gathered = [params]
-    if dist.is_initialized():
-        gathered = [torch.zeros_like(params) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, params)
+    gathered = _gathered(params)
     out.update(
         step=guard.state.step,
         finite=bool(torch.isfinite(params).all()),
