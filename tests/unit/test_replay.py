@@ -454,18 +454,18 @@ def test_a_batch_type_the_factory_file_lacks_is_named_with_the_fix(tmp_path: Pat
 
 
 def test_an_unrebuilt_type_stays_a_plain_container_through_copies() -> None:
-    from trainguard.capture import batchtree
+    from trainguard.capture import batchcodec, batchtree
 
     @dataclasses.dataclass
     class Pair:
         x: torch.Tensor
 
-    stored = batchtree.encode(Pair(torch.ones(2)))
+    stored = batchcodec.encode(Pair(torch.ones(2)))
     stored["type"] = "__main__:NoSuchPair"
-    batch = batchtree.decode(stored)
+    batch = batchcodec.decode(stored)
     assert isinstance(batch, dict) and torch.equal(batch["x"], torch.ones(2))
     moved = batchtree.map_tensors(batch, lambda t: t * 2)
     assert type(moved) is type(batch) and torch.equal(moved["x"], torch.full((2,), 2.0))
-    with pytest.raises(batchtree.UnrebuiltTypeError, match="NoSuchPair"):
+    with pytest.raises(batchcodec.UnrebuiltTypeError, match="NoSuchPair"):
         _ = moved.x
-    assert type(batchtree.decode(stored, restore_types=False)) is dict
+    assert type(batchcodec.decode(stored, restore_types=False)) is dict

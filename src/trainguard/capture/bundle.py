@@ -9,7 +9,7 @@ A bundle is a folder ``run_dir/captures/step-{step:08d}/``::
                         "decision", "lr"}, ...]}, non-finite floats as "nan"/"inf" strings
     rank-{r}/meta.json  loss, micro-batch losses, gradient norms, non-finite parameters,
                         environment, dataset indices, model mode
-    rank-{r}/batch.pt   the step's micro-batches on CPU (see batchtree: loads weights_only)
+    rank-{r}/batch.pt   the step's micro-batches on CPU (see batchcodec: loads weights_only)
     rank-{r}/rng.pt     python, numpy, torch CPU and CUDA generator states
     rank-{r}/model.pt   the weights before the bad update (unsharded models)
     rank-{r}/optimizer.pt  the optimizer state (unsharded models)
@@ -47,7 +47,7 @@ from typing import IO, Any
 import torch
 from torch import Tensor
 
-from trainguard.capture import batchtree
+from trainguard.capture import batchcodec
 from trainguard.errors import BundleError
 from trainguard.events import to_jsonable
 
@@ -268,7 +268,7 @@ class Bundle:
         micro = stored.get("micro_batches") if isinstance(stored, dict) else None
         if not isinstance(micro, list):
             raise BundleError(self.rank_dir(rank) / "batch.pt", "holds no micro_batches list")
-        return [batchtree.decode(item, restore_types) for item in micro]
+        return [batchcodec.decode(item, restore_types) for item in micro]
 
     def rng(self, rank: int) -> dict[str, Any] | None:
         stored = self._load(rank, "rng.pt")

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from trainguard.capture import batchtree
+from trainguard.capture import batchcodec, batchtree
 from trainguard.capture.bundle import Bundle, load_bundle
 from trainguard.errors import BundleError
 
@@ -110,11 +110,11 @@ def _stored_batches(bundle: Bundle, rank: int) -> list[tuple[Any, str | None]]:
     micro = stored.get("micro_batches") if isinstance(stored, dict) else None
     if not isinstance(micro, list):
         raise BundleError(path, "holds no micro_batches list")
-    return [(batchtree.decode(item, restore_types=False), _type_tag(item)) for item in micro]
+    return [(batchcodec.decode(item, restore_types=False), _type_tag(item)) for item in micro]
 
 
 def _type_tag(item: Any) -> str | None:
-    tag = item.get("type") if isinstance(item, dict) and batchtree.TAG in item else None
+    tag = item.get("type") if isinstance(item, dict) and batchcodec.TAG in item else None
     return tag if isinstance(tag, str) and tag else None
 
 

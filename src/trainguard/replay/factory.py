@@ -26,7 +26,7 @@ from typing import Any, cast
 
 from torch import Tensor, nn
 
-from trainguard.capture import batchtree
+from trainguard.capture import batchcodec
 from trainguard.errors import ReplayError
 
 __all__ = ["Factory", "ReplaySpec", "first_line", "resolve_factory"]
@@ -58,7 +58,7 @@ def resolve_factory(factory: str | Factory | ReplaySpec) -> ReplaySpec:
     func = _import_factory(factory) if isinstance(factory, str) else factory
     module = sys.modules.get(getattr(func, "__module__", None) or "")
     if module is not None:  # the script's own batch types, defined in __main__ when it ran
-        batchtree.main_stand_in(module)
+        batchcodec.main_stand_in(module)
     argv0 = factory.rpartition(":")[0] if isinstance(factory, str) else None
     made = _call(func, name, argv0)
     if isinstance(made, ReplaySpec):

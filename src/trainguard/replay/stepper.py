@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from trainguard.capture import batchtree
+from trainguard.capture import batchcodec, batchtree
 from trainguard.capture.rng import rng_state, set_rng_state
 from trainguard.errors import ReplayError
 from trainguard.numerics import norm_or_inf, stored_values
@@ -145,7 +145,7 @@ class StepRunner:
                 if strict:
                     hint = (
                         ""
-                        if isinstance(exc, batchtree.UnrebuiltTypeError)
+                        if isinstance(exc, batchcodec.UnrebuiltTypeError)
                         else "; check that --factory builds the model and loss of the training run"
                     )
                     raise ReplayError(

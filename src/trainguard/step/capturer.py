@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from trainguard.capture import batchtree
+from trainguard.capture import batchcodec, batchtree
 from trainguard.capture.bundle import (
     DCP_DIR,
     FORMAT,
@@ -382,7 +382,7 @@ def write_rank(
     inner = unwrap(model)
     micro = evidence.micro_batches
     files: dict[str, Any] = {
-        "batch.pt": {"micro_batches": [batchtree.encode(b) for b in micro or []]},
+        "batch.pt": {"micro_batches": [batchcodec.encode(b) for b in micro or []]},
         "rng.pt": encode_rng(evidence.rng) if evidence.rng is not None else {},
     }
     if not sharded:
