@@ -228,7 +228,7 @@ class GuardConfig:
             check_run_option(self.run)
         except ValueError as exc:
             raise ConfigError("run", str(exc)) from None
-        _check_ignore_inputs(self.ignore_inputs)
+        check_ignore_inputs(self.ignore_inputs)
         self.ignore_inputs = tuple(self.ignore_inputs)
         _check_recovery(self)
         _check_spikes(self)
@@ -273,7 +273,9 @@ def _check_health(config: GuardConfig) -> None:
         )
 
 
-def _check_ignore_inputs(names: object) -> None:
+def check_ignore_inputs(names: object) -> None:
+    """``ignore_inputs`` must be a tuple (or list) of non-empty names (``trainguard run``'s
+    options are checked by it too)."""
     if isinstance(names, str):
         raise ConfigError(
             "ignore_inputs",

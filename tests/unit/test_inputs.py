@@ -12,8 +12,9 @@ import torch
 from tg_models import TinyNet
 
 import trainguard as tg
+from trainguard.capture.batchpaths import is_ignored
 from trainguard.capture.batchtree import nonfinite_tensors as bad_tensors
-from trainguard.step.inputs import float_tensors, is_ignored, mask_note, max_abs
+from trainguard.step.inputs import float_tensors, mask_note, max_abs
 
 NAN = float("nan")
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from trainguard.config import NonFiniteAction
+from trainguard.config import NonFiniteAction, check_ignore_inputs
 from trainguard.errors import ConfigError
 
 ENV_VAR = "TRAINGUARD_RUN"
@@ -51,10 +51,8 @@ class RunOptions:
             raise ConfigError("on_nonfinite", f"got {self.on_nonfinite!r}; use skip, warn or raise")
         if self.hang_timeout is not None and self.hang_timeout < 0:
             raise ConfigError("hang_timeout", f"got {self.hang_timeout}; use seconds >= 0")
-        names = self.ignore_inputs
-        if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):
-            raise ConfigError("ignore_inputs", f"got {names!r}; use a list of entry names")
-        object.__setattr__(self, "ignore_inputs", tuple(names))  # a list from JSON
+        check_ignore_inputs(self.ignore_inputs)
+        object.__setattr__(self, "ignore_inputs", tuple(self.ignore_inputs))  # JSON: a list
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -52,6 +52,14 @@ def ignore_name(path: str) -> str:
     return name if name is not None else path
 
 
+def is_ignored(path: str, ignore: frozenset[str]) -> bool:
+    """Whether ``ignore`` names ``path`` or an entry holding it, by key or attribute name or
+    by the whole path: the rule ``tensors_outside`` walks by, for paths already written."""
+    if any(name in ignore for name in path_names(path)):
+        return True
+    return any(prefix in ignore for prefix in path_prefixes(path))
+
+
 def tensors_outside(obj: Any, ignore: frozenset[str], path: str = "") -> list[Tensor]:
     """The tensor leaves of ``obj`` outside the entries ``ignore`` names: an entry whose key
     or attribute name, or whose whole path, is in ``ignore`` is left out with everything in

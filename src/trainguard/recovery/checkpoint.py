@@ -191,7 +191,7 @@ def load(path: Path, objects: TrainingObjects, rank: int) -> dict[str, Any]:
     if objects.scaler is not None and "scaler" in extras:
         objects.scaler.load_state_dict(extras["scaler"])
     missing = objects.load_extra(extras.get("extra") or {})
-    if missing:
+    if missing and rank == 0:  # every rank's file holds the same names
         logger.warning(
             "trainguard: the checkpoint %s holds no %s (Guard(extra_state=...)): left as they "
             "are (a checkpoint written before they were given to the guard)",

@@ -47,18 +47,10 @@ def mask_note(path: str) -> str:
     )
 
 
-def is_ignored(path: str, ignore: frozenset[str]) -> bool:
-    """Whether ``ignore_inputs`` names ``path`` or an entry holding it: its key or attribute
-    name, or the whole path (as ``batchpaths.tensors_outside`` leaves it out)."""
-    if any(name in ignore for name in batchpaths.path_names(path)):
-        return True
-    return any(prefix in ignore for prefix in batchpaths.path_prefixes(path))
-
-
 def float_tensors(batches: Sequence[Any], ignore: frozenset[str] = frozenset()) -> list[Tensor]:
     """The non-empty floating-point tensors of the batches (detached; no copies); a sparse
     tensor by its stored values (``numerics.stored_values``: a COO tensor coalesced).
-    ``ignore``: ``ignore_inputs``, the entries left out (``is_ignored``)."""
+    ``ignore``: ``ignore_inputs``, the entries left out (``batchpaths.tensors_outside``)."""
     found: list[Tensor] = []
     for batch in batches:
         walked = batchpaths.tensors_outside(batch, ignore) if ignore else batchtree.tensors(batch)
@@ -197,4 +189,4 @@ class InputCheck:
         found = batchtree.nonfinite_tensors(batches)
         if not self.ignore:
             return found
-        return [entry for entry in found if not is_ignored(entry["path"], self.ignore)]
+        return [entry for entry in found if not batchpaths.is_ignored(entry["path"], self.ignore)]
