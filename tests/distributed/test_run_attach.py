@@ -212,6 +212,85 @@ def test_lightning_without_a_guard_is_guarded_through_its_closure(tmp_path: Path
     assert [e["step"] for e in events if e["kind"] == "skip"] == [2]
 
 
+def _kinds_at(events: list[dict[str, object]], step: int) -> list[str]:
+    return [str(e["kind"]) for e in events if e.get("step") == step and e["kind"] != "phase"]
+
+
+@pytest.mark.timeout(200)
+def test_the_scripts_own_skip_of_a_nan_step_is_every_ranks_skip(bare: Path, tmp_path: Path) -> None:
+    """The script skips ``optimizer.step()`` itself when its loss is not finite: only the rank
+    whose batch holds the NaN does. The guard, waiting in the other ranks' optimizer step, is
+    joined at that rank's ``zero_grad`` (attach/drops.py): the step is skipped on every rank
+    and every rank ends as the bare script leaving the step out. Before: the other ranks' guard
+    all-reduce met the skipping rank's next DDP all-reduce (gloo aborted the job); in one
+    process, the left-out step's batch was counted into the next step, skipped too."""
+    ranks = _ranks(bare)
+    nan_rank, run_dir = ranks - 1, tmp_path / "run"
+    cmd = [*_guarded(run_dir), "--", *_launch(ranks), "--out", str(tmp_path / "out")]
+    done = _run([*cmd, "--nan-rank", str(nan_rank), "--nan-step", str(DROP), "--skip-nonfinite"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_same(tmp_path / "out", bare, ranks)
+    for rank in range(ranks):
+        events = tg.read_events(run_dir, rank)
+        assert [e["step"] for e in events if e["kind"] == "skip"] == [DROP]
+        (bad,) = [e for e in events if e["kind"] == "bad_input"]
+        assert bad["step"] == DROP and bad["ranks"] == [nan_rank]
+        assert "dropped" not in {e["kind"] for e in events}  # a bad step, decided as one
+
+
+@pytest.mark.timeout(200)
+def test_a_step_one_rank_leaves_out_is_left_out_on_every_rank(bare: Path, tmp_path: Path) -> None:
+    """The last rank's loop leaves a finite step's update out by its own rule: every rank
+    leaves it out (``dropped``), so the replicas stay identical, and they end as the bare
+    script leaving the step out (the other ranks' update dropped, the step's buffers put back
+    on every rank). In one process the loop's own choice is left as it made it: recorded,
+    not a bad step, its buffers untouched."""
+    ranks = _ranks(bare)
+    own, run_dir, out = ranks - 1, tmp_path / "run", tmp_path / "out"
+    cmd = [*_guarded(run_dir), "--", *_launch(ranks), "--out", str(out)]
+    done = _run([*cmd, "--own-skip-rank", str(own), "--own-skip-step", str(DROP)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in range(ranks):
+        events = tg.read_events(run_dir, rank)
+        assert _kinds_at(events, DROP) == ["dropped"]
+        (dropped,) = [e for e in events if e["kind"] == "dropped"]
+        assert dropped["ranks"] == [own]
+    if ranks == 1:
+        reference = tmp_path / "reference"  # the bare script with the same rule
+        bare_cmd = [*_launch(1, bare=True), "--out", str(reference)]
+        done = _run([*bare_cmd, "--own-skip-rank", "0", "--own-skip-step", str(DROP)])
+        assert done.returncode == 0, done.stderr[-3000:]
+        _assert_same(out, reference, 1)
+        return
+    assert "rank(s) [1] left the optimizer step out themselves" in done.stderr
+    _assert_same(out, bare, ranks)
+
+
+@pytest.mark.timeout(200)
+def test_every_ranks_scaler_overflow_is_the_scalers_skip(tmp_path: Path) -> None:
+    """A GradScaler leaves out a step whose scaled gradients overflowed, on every rank (DDP's
+    gradients are the same): that is the scaler's skip, recorded as ``overflow``, neither a
+    non-finite step nor a drop, and the run is bit-identical to the bare script."""
+    ranks, run_dir = 2, tmp_path / "run"
+    args = ["--scaler", "--overflow-rank", "0", "--overflow-step", str(DROP)]
+    done = _run([*_launch(ranks, bare=True), "--out", str(tmp_path / "bare"), *args])
+    assert done.returncode == 0, done.stderr[-3000:]
+    cmd = [*_guarded(run_dir), "--", *_launch(ranks), "--out", str(tmp_path / "out"), *args]
+    done = _run(cmd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_same(tmp_path / "out", tmp_path / "bare", ranks)
+    for rank in range(ranks):
+        scale = torch.load(tmp_path / "out" / f"rank{rank}.pt")["scale"]
+        assert scale == torch.load(tmp_path / "bare" / f"rank{rank}.pt")["scale"] == 2.0**9
+        events = tg.read_events(run_dir, rank)
+        assert _kinds_at(events, DROP) == ["overflow"]
+        kinds = {e["kind"] for e in events}
+        assert not kinds & {"nonfinite", "skip", "dropped", "bad_input"}
+    lines = (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()
+    decisions = {line["step"]: line["decision"] for line in map(json.loads, lines)}
+    assert decisions == {step: "overflow" if step == DROP else "ok" for step in range(8)}
+
+
 CLIP = 0.05
 """The scripts' ``--clip``: small enough that every step's gradients are clipped."""
 

@@ -4,8 +4,9 @@ One concept per module: ``options`` (the command's options and the environment t
 them to every process), ``bootstrap/sitecustomize.py`` (runs at each process's start-up and
 installs the hooks once torch is imported), ``prestart`` (the first step's start, recorded
 before the guard exists), ``discovery`` (which module is the model; a guard already there),
-``hooks`` (the optimizer and model hooks, the guard they attach, standing aside) and
-``launch`` (running the command, its exit status). See docs/run.md.
+``hooks`` (the optimizer and model hooks, the guard they attach, standing aside),
+``clip`` (a script's gradient clip: checked before it), ``drops`` (a step the script leaves
+out itself, seen at its ``zero_grad``) and ``launch`` (running the command, its exit status). See docs/run.md.
 
 Offers: ``trainguard.attach.launch`` behind the ``trainguard run`` command; nothing here is
 imported by ``import trainguard``. Sits above the step path (like the integrations): it

@@ -17,6 +17,9 @@ script's process changes. The attach points need no cooperation from the script:
 * the gradient clipping functions (``clip.ClipWatch``): a script's clip over the guarded
   optimizer's parameters checks the step before it clips, so the guard sees the gradients
   as backward made them;
+* ``zero_grad`` of the guarded optimizer and model (``drops.DropWatch``): a step the script
+  leaves out itself on some rank (its own ``if``) is checked there, in the all-reduce the
+  other ranks' optimizer step joined, and every rank leaves it out;
 * a forward pre-hook on the model records each step's micro-batches (the call's
   arguments, by reference) and marks the loop's progress for the watchdog (an evaluation's
   forwards, through the model or ``model.module``, are progress too: the guard's own
@@ -49,6 +52,7 @@ from torch.utils.hooks import RemovableHandle
 
 from trainguard.attach.clip import ClipWatch
 from trainguard.attach.discovery import describe, describe_module, existing_guard, find_model
+from trainguard.attach.drops import DropWatch
 from trainguard.attach.options import RunOptions
 from trainguard.attach.prestart import PreStart, StepZero, batch_of
 from trainguard.errors import ConfigError
@@ -134,6 +138,7 @@ class Attacher:
         self.aside = False
         self._prestart = PreStart()
         self._clip = ClipWatch()
+        self._drops = DropWatch()
         self._handles: list[RemovableHandle | HookHandle] = []
         self._restore_destroy: Callable[[], None] | None = None
 
@@ -165,6 +170,7 @@ class Attacher:
         if guard is None:
             return
         self._clip.remove()  # nothing to check before a clip from now on
+        self._drops.remove()
         try:
             guard.close()
         except Exception as exc:  # NonFiniteError included: the run is over anyway
@@ -173,6 +179,7 @@ class Attacher:
     def _remove_hooks(self) -> None:
         self._prestart.remove()
         self._clip.remove()
+        self._drops.remove()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -261,10 +268,14 @@ class Attacher:
         if self.model is not None and shadowed_in_join(self.model):  # every rank, this step
             self.stand_aside(JOIN_REASON, then="the script runs unguarded, its Join as it was")
             return
-        if loss is not None:
-            guard.check(loss)
-        else:
-            guard.check_gradients()
+        self._drops.busy = True  # a skip's own zero_grad is not the script leaving it out
+        try:
+            if loss is not None:
+                guard.check(loss)
+            else:
+                guard.check_gradients()
+        finally:
+            self._drops.busy = False
 
     # -- attaching ---------------------------------------------------------------------------
 
@@ -304,6 +315,7 @@ class Attacher:
         self.guard, self.optimizer, self.model = guard, optimizer, model
         guard._drop_update.keep_dropped = True  # given back after the skipped step
         self._clip.attach(optimizer, functools.partial(self._before_update, optimizer, None))
+        self._drops.attach(guard, optimizer, model, lambda: self._clip.scaled)
         _adopt_step_zero(guard, prestart.calls.get(id(model)))
         prestart.calls.clear()
         # a Hook: a copy of the model (EMA, torch.save) carries an inert one; run eagerly
@@ -321,6 +333,7 @@ class Attacher:
             return  # an evaluation: progress, counted by the guard's step-start hook
         guard.progress.enter("step")
         self._clip.forward()
+        self._drops.forward()
         guard.record_batch(batch_of(args, kwargs))
 
     def _announce(self, guard: Guard, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

@@ -2,7 +2,8 @@
 
 The bad steps are counted from their events: a non-finite step by its ``nonfinite`` event's
 ``action`` (``skip``, ``warn``, ``escalate``...), a GradScaler overflow by its ``overflow``
-event, a spike the rule skipped or escalated by its ``spike`` events (one per judged step).
+event, a step a rank's loop left out itself (``trainguard run``) by its ``dropped`` event, a
+spike the rule skipped or escalated by its ``spike`` events (one per judged step).
 ``ok`` is the steps run (``report/starts.py``: every start's, those run again counted again)
 minus them. A run without readable events (``events/`` missing or unreadable) is counted
 from its metrics log's ``decision`` field instead (``metric_decisions``).
@@ -15,19 +16,22 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+NOT_NONFINITE = ("ok", "spike", "overflow", "dropped")
+"""Decisions of a step that was not a non-finite one, whatever its gradient norm."""
+
 
 def decision_counts(
     nonfinite: list[dict[str, Any]],
-    overflows: int,
+    others: dict[str, int],
     spikes: list[dict[str, Any]],
     steps_run: int,
     steps: int,
 ) -> dict[str, int]:
     """``{"ok": n, "skip": n, ...}`` from the merged events (``ok`` first, the rest sorted);
-    with no step reached (``steps``), the bad ones only."""
+    with no step reached (``steps``), the bad ones only. ``others``: the steps neither ok nor
+    bad by their own events' count (``overflow``, ``dropped``)."""
     bad: Counter[str] = Counter(str(e.get("action") or "?") for e in nonfinite)
-    if overflows:
-        bad["overflow"] += overflows
+    bad.update({kind: count for kind, count in others.items() if count})
     bad.update(spike_actions(spikes))
     ok = max(steps_run - sum(bad.values()), 0)
     return {"ok": ok, **dict(sorted(bad.items()))} if steps else dict(bad)
@@ -67,7 +71,7 @@ def metric_nonfinite(points: Sequence[MetricPoint]) -> list[dict[str, Any]]:
     for point in points:
         norm = point.grad_norm
         grad_bad = norm is None or not math.isfinite(norm)
-        if point.decision in ("ok", "spike", "overflow") or not (point.bad_ranks or grad_bad):
+        if point.decision in NOT_NONFINITE or not (point.bad_ranks or grad_bad):
             continue
         where = "loss" if point.bad_ranks else "grad"
         found.append(
@@ -86,4 +90,4 @@ def metric_decisions(points: Sequence[MetricPoint], steps_run: int, steps: int) 
     """``decision_counts`` from the metrics log's ``decision`` field (no readable events):
     every line not ``ok`` is a bad step (the log keeps every one of them, however thinned)."""
     bad = [{"action": p.decision} for p in points if p.decision != "ok"]
-    return decision_counts(bad, 0, [], steps_run, steps)
+    return decision_counts(bad, {}, [], steps_run, steps)

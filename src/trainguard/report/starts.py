@@ -18,7 +18,7 @@ from typing import Any
 
 from trainguard.report.readers import float_of, int_of
 
-CHECKED = ("nonfinite", "spike", "skip", "overflow")
+CHECKED = ("nonfinite", "spike", "skip", "overflow", "dropped")
 """Events of a step that was checked: the start reached the step after it."""
 
 

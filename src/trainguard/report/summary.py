@@ -221,9 +221,9 @@ def _summary(found: _RunDir, run: str | None) -> RunSummary:
     summary.starts = len(starts)
     summary.first_step = starts[0].begin if starts else 0
     summary.steps_run = sum(s.steps for s in starts)
-    overflows = len(_merged(events, "overflow"))
+    others = {kind: len(_merged(events, kind)) for kind in ("overflow", "dropped")}
     summary.decisions = decision_counts(
-        summary.nonfinite, overflows, summary.spikes, summary.steps_run, summary.steps
+        summary.nonfinite, others, summary.spikes, summary.steps_run, summary.steps
     )
     if not events:  # events missing or unreadable: what the metrics log says
         _fill_from_metrics(summary)

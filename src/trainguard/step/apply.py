@@ -4,7 +4,8 @@
 spike it skips is recorded as one); a spike it skips or escalates goes to ``apply_spike``
 (dropped like a non-finite step); else the counters learn a good step, recovery notes it, the
 gradients are clipped by the agreed global norm. ``OVERFLOW`` (fp16 with a GradScaler): the
-scaler's skip, counted.
+scaler's skip, counted. ``DROPPED`` (``trainguard run``: a rank's loop left the update out
+itself): the update dropped on every rank, not counted bad.
 ``SKIP`` / ``RAISE`` / ``ESCALATE``: the step is counted bad, logged (``nonfinite``), captured
 on the first occurrence and on escalation (``evidence``), its update dropped (``drop``:
 gradients cleared, buffers put back); ``RAISE``/``ESCALATE`` raise the stop error, unless
@@ -13,6 +14,7 @@ gradients cleared, buffers put back); ``RAISE``/``ESCALATE`` raise the stop erro
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,8 @@ from trainguard.step.policy import Decision
 from trainguard.step.spikes import host_lr
 from trainguard.step.spikewatch import SpikeWatch
 from trainguard.step.state import GuardState
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,11 +84,14 @@ class DecisionApply:
             if spike is not None:
                 return self.apply_spike(spike, agreement, stats, step)
             return self.apply_good(step, agreement.mean_loss, agreement.grad_norm(), stats.grads)
+        if decision is Decision.DROPPED:
+            return self.apply_dropped(agreement, step)
         if parts.scaler is not None:
             amp.mark_overflow(parts.scaler, parts.optimizer)
         if decision is Decision.OVERFLOW:
             parts.state.overflow_steps += 1
-            parts.drop(step)
+            if not agreement.scaler_dropped:  # else every rank's scaler left it out already
+                parts.drop(step)
             parts.events.write("overflow", step, ranks=agreement.grad_ranks)
             return False
         parts.state.record_bad(step)
@@ -114,6 +121,28 @@ class DecisionApply:
         if parts.config.grad_clip is not None:
             clip_(grads, grad_norm, parts.config.grad_clip)
         return True
+
+    def apply_dropped(self, agreement: Agreement, step: int) -> bool:
+        """A finite step some rank's loop left out itself (``Decision.DROPPED``). When every
+        rank did, that is the loop's own choice, left as it made it (its buffers too); else
+        the other ranks drop the update (buffers put back on every rank), so the replicas stay
+        identical. Not counted bad."""
+        parts = self._parts
+        ranks = agreement.dropped_ranks
+        if len(ranks) == len(agreement.drops):
+            parts.events.write("dropped", step, ranks=ranks)
+            return False
+        restored = parts.drop(step)
+        parts.events.write("dropped", step, ranks=ranks, buffers_restored=restored)
+        if parts.rank == 0:
+            logger.warning(
+                "trainguard: step %d: rank(s) %s left the optimizer step out themselves "
+                "(zero_grad after backward, no optimizer.step()); every rank leaves it out, "
+                "so the replicas stay identical",
+                step,
+                ranks,
+            )
+        return False
 
     def apply_spike(
         self, decision: Decision, agreement: Agreement, stats: GradStats, step: int

@@ -97,6 +97,7 @@ class GuardAssembly:
         self._start.on_evaluation = self.progress.beat  # evaluating is not being stuck
         self._losses = StepLosses()  # record_loss() and check()'s loss: step/losses.py
         self._loss_known = True  # False inside check_gradients(): no loss is recorded
+        self._dropped = 0.0  # inside _check_dropped(): this rank's loop left the update out
         self._no_grads = NoGradientsCheck(self._params, self.events, self.rank)
         self._drop_update = UpdateDrop(
             optimizer, self._params, self._start, self.events, self.rank
@@ -253,6 +254,7 @@ class GuardAssembly:
             evidence=self._evidence,
             stream=lambda: self._stream,
             step_of=lambda: self.state.step,
+            dropped=lambda: self._dropped,
         )
 
     def _lone_parts(self) -> LoneParts:

@@ -33,6 +33,7 @@ COLUMNS = (
     "batches",
     "data_time",
     "compute_time",
+    "dropped",
 )
 DEVICE_COLUMNS = 5
 """The first columns come from the device (``LocalReport.values``); the rest from the host."""
@@ -44,6 +45,14 @@ _EXHAUSTED = COLUMNS.index("exhausted")
 _BATCHES = COLUMNS.index("batches")
 _DATA_TIME = COLUMNS.index("data_time")
 _COMPUTE_TIME = COLUMNS.index("compute_time")
+_DROPPED = COLUMNS.index("dropped")
+
+DROPPED_BY_LOOP = 1.0
+"""``LocalReport.dropped``: the loop left the update out on this rank (``trainguard run`` saw
+``zero_grad`` after a backward with no ``optimizer.step()``: ``attach/drops.py``)."""
+DROPPED_WITH_SCALER = 2.0
+"""``LocalReport.dropped``: as ``DROPPED_BY_LOOP``, in a process whose GradScaler scales the
+loss (``scaler.step`` leaves the optimizer out after an fp16 overflow)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,9 @@ class LocalReport:
     layout: FoldedRow | None = None
     """A world of one's folded row (``local_row``): ``values`` holds the columns' pieces,
     reduced on the host at the read."""
+    dropped: float = 0.0
+    """0: this rank's loop goes on to the update; ``DROPPED_BY_LOOP`` or
+    ``DROPPED_WITH_SCALER``: it already left the update out."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +114,19 @@ class Agreement:
     """Per rank: seconds of its own compute in the step."""
     fingerprints: list[float] = field(default_factory=list)
     """Per rank: the replicated weights' fingerprint (all 0 when not checked this step)."""
+    drops: list[float] = field(default_factory=list)
+    """Per rank: ``LocalReport.dropped`` (empty: no rank dropped the update itself)."""
+
+    @property
+    def dropped_ranks(self) -> list[int]:
+        """Ranks whose loop left the step's update out itself (``trainguard run``)."""
+        return [rank for rank, dropped in enumerate(self.drops) if dropped > 0.5]
+
+    @property
+    def scaler_dropped(self) -> bool:
+        """Every rank left the update out in a process whose GradScaler scales the loss: the
+        scaler's skip of an fp16 overflow, when the gradients are not finite."""
+        return bool(self.drops) and all(d > DROPPED_WITH_SCALER - 0.5 for d in self.drops)
 
     @property
     def bad(self) -> bool:
@@ -227,6 +252,7 @@ class Consensus:
             data_times=[row[_DATA_TIME] for row in rows],
             compute_times=[row[_COMPUTE_TIME] for row in rows],
             fingerprints=[row[_FINGERPRINT] for row in rows],
+            drops=[row[_DROPPED] for row in rows] if any(row[_DROPPED] for row in rows) else [],
         )
 
 
@@ -244,7 +270,13 @@ def _alone(values: list[float], report: LocalReport, sharded: bool) -> Agreement
     """``Consensus.read`` of a world of one, from its device columns and its own host fields
     (the same agreement, without building the rows)."""
     return alone_agreement(
-        values, report.exhausted, report.batches, report.data_time, report.compute_time, sharded
+        values,
+        report.exhausted,
+        report.batches,
+        report.data_time,
+        report.compute_time,
+        sharded,
+        report.dropped,
     )
 
 
@@ -255,6 +287,7 @@ def alone_agreement(
     data_time: float,
     compute_time: float,
     sharded: bool = False,
+    dropped: float = 0.0,
 ) -> Agreement:
     """A world of one's agreement: its reduced device columns ``values`` (``COLUMNS`` order)
     and its host fields (also ``step/lone.py``'s, for the usual step)."""
@@ -270,10 +303,12 @@ def alone_agreement(
         data_times=[data_time],
         compute_times=[compute_time],
         fingerprints=[fingerprint],
+        drops=[dropped] if dropped else [],
     )
 
 
 def _host_columns(report: LocalReport) -> list[float]:
     """The row's host part, in ``COLUMNS`` order after the device columns."""
     exhausted = 1.0 if report.exhausted else 0.0
-    return [exhausted, float(report.batches), report.data_time, report.compute_time]
+    times = [report.data_time, report.compute_time]
+    return [exhausted, float(report.batches), *times, report.dropped]

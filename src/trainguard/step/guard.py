@@ -36,7 +36,7 @@ from trainguard.errors import ConfigError
 from trainguard.recovery.snapshot import TrainingObjects, stateful_objects
 from trainguard.step import amp
 from trainguard.step.assembly import GuardAssembly
-from trainguard.step.consensus import Agreement
+from trainguard.step.consensus import DROPPED_BY_LOOP, DROPPED_WITH_SCALER, Agreement
 from trainguard.step.data import BatchStream
 from trainguard.step.deferred import StepOutcome
 from trainguard.step.detect import GradStats
@@ -213,6 +213,21 @@ class Guard(GuardAssembly):
         finally:
             self._loss_known = True
             self._no_grads.backward_ran = True
+
+    def _check_dropped(self, scaled: bool) -> bool:
+        """``check_gradients()`` of a step this rank's loop left out itself (``trainguard
+        run``: ``attach/drops.py``), always on the full path: its row says so, and every rank
+        then leaves the update out (``Decision.DROPPED``; ``OVERFLOW`` when every rank's
+        GradScaler left out an overflowed step, ``scaled``), in the same collective as the
+        ranks that went on to ``optimizer.step()``. Returns False (nothing to step)."""
+        self._dropped = DROPPED_WITH_SCALER if scaled else DROPPED_BY_LOOP
+        self._loss_known = False
+        try:
+            self._check(torch.zeros(()))
+        finally:
+            self._dropped = 0.0
+            self._loss_known = True
+        return False
 
     def check(self, loss: LossLike | None = None) -> bool:
         """After backward, before the optimizer step. True only when the loss and every

@@ -49,6 +49,9 @@ class MeasureParts:
     fold: bool = False
     """A world of one: a row read back at once (``check()``, not the sync-free step) may be
     folded on the host (``local_row``)."""
+    dropped: Callable[[], float] = float
+    """The row's ``dropped`` column (``LocalReport.dropped``): 0.0 unless the loop left this
+    step's update out on this rank (``Guard._check_dropped``)."""
 
 
 class StepMeasure:
@@ -130,4 +133,5 @@ class StepMeasure:
             data_time=data_time,
             compute_time=compute_time,
             layout=layout,
+            dropped=self._parts.dropped(),
         )

@@ -25,6 +25,9 @@ class Decision(enum.Enum):
     """fp16 gradient overflow that the GradScaler handles: skip, scale goes down."""
     SPIKE = "spike"
     """Finite, but a loss or gradient-norm spike and ``on_spike="skip"``: skipped like "skip"."""
+    DROPPED = "dropped"
+    """Finite, but the loop left the update out itself on some rank (``trainguard run``: its
+    own ``if``): every rank leaves it out, so the replicas stay identical. Not a bad step."""
 
 
 _ACTION = {"skip": Decision.SKIP, "warn": Decision.WARN, "raise": Decision.RAISE}
@@ -38,7 +41,9 @@ def decide(
 ) -> Decision:
     """Decide a step. ``scaler_scale``: the GradScaler's scale, or None without a scaler."""
     if not agreement.bad:
-        return Decision.OK
+        return Decision.DROPPED if agreement.drops and agreement.dropped_ranks else Decision.OK
+    if agreement.scaler_dropped and not agreement.input_ranks:
+        return Decision.OVERFLOW  # every rank's scaler left out a step whose gradients overflowed
     if scaler_scale is not None and not (agreement.loss_ranks or agreement.input_ranks):
         # Gradients overflowed while the loss is finite: the scaler's business, unless the
         # scale has collapsed (then no scale makes the gradients fit).

@@ -9,6 +9,12 @@
         [--clip MAX_NORM]                clip_grad_norm_ before every optimizer step
         [--grad-nan-rank R --grad-nan-step S]  rank R's head.weight gradient gets a NaN
                                          after backward at step S (before the clip)
+        [--skip-nonfinite]               the script's own rule: no optimizer step when its
+                                         loss is not finite (on that rank alone)
+        [--own-skip-rank R --own-skip-step S]  rank R's loop leaves step S's update out
+                                         itself (forward and backward done)
+        [--scaler --overflow-rank R --overflow-step S]  a GradScaler (CPU) scales the loss;
+                                         rank R's loss at step S overflows once scaled
 
 Each rank saves its final weights, buffers and optimizer state to ``DIR/rank{r}.pt``, and
 with ``--clip`` the norms the clip returned (``clip_norms``: step -> float).
@@ -90,6 +96,12 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=0.0)
     parser.add_argument("--grad-nan-rank", type=int, default=-1)
     parser.add_argument("--grad-nan-step", type=int, default=-1)
+    parser.add_argument("--skip-nonfinite", action="store_true")
+    parser.add_argument("--own-skip-rank", type=int, default=-1)
+    parser.add_argument("--own-skip-step", type=int, default=-1)
+    parser.add_argument("--scaler", action="store_true")
+    parser.add_argument("--overflow-rank", type=int, default=-1)
+    parser.add_argument("--overflow-step", type=int, default=-1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     distributed = "LOCAL_RANK" in os.environ
@@ -103,12 +115,24 @@ def main() -> None:
     head = torch.optim.SGD(net.head.parameters(), lr=0.01) if args.second_optimizer else None
     loader = DataLoader(Points(rank, args.steps, args), batch_size=4)
     clip_norms: dict[int, float] = {}
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if args.scaler else None
     for step, (x, y) in enumerate(loader):
         if step == args.drop_step:
             continue
         optimizer.zero_grad()
         loss = F.mse_loss(model(x), y)
+        if rank == args.overflow_rank and step == args.overflow_step:
+            loss = loss * 1e36  # finite, and Inf once scaled
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            continue
         loss.backward()
+        if args.skip_nonfinite and not torch.isfinite(loss):
+            continue  # the script's own rule, on this rank alone
+        if rank == args.own_skip_rank and step == args.own_skip_step:
+            continue
         if rank == args.grad_nan_rank and step == args.grad_nan_step:
             with torch.no_grad():
                 net.head.weight.grad[0, 0] = float("nan")  # type: ignore[index]
@@ -120,6 +144,8 @@ def main() -> None:
             head.step()
     args.out.mkdir(parents=True, exist_ok=True)
     state = {"model": net.state_dict(), "optimizer": optimizer.state_dict()}
+    if scaler is not None:
+        state["scale"] = scaler.get_scale()
     state["clip_norms"] = clip_norms
     torch.save(state, args.out / f"rank{rank}.pt")
     print(f"rank {rank}: trained {args.steps} steps, last loss {loss.item():.4f}", flush=True)
