@@ -355,6 +355,13 @@ def _add_run_command(commands: Any) -> None:
         help="check the model call's floating-point inputs for NaN/Inf (default: on)",
     )
     run.add_argument(
+        "--allow-masks",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="an input holding only 0 and -inf at a step whose gradients are finite is an "
+        "additive mask: not skipped, left out of the check from then on (default: on)",
+    )
+    run.add_argument(
         "--ignore-inputs",
         action="append",
         default=[],
@@ -386,6 +393,7 @@ def _run(args: argparse.Namespace) -> int:
         capture=args.capture,
         check_inputs=args.check_inputs,
         ignore_inputs=tuple(args.ignore_inputs),
+        allow_masks=args.allow_masks,
     )
     finished = run_command(command, options)
     if not finished.attached:

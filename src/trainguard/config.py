@@ -145,6 +145,13 @@ class GuardConfig:
     it (``"[0]['mask']"``). The rest of the batch stays checked; ``check_inputs=False``
     turns the whole check off."""
 
+    allow_masks: bool = True
+    """An input entry holding only 0 and -inf (an additive attention or padding mask: the
+    ``nn.Transformer`` tutorial's ``src_mask``) at a step whose losses and gradients are finite
+    on every rank is taken for a mask: the step is not skipped, and that entry is left out of
+    the input check from then on (an ``input_mask`` event and one warning name it). False:
+    such an input makes the step bad, as any non-finite input does."""
+
     replica_check_every: int = 100
     """Steps between checks that the replicated weights (DDP, or one process per replica)
     agree across ranks: a fingerprint rides the step's agreement (0: off). Not for FSDP2

@@ -1,6 +1,8 @@
-"""``trainguard run --ignore-inputs`` / ``--no-check-inputs``: a script whose model takes an
-additive -inf mask as an input trains through, the rest of its inputs still checked; without
-them its steps are skipped until the guard stops it, and the message names the flag."""
+"""``trainguard run --ignore-inputs`` / ``--no-check-inputs`` / ``--[no-]allow-masks``: a
+script whose model takes an additive -inf mask as an input trains through, the rest of its
+inputs still checked; by default the mask is found at the first step and left out; with
+``--no-allow-masks`` its steps are skipped until the guard stops it, and the message names
+the flag."""
 
 from __future__ import annotations
 
@@ -32,18 +34,33 @@ def test_a_mask_input_left_out_trains_through(tmp_path: Path, flags: list[str]) 
 
 
 @pytest.mark.timeout(120)
-def test_without_them_the_guard_stops_the_script_naming_the_flag(
+def test_without_them_the_mask_is_found_and_left_out(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``allow_masks`` (on by default): the first step finds the input holding only 0 and -inf
+    at a finite step, says so once naming the flag, and leaves it out; no step is skipped."""
+    command = [sys.executable, str(SCRIPT)]
+    assert main(["run", "--run-dir", str(tmp_path), "--", *command]) == 0
+    err = capfd.readouterr().err
+    assert err.count("taken for an additive mask") == 1 and "--ignore-inputs '[1]'" in err
+    kinds = _kinds(tmp_path)
+    assert kinds.count("input_mask") == 1 and "bad_input" not in kinds and "skip" not in kinds
+
+
+@pytest.mark.timeout(120)
+def test_with_no_allow_masks_the_guard_stops_the_script_naming_the_flag(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     command = [sys.executable, str(SCRIPT)]
-    assert main(["run", "--run-dir", str(tmp_path), "--", *command]) == 1  # NonFiniteError
+    run = ["run", "--run-dir", str(tmp_path), "--no-allow-masks", "--", *command]
+    assert main(run) == 1  # NonFiniteError
     err = capfd.readouterr().err
     assert "--ignore-inputs '[1]'" in err  # the entry's own path, quoted for the shell
     assert _kinds(tmp_path).count("bad_input") == 5  # max_consecutive, then the stop
 
 
 def test_the_input_options_reach_the_workers_as_json() -> None:
-    options = RunOptions(check_inputs=False, ignore_inputs=("mask", "[1]"))
+    options = RunOptions(check_inputs=False, ignore_inputs=("mask", "[1]"), allow_masks=False)
     assert RunOptions.from_mapping(json.loads(options.to_json())) == options
     with pytest.raises(ConfigError, match="ignore_inputs"):
         RunOptions(ignore_inputs="mask")  # type: ignore[arg-type]

@@ -18,13 +18,17 @@ import trainguard as tg
 BAD_STEP = 3
 
 
-def _train(rank: int, run_dir: Path, sync_free: bool, mask: bool = False) -> dict[str, Any]:
+def _train(
+    rank: int, run_dir: Path, sync_free: bool, mask: bool = False, named: bool = True
+) -> dict[str, Any]:
     """``mask``: rank 1's batches also carry an additive -inf mask at every step, unused by
-    the loss and named in ``ignore_inputs``: it skips nothing and is never reported."""
+    the loss; ``named``: in ``ignore_inputs`` (it skips nothing and is never reported), else
+    found by ``allow_masks`` at the first step (an ``input_mask`` event on rank 1; skipped by
+    nothing, or under the sync-free step the first two: the device had dropped them)."""
     torch.manual_seed(0)
     model = DDP(TinyNet())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=sync_free)
-    ignore = ("mask",) if mask else ()
+    ignore = ("mask",) if mask and named else ()
     guard = tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0, ignore_inputs=ignore)
     gen = torch.Generator().manual_seed(rank)
     batches = [
@@ -53,12 +57,14 @@ def _train(rank: int, run_dir: Path, sync_free: bool, mask: bool = False) -> dic
     lines = (run_dir / "events" / f"rank-{rank}.jsonl").read_text().splitlines()
     events = [e for e in map(json.loads, lines) if e["kind"] == "bad_input"]
     nonfinite = [e for e in map(json.loads, lines) if e["kind"] == "nonfinite"]
+    masks = [(e["step"], e["paths"]) for e in map(json.loads, lines) if e["kind"] == "input_mask"]
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {
         "ok": [bool(ok) for ok in oks],
         "events": events,
         "nonfinite": [(e["step"], e["where"], e["ranks"], e["action"]) for e in nonfinite],
         "params": params,
+        "masks": masks,
     }
 
 
@@ -67,15 +73,21 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
         "check": _train(rank, Path(root) / "check", sync_free=False),
         "fused": _train(rank, Path(root) / "fused", sync_free=True),
         "ignored": _train(rank, Path(root) / "ignored", sync_free=False, mask=True),
+        "found": _train(rank, Path(root) / "found", sync_free=False, mask=True, named=False),
+        "found_fused": _train(rank, Path(root) / "ff", sync_free=True, mask=True, named=False),
     }
 
 
 @pytest.mark.timeout(90)
 def test_a_nan_input_on_one_rank_skips_the_step_everywhere(tmp_path: Path) -> None:
     ranks = values(run_ranks(_job, 2, str(tmp_path), timeout=80))
-    for name in ("check", "fused", "ignored"):
+    for name in ("check", "fused", "ignored", "found", "found_fused"):
         r0, r1 = ranks[0][name], ranks[1][name]
-        expected = [step != BAD_STEP for step in range(6)]
+        # the sync-free step measures a step before it reads the one before: its first two
+        # steps were left out on the device before the mask was learned
+        expected = [step != BAD_STEP and (name != "found_fused" or step > 1) for step in range(6)]
+        found = name.startswith("found")
+        assert r0["masks"] == [] and r1["masks"] == ([(0, ["['mask']"])] if found else []), name
         assert r0["ok"] == r1["ok"] == expected, name
         assert [(e["step"], e["ranks"]) for e in r0["events"]] == [(BAD_STEP, [1])], name
         assert r0["events"][0]["tensors"] == []  # rank 0's batch was fine

@@ -292,9 +292,12 @@ def bias_factory() -> tuple[nn.Module, Any]:
     return BiasAttention(), bias_loss
 
 
-def train_with_bias(run_dir: Path, check_inputs: bool, empty: int | None) -> Path:
+def train_with_bias(
+    run_dir: Path, check_inputs: bool, empty: int | None, allow_masks: bool = False
+) -> Path:
     """Batches of sequences padded by an additive bias in the batch; ``empty``: the sample
-    of step 1 (dataset index 10 + empty) with no valid token (its whole row -inf)."""
+    of step 1 (dataset index 10 + empty) with no valid token (its whole row -inf).
+    ``allow_masks`` off by default here: the bias is then a bad input, captured."""
     model = BiasAttention()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(3)
@@ -310,7 +313,12 @@ def train_with_bias(run_dir: Path, check_inputs: bool, empty: int | None) -> Pat
         y = torch.randint(0, CLASSES, (BATCH,), generator=gen)
         batches.append({"x": x, "bias": bias, "y": y, "index": torch.arange(BATCH) + 10 * step})
     with tg.Guard(
-        model, optimizer, run_dir=run_dir, hang_timeout=0, check_inputs=check_inputs
+        model,
+        optimizer,
+        run_dir=run_dir,
+        hang_timeout=0,
+        check_inputs=check_inputs,
+        allow_masks=allow_masks,
     ) as guard:
         for batch in guard.watch(batches):
             loss = bias_loss(model, batch)

@@ -249,3 +249,68 @@ def test_the_replay_of_a_skip_for_an_unread_input_names_the_input_not_the_device
     assert [c["position"] for c in report.culprit_samples] == [3]
     assert "['aux']" in report.summary and "suspect" not in report.summary
     assert "transient" not in report.summary + report.advice
+
+
+def _mask_loop(run_dir: Path, allow_masks: bool, faults: dict[int, str]) -> list[bool]:
+    """Six steps whose batches carry an additive mask (0 / -inf, unused by the loss) besides
+    ``x``; ``faults``: step -> "nan_x" (a NaN in ``x``, read by the loss), "nan_w" (a NaN in
+    another entry, not read), "bias" (a -inf among values other than 0: not a mask)."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mask = torch.zeros(4, 4).masked_fill(torch.eye(4, dtype=torch.bool), -float("inf"))
+    batches = []
+    for step in range(6):
+        batch = {"x": torch.randn(4, 8), "w": torch.ones(4), "mask": mask.clone()}
+        if faults.get(step) == "nan_x":
+            batch["x"][0, 0] = NAN
+        elif faults.get(step) == "nan_w":
+            batch["w"][1] = NAN
+        elif faults.get(step) == "bias":
+            batch["mask"][0, 1] = 0.5
+        batches.append(batch)
+    oks = []
+    with tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0, allow_masks=allow_masks) as guard:
+        for batch in guard.watch(batches):
+            loss = model(batch["x"]).pow(2).mean()
+            loss.backward()
+            oks.append(guard.check(loss))
+            opt.step()
+            opt.zero_grad()
+    return oks
+
+
+def test_a_mask_at_a_finite_step_is_found_once_and_left_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="trainguard"):
+        oks = _mask_loop(tmp_path, True, {3: "nan_w"})
+    assert oks == [True, True, True, False, True, True]  # only the NaN in ``w`` skips
+    assert [(e["step"], e["paths"]) for e in _events(tmp_path, "input_mask")] == [(0, ["['mask']"])]
+    assert [e["step"] for e in _events(tmp_path, "bad_input")] == [3]
+    assert sum("taken for an additive mask" in r.getMessage() for r in caplog.records) == 1
+    assert "ignore_inputs=('mask',)" in caplog.text and "--ignore-inputs mask" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("faults", "expected"),
+    [
+        ({0: "nan_x"}, [False, True, True, True, True, True]),  # the loss is NaN: bad
+        ({0: "nan_w"}, [False, True, True, True, True, True]),  # another entry too: bad
+        ({0: "bias"}, [False, True, True, True, True, True]),  # not only 0 and -inf: bad
+    ],
+)
+def test_a_step_with_more_than_a_mask_is_still_bad(
+    tmp_path: Path, faults: dict[int, str], expected: list[bool]
+) -> None:
+    """Not forgiven when anything else is wrong at that step; the mask is found at the next
+    clean one."""
+    assert _mask_loop(tmp_path, True, faults) == expected
+    assert [e["step"] for e in _events(tmp_path, "bad_input")] == [0]
+    assert [e["step"] for e in _events(tmp_path, "input_mask")] == [1]
+
+
+def test_allow_masks_off_makes_a_mask_step_bad(tmp_path: Path) -> None:
+    with pytest.raises(tg.NonFiniteError):  # five in a row: max_consecutive
+        _mask_loop(tmp_path, False, {})
+    assert _events(tmp_path, "input_mask") == []

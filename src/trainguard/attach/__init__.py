@@ -6,7 +6,8 @@ installs the hooks once torch is imported), ``prestart`` (the first step's start
 before the guard exists), ``discovery`` (which module is the model; a guard already there),
 ``hooks`` (the optimizer and model hooks, the guard they attach, standing aside),
 ``clip`` (a script's gradient clip: checked before it), ``drops`` (a step the script leaves
-out itself, seen at its ``zero_grad``) and ``launch`` (running the command, its exit status). See docs/run.md.
+out itself, seen at its ``zero_grad``) and ``launch`` (running the command, its exit
+status). See docs/run.md.
 
 Offers: ``trainguard.attach.launch`` behind the ``trainguard run`` command; nothing here is
 imported by ``import trainguard``. Sits above the step path (like the integrations): it

@@ -308,6 +308,7 @@ class Attacher:
                 hang_timeout=options.hang_timeout,
                 check_inputs=options.check_inputs,
                 ignore_inputs=options.ignore_inputs,
+                allow_masks=options.allow_masks,
             )
         except Exception as exc:
             self.stand_aside(f"the guard could not start: {type(exc).__name__}: {exc}")

@@ -43,6 +43,9 @@ class RunOptions:
     ignore_inputs: tuple[str, ...] = ()
     """``GuardConfig.ignore_inputs``: entries of the model call's inputs (``prestart.batch_of``)
     the input check leaves out, e.g. ``"[1]"`` for the second positional argument."""
+    allow_masks: bool = True
+    """``GuardConfig.allow_masks``: an input holding only 0 and -inf at a finite step is taken
+    for an additive mask (``--no-allow-masks``: a bad step, as any non-finite input)."""
     launcher: Launcher = "plain"
     """``torchrun``: the command launches workers; its own process (the agent) never attaches."""
 

@@ -106,7 +106,11 @@ class GuardAssembly:
         self.spikes = SpikeWatch(self.config, self.events, self.rank)
         self.state.spikes = self.spikes  # saved and restored with the counters
         self._inputs = InputCheck(
-            self.config.check_inputs, self.events, self.rank, self.config.ignore_inputs
+            self.config.check_inputs,
+            self.events,
+            self.rank,
+            self.config.ignore_inputs,
+            allow_masks=self.config.allow_masks,
         )
         self._sampler_epochs = SamplerEpochs(self.events, self.rank)
         metrics = (
@@ -310,6 +314,9 @@ class GuardAssembly:
             take_losses=self._take_losses,
             step_batches=self._evidence.step_batches_taken,
             agreed=self._agreed,
+            forgive_masks=lambda agreement, step: self._inputs.forgive_masks(
+                agreement, step, self._consensus.any_rank
+            ),
             decide=self._decide,
             health=self._health,
             log_nonfinite=self._decision.log_nonfinite,

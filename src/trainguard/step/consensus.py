@@ -209,6 +209,15 @@ class Consensus:
         reduced = self.reduce(report, sum_grad_norms)
         return self.read(reduced.buf.tolist(), reduced)
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is True on some rank: one more (one-value) all-reduce, for the rare
+        step that needs a second word (``InputCheck.forgive_masks``)."""
+        if not self.distributed or self.world_size == 1:
+            return flag
+        value = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value.item() > 0.5)
+
     def exchange_data_state(self, exhausted: bool, batches: int) -> Agreement:
         """A standalone agreement on data availability (start of ``watch()``, or no check)."""
         zeros = torch.zeros(DEVICE_COLUMNS, dtype=torch.float64)

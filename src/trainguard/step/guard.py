@@ -279,6 +279,7 @@ class Guard(GuardAssembly):
             amp.unscale(self.scaler, self.optimizer)
         stats, report, sharded = self._measure(loss, readback=True)
         agreement = self._consensus.agree(report, sharded)
+        agreement = self._inputs.forgive_masks(agreement, step, self._consensus.any_rank)
         if agreement.bad and self._transient is not None:
             agreement, stats = self._transient.rerun(step, agreement, stats)
         return stats, agreement

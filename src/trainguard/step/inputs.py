@@ -14,10 +14,11 @@ carries an ``index`` / ``indices`` field) the dataset indices.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shlex
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -125,11 +126,18 @@ class InputCheck:
     """The guard's input check: a device value per step, a report on a bad step."""
 
     def __init__(
-        self, enabled: bool, events: EventLog, rank: int, ignore: tuple[str, ...] = ()
+        self,
+        enabled: bool,
+        events: EventLog,
+        rank: int,
+        ignore: tuple[str, ...] = (),
+        allow_masks: bool = True,
     ) -> None:
         self.enabled = enabled
         self.ignore = frozenset(ignore)
-        """``ignore_inputs``: the batch entries left out of the check."""
+        """``ignore_inputs``: the batch entries left out of the check (and the masks found,
+        ``forgive_masks``)."""
+        self.allow_masks = allow_masks
         self._events = events
         self._rank = rank
         self._checked: deque[tuple[int, list[Any]]] = deque(maxlen=3)
@@ -162,6 +170,52 @@ class InputCheck:
         if keep:
             self._checked.append((step, list(batches)))
         return tensors
+
+    def forgive_masks(
+        self, agreement: Agreement, step: int, any_rank: Callable[[bool], bool]
+    ) -> Agreement:
+        """``GuardConfig.allow_masks``: a step whose only fault is its inputs, each of them on
+        every rank an entry holding only 0 and -inf (an additive mask), is not bad: the
+        agreement without its input ranks, those entries left out of the check from now on
+        (``input_mask`` event, a warning). Every rank of such a step adds one one-value
+        all-reduce (``any_rank``: does some rank hold another non-finite input?); a mask is
+        found once, so a run pays it once per mask entry."""
+        if not (self.allow_masks and agreement.input_ranks):
+            return agreement
+        if agreement.loss_ranks or agreement.grad_ranks:
+            return agreement
+        masks: list[str] = []
+        if self._rank in agreement.input_ranks:
+            batches = next((b for s, b in self._checked if s == step), [])
+            found = batchtree.nonfinite_tensors(batches)  # a mask learned since: ignored now
+            masks = [e["path"] for e in found if e["path"] and self._is_mask(e)]
+            if not found or len(masks) < len(found):
+                masks = []
+        other = self._rank in agreement.input_ranks and not masks
+        if any_rank(other):
+            return agreement
+        new = [path for path in masks if not batchpaths.is_ignored(path, self.ignore)]
+        if new:
+            paths = sorted(set(new))
+            self.ignore = self.ignore | frozenset(paths)
+            self._events.write("input_mask", step, paths=paths)
+            names = tuple(dict.fromkeys(batchpaths.ignore_name(path) for path in paths))
+            logger.warning(
+                "trainguard: step %d rank %d: the input at %s holds only 0 and -inf, and the "
+                "step's loss and gradients are finite on every rank: taken for an additive "
+                "mask, not skipped, and left out of the input check from now on (to say so: "
+                "ignore_inputs=%r, trainguard run: %s; allow_masks=False, trainguard run: "
+                "--no-allow-masks, makes such a step bad)",
+                step,
+                self._rank,
+                ", ".join(paths),
+                names,
+                " ".join(f"--ignore-inputs {shlex.quote(name)}" for name in names),
+            )
+        return dataclasses.replace(agreement, input_ranks=[])
+
+    def _is_mask(self, entry: dict[str, Any]) -> bool:
+        return bool(entry.get("additive_mask")) or batchpaths.is_ignored(entry["path"], self.ignore)
 
     def report(self, agreement: Agreement, step: int) -> None:
         """On a step with a non-finite input somewhere: a ``bad_input`` event on every rank

@@ -64,6 +64,8 @@ class SyncFreeParts:
     agreed: Callable[[Agreement, int], None]
     """Tell the batch stream a step's agreement (``steps_ago``)."""
     decide: Callable[[Agreement], Decision]
+    forgive_masks: Callable[[Agreement, int], Agreement]
+    """``InputCheck.forgive_masks`` (every rank, one more all-reduce on such a step only)."""
     health: Callable[[int, Agreement], None]
     """The cross-rank health rules (stragglers, replicas) on a step's agreement."""
     log_nonfinite: Callable[[Decision, Agreement, GradStats, int], None]
@@ -158,6 +160,8 @@ class SyncFreeStep:
         parts = self._parts
         agreement = parts.consensus.read(pending.values(), pending.reduced)
         parts.agreed(agreement, parts.state.step - 1 - pending.step)
+        if raise_errors and self._mask_learned(agreement, pending):
+            return
         decision = parts.decide(agreement)
         spike = self._late_spike(agreement, pending) if decision is Decision.OK else None
         parts.history.record(pending.step, agreement, spike or decision, parts.optimizer)
@@ -179,6 +183,23 @@ class SyncFreeStep:
             parts.events.write("skip", pending.step, consecutive=consecutive)
         elif raise_errors:
             raise parts.stop_error(decision, agreement, pending.step, bundle)
+
+    def _mask_learned(self, agreement: Agreement, pending: PendingStep) -> bool:
+        """A step whose only fault was an additive mask in its inputs (``allow_masks``): the
+        device had left its update out already (its input column is not finite); the mask is
+        learned now, so the next steps are not skipped for it, and the step recorded as a
+        skip for that reason, not as a bad step."""
+        if not agreement.input_ranks:
+            return False
+        parts = self._parts
+        forgiven = parts.forgive_masks(agreement, pending.step)
+        if forgiven.input_ranks:
+            return False
+        parts.history.record(pending.step, forgiven, Decision.SKIP, parts.optimizer)
+        parts.health(pending.step, forgiven)
+        pending.ok = False
+        parts.events.write("skip", pending.step, reason="input_mask")
+        return True
 
     def settled_state(self) -> tuple[dict[str, Any], int | None]:
         """The guard's counters as they will be once the pending step is read, and that step
