@@ -314,3 +314,28 @@ def test_allow_masks_off_makes_a_mask_step_bad(tmp_path: Path) -> None:
     with pytest.raises(tg.NonFiniteError):  # five in a row: max_consecutive
         _mask_loop(tmp_path, False, {})
     assert _events(tmp_path, "input_mask") == []
+
+
+def test_the_sync_free_step_learns_a_mask_a_step_late(tmp_path: Path) -> None:
+    """``guard.step()`` with a fused optimizer decides on the device before the host reads
+    the step: its first two steps are left out before the mask is learned (recorded as skips
+    for ``input_mask``, not bad steps), the rest train; the report counts them as skips."""
+    from trainguard.report.summary import summarize
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    mask = torch.zeros(4, 4).masked_fill(torch.eye(4, dtype=torch.bool), -float("inf"))
+    batches = [{"x": torch.randn(4, 8), "mask": mask} for _ in range(6)]
+    with tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0) as guard:
+        outcomes = []
+        for batch in guard.watch(batches):
+            loss = model(batch["x"]).pow(2).mean()
+            loss.backward()
+            outcomes.append(guard.step(loss))
+        assert [bool(o) for o in outcomes] == [False, False, True, True, True, True]
+        assert guard.state.total_nonfinite == 0
+    skips = _events(tmp_path, "skip")
+    assert [(e["step"], e["reason"]) for e in skips] == [(0, "input_mask"), (1, "input_mask")]
+    assert [e["step"] for e in _events(tmp_path, "input_mask")] == [0]
+    assert summarize(tmp_path).decisions == {"ok": 4, "skip": 2}

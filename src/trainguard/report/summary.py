@@ -222,6 +222,8 @@ def _summary(found: _RunDir, run: str | None) -> RunSummary:
     summary.first_step = starts[0].begin if starts else 0
     summary.steps_run = sum(s.steps for s in starts)
     others = {kind: len(_merged(events, kind)) for kind in ("overflow", "dropped")}
+    # the sync-free step's skips before a mask in the batch was learned: no nonfinite event
+    others["skip"] = sum(e.get("reason") == "input_mask" for e in _merged(events, "skip"))
     summary.decisions = decision_counts(
         summary.nonfinite, others, summary.spikes, summary.steps_run, summary.steps
     )
