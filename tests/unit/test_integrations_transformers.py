@@ -308,3 +308,40 @@ def test_log_metrics_false_leaves_the_logs_alone(tmp_path: Path) -> None:
     )
     trainer.train()
     assert reader.logs and not any(k.startswith("trainguard/") for log in reader.logs for k in log)
+
+
+def test_a_trainers_own_loss_is_named_and_a_model_loss_replay_says_it_did_not_compute_it(
+    tmp_path: Path,
+) -> None:
+    """A Trainer whose ``compute_loss`` computes the loss itself (here: scaled by a weight
+    that is NaN at one step): the bundle's ``meta.json`` names it (``loss_source``), and a
+    replay with ``replay_spec`` (the model's own loss, finite) says that it did not compute
+    the run's loss, instead of a transient fault that points at the device."""
+    from trainguard.integrations.transformers import replay_spec
+
+    ex = _example()
+    calls = {"n": 0}
+
+    class WeightedTrainer(ex.GuardedTrainer):  # type: ignore[misc,name-defined]
+        def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            loss = model(**inputs).loss
+            return loss * (float("nan") if calls["n"] == 2 else 1.0)
+
+    model = ex.tiny_gpt2()
+    callback = TrainGuardCallback(run_dir=tmp_path, hang_timeout=0)
+    trainer = WeightedTrainer(
+        model=model,
+        args=_args(tmp_path),
+        train_dataset=ex.Tokens(masked=None),
+        callbacks=[callback],
+    )
+    trainer.train()
+    bundle = next((tmp_path / "captures").glob("step-*"))
+    meta = json.loads((bundle / "rank-0" / "meta.json").read_text())
+    assert meta["loss_source"].endswith("WeightedTrainer.compute_loss")
+    report = tg.replay(bundle, lambda: replay_spec(ex.tiny_gpt2()), repeats=1)
+    assert not report.reproduced
+    assert "the replay did not compute the loss the run did" in report.summary
+    assert "WeightedTrainer.compute_loss" in report.summary
+    assert report.advice.startswith("Write the factory's loss_fn with the run's own loss")

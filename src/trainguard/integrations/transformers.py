@@ -120,6 +120,7 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
             _check_rerun(args, self._trainer)
             rerun = TrainerRerun(self._trainer, self._micro)
         self.guard = Guard(model, inner, config=config, rerun=rerun)
+        self.guard._evidence.loss_source = custom_loss(self._trainer)
         if self._resume_from is not None:
             self._load_guard_state(Path(self._resume_from), getattr(state, "global_step", 0))
 
@@ -321,6 +322,21 @@ class TrainGuardMixin:
 
 
 # -- rerun -----------------------------------------------------------------------------------
+
+
+def custom_loss(trainer: Any) -> str | None:
+    """The Trainer's own loss computation, when it is not the model's: a subclass's
+    ``compute_loss`` override or a ``compute_loss_func`` (what ``replay_spec``'s
+    ``model_loss`` does not compute); None for the stock one."""
+    from transformers import Trainer
+
+    func = getattr(trainer, "compute_loss_func", None)
+    if func is not None:
+        return f"compute_loss_func ({getattr(func, '__qualname__', type(func).__name__)})"
+    override = next((cls for cls in type(trainer).__mro__ if "compute_loss" in vars(cls)), Trainer)
+    if override is Trainer or issubclass(Trainer, override):
+        return None
+    return f"{override.__qualname__}.compute_loss"
 
 
 def _check_rerun(args: Any, trainer: Any) -> None:

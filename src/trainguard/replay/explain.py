@@ -24,7 +24,15 @@ from trainguard.capture.bundle import Bundle
 from trainguard.replay import autocast as precision
 from trainguard.replay import origin
 from trainguard.replay.report import ReplayReport
-from trainguard.replay.verdicts import ELSEWHERE_ADVICE, OVERWRITTEN_ADVICE, RECEIVED_ADVICE
+from trainguard.replay.verdicts import (
+    ELSEWHERE_ADVICE,
+    LOSS_SOURCE_ADVICE,
+    OVERWRITTEN_ADVICE,
+    RECEIVED_ADVICE,
+)
+
+MODEL_LOSS = "trainguard.integrations.transformers.model_loss"
+"""``replay_spec``'s loss_fn: the model's own loss, not a Trainer's ``compute_loss``."""
 
 
 def explain(
@@ -61,6 +69,8 @@ def explain(
         report.summary = overwritten_summary(lost)
         report.advice = OVERWRITTEN_ADVICE
         return
+    if _loss_not_replayed(report, bundle, found.rank):
+        return
     otherwise = precision.otherwise_summary(autocast)
     note = precision.unrecorded_note(autocast)
     if otherwise is not None:  # replayed under another autocast than the step ran under
@@ -69,6 +79,26 @@ def explain(
         report.summary += origin.none_reproduces(found) + note
     else:
         report.summary += recurrence_note(bundle, found.rank) + note
+
+
+def _loss_not_replayed(report: ReplayReport, bundle: Bundle, rank: int) -> bool:
+    """A finite replay of a step whose loss the run's Trainer computed itself (``meta.json``'s
+    ``loss_source``): with ``replay_spec``'s model loss, the replay did not compute that loss
+    (True: said so); with another loss_fn, the summary names both (False)."""
+    source = bundle.meta(rank).get("loss_source")
+    if not source:
+        return False
+    used = str(report.details.get("loss_fn") or "the factory's loss_fn")
+    if used != MODEL_LOSS:
+        report.summary += f" (The run's loss came from {source}; the replay used {used}.)"
+        return False
+    report.summary = (
+        f"Finite when replayed, but the run's loss came from {source} and the replay's from "
+        f"{used} (the model's own loss): the replay did not compute the loss the run did, so "
+        "it says nothing yet about a transient fault or a device."
+    )
+    report.advice = LOSS_SOURCE_ADVICE
+    return True
 
 
 def recurrence_note(bundle: Bundle, rank: int) -> str:

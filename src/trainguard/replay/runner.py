@@ -177,6 +177,12 @@ def _prepare(
     return _Rank(runner, meta, state)
 
 
+def _qualified(func: object) -> str:
+    """``module.qualname`` of the factory's loss_fn (its type's, for a callable object)."""
+    named = func if hasattr(func, "__qualname__") else type(func)
+    return f"{getattr(named, '__module__', '?')}.{getattr(named, '__qualname__', '?')}"
+
+
 def replay(
     bundle: Bundle | Path | str,
     factory: str | Factory | ReplaySpec,
@@ -211,6 +217,7 @@ def replay(
     runs = [part.runner.run(strict=True) for _ in range(repeats)]
     spike = opened.trigger == "spike"
     report = diagnose_runs(part.runner, runs, part.meta, str(target), bisect, opened.history, spike)
+    report.details["loss_fn"] = _qualified(spec.loss_fn)
     explain(report, found, opened, run_rank, part.autocast)
     replicas = check_replicas(opened, [name for name, _ in spec.model.named_parameters()])
     apply_replicas(report, replicas, who)

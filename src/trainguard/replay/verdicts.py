@@ -141,6 +141,13 @@ OVERWRITTEN_ADVICE = (
 )
 """A finite replay of a capture that lacks micro-batches the loop overwrote."""
 
+LOSS_SOURCE_ADVICE = (
+    "Write the factory's loss_fn with the run's own loss computation (it gets the model and "
+    "the recorded micro-batch) and replay again: until the replay computes the loss the run "
+    "computed, a finite replay points at no transient fault and at no device."
+)
+"""A finite replay, with the model's own loss, of a run whose loss its Trainer computed."""
+
 ELSEWHERE_ADVICE = (
     "The step went non-finite on another rank, not on this one: diagnose that rank (replay "
     "without --rank); this rank's device is not a suspect."

@@ -68,6 +68,11 @@ class StepEvidence:
 
     def __init__(self, parts: EvidenceParts) -> None:
         self._parts = parts
+        self.loss_source: str | None = None
+        """What computed the loss the loop checks, when that is not the model's own forward
+        and a replay's ``loss_fn`` may well not compute it (the HF Trainer's overriding
+        ``compute_loss``): a bundle's ``meta.json`` says so (``loss_source``) and a replay
+        that stays finite names it rather than suspecting a device."""
 
     def batches_of(self, step: int) -> list[Any]:
         """The micro-batches of ``step`` (being decided), without its RNG states."""
@@ -136,6 +141,8 @@ class StepEvidence:
         evidence = step_evidence(step, decision, agreement, stats, batches, rng, losses)
         if not parts.loss_known():
             evidence.extra.update(loss=None, loss_finite=None, micro_losses=[])
+        if self.loss_source is not None:
+            evidence.extra["loss_source"] = self.loss_source
         if forward is not None:
             evidence.extra["forward_inputs"] = forward
             warn_made_in_loop(forward, step, parts.capturer.rank)
