@@ -341,7 +341,7 @@ def test_a_trainers_own_loss_is_named_and_a_model_loss_replay_says_it_did_not_co
     meta = json.loads((bundle / "rank-0" / "meta.json").read_text())
     assert meta["loss_source"].endswith("WeightedTrainer.compute_loss")
     report = tg.replay(bundle, lambda: replay_spec(ex.tiny_gpt2()), repeats=1)
-    assert not report.reproduced
+    assert not report.reproduced and report.verdict == "loss_not_replayed"
     assert "the replay did not compute the loss the run did" in report.summary
     assert "WeightedTrainer.compute_loss" in report.summary
     assert report.advice.startswith("Write the factory's loss_fn with the run's own loss")

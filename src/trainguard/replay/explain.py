@@ -11,6 +11,8 @@ a replay that stayed finite did.
 - finite on a capture that lacks micro-batches the loop overwrote (it refilled one input
   buffer: ``step/manual.py``): the replay says nothing about the step, no device suspected;
 - finite under another ``--autocast`` than the step ran under: that (autocast.py);
+- finite with ``replay_spec``'s model loss, where the run's Trainer computed its own loss
+  (``loss_source``): verdict ``loss_not_replayed``, no device suspected;
 - finite on every rank: none of them made it in its own forward and backward;
 - otherwise a transient fault, with how often the rank and its host went bad in the run's
   other captures (a fault that keeps hitting one GPU or node points at hardware).
@@ -25,8 +27,8 @@ from trainguard.replay import autocast as precision
 from trainguard.replay import origin
 from trainguard.replay.report import ReplayReport
 from trainguard.replay.verdicts import (
+    ADVICE,
     ELSEWHERE_ADVICE,
-    LOSS_SOURCE_ADVICE,
     OVERWRITTEN_ADVICE,
     RECEIVED_ADVICE,
 )
@@ -84,7 +86,8 @@ def explain(
 def _loss_not_replayed(report: ReplayReport, bundle: Bundle, rank: int) -> bool:
     """A finite replay of a step whose loss the run's Trainer computed itself (``meta.json``'s
     ``loss_source``): with ``replay_spec``'s model loss, the replay did not compute that loss
-    (True: said so); with another loss_fn, the summary names both (False)."""
+    (True: verdict ``loss_not_replayed``); with another loss_fn, the summary names both
+    (False)."""
     source = bundle.meta(rank).get("loss_source")
     if not source:
         return False
@@ -97,7 +100,8 @@ def _loss_not_replayed(report: ReplayReport, bundle: Bundle, rank: int) -> bool:
         f"{used} (the model's own loss): the replay did not compute the loss the run did, so "
         "it says nothing yet about a transient fault or a device."
     )
-    report.advice = LOSS_SOURCE_ADVICE
+    report.verdict = "loss_not_replayed"
+    report.advice = ADVICE["loss_not_replayed"]
     return True
 
 

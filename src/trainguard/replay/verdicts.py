@@ -31,6 +31,9 @@ The classes, checked in this order:
 - ``input_made_in_loop``: the replay was finite, and the model's forward had got a
   non-finite input that the fetched batch did not hold: the loop made it between the fetch
   and the forward, which the replay does not run (``capture/forward_inputs.py``).
+- ``loss_not_replayed``: the replay was finite, but the run's loss came from a computation
+  the replay's loss_fn does not do (``meta.json``'s ``loss_source``: the HF Trainer's own
+  ``compute_loss``, replayed with ``replay_spec``'s model loss): nothing to conclude yet.
 - ``not_reproduced``: the replay was finite: a transient fault.
 - ``spike``: a finite step the spike rule skipped (a ``spike`` bundle), and the replay gives
   the recorded loss again: the step's own batch and weights make the spike.
@@ -57,6 +60,7 @@ VERDICTS = (
     "batch_statistics",
     "numerical",
     "input_made_in_loop",
+    "loss_not_replayed",
     "not_reproduced",
     "spike",
 )
@@ -107,6 +111,10 @@ ADVICE = {
     "transform, a cast): fix that code, or move it into the dataset / collate_fn (then the "
     "guard's input check names the sample) or into the replay factory's loss_fn (then the "
     "replay runs it and locates the op).",
+    "loss_not_replayed": "Write the factory's loss_fn with the run's own loss computation (it "
+    "gets the model and the recorded micro-batch) and replay again: until the replay computes "
+    "the loss the run computed, a finite replay points at no transient fault and at no "
+    "device.",
     "not_reproduced": "The step is finite when re-run: a transient fault. If it keeps "
     "happening on the same rank or host, test that GPU or node (memory test, DCGM "
     "diagnostics) and take it out of the pool.",
@@ -140,13 +148,6 @@ OVERWRITTEN_ADVICE = (
     "copies), or have the loop hand each micro-batch to the model as a tensor of its own."
 )
 """A finite replay of a capture that lacks micro-batches the loop overwrote."""
-
-LOSS_SOURCE_ADVICE = (
-    "Write the factory's loss_fn with the run's own loss computation (it gets the model and "
-    "the recorded micro-batch) and replay again: until the replay computes the loss the run "
-    "computed, a finite replay points at no transient fault and at no device."
-)
-"""A finite replay, with the model's own loss, of a run whose loss its Trainer computed."""
 
 ELSEWHERE_ADVICE = (
     "The step went non-finite on another rank, not on this one: diagnose that rank (replay "
