@@ -351,3 +351,19 @@ class GuardAssembly:
 
     def _close(self, raise_errors: bool) -> None:
         raise NotImplementedError  # Guard._close
+
+
+def check_pair(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer must update some of the model's parameters: the guard checks the
+    model's gradients before the optimizer's step (a swapped pair of a GAN would check one
+    network and let the other one's update through)."""
+    updated = {id(p) for group in optimizer.param_groups for p in group.get("params", [])}
+    own = {id(p) for p in model.parameters()}
+    if updated and own and not updated & own:
+        raise ConfigError(
+            "optimizer",
+            f"the {type(optimizer).__name__} updates none of the parameters of the "
+            f"{type(model).__name__} it was given with: the guard checks the model's gradients "
+            "before that optimizer steps; pass the model the optimizer was built over (with "
+            "two models and two optimizers, one Guard per pair, each with its own run_dir)",
+        )

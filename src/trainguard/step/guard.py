@@ -35,7 +35,7 @@ from trainguard.config import (
 from trainguard.errors import ConfigError
 from trainguard.recovery.snapshot import TrainingObjects, stateful_objects
 from trainguard.step import amp
-from trainguard.step.assembly import GuardAssembly
+from trainguard.step.assembly import GuardAssembly, check_pair
 from trainguard.step.consensus import DROPPED_BY_LOOP, DROPPED_WITH_SCALER, Agreement
 from trainguard.step.data import BatchStream
 from trainguard.step.deferred import StepOutcome
@@ -92,7 +92,7 @@ class Guard(GuardAssembly):
             raise ConfigError(
                 "optimizer", f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
-        _check_pair(model, optimizer)
+        check_pair(model, optimizer)
         self.config = config_of(
             config,
             dict(
@@ -215,11 +215,8 @@ class Guard(GuardAssembly):
             self._no_grads.backward_ran = True
 
     def _check_dropped(self, scaled: bool) -> bool:
-        """``check_gradients()`` of a step this rank's loop left out itself (``trainguard
-        run``: ``attach/drops.py``), always on the full path: its row says so, and every rank
-        then leaves the update out (``Decision.DROPPED``; ``OVERFLOW`` when every rank's
-        GradScaler left out an overflowed step, ``scaled``), in the same collective as the
-        ranks that went on to ``optimizer.step()``. Returns False (nothing to step)."""
+        """``check_gradients()`` of a step this rank's loop left out itself, on the full path,
+        its row saying so (``trainguard run``: ``attach/drops.py``). Returns False."""
         self._dropped = DROPPED_WITH_SCALER if scaled else DROPPED_BY_LOOP
         self._loss_known = False
         try:
@@ -430,22 +427,6 @@ class Guard(GuardAssembly):
         if exc is not None and self._watchdog is not None:
             self._watchdog.publish_failure(exc)  # tell the other ranks (not NonFiniteError)
         self._close(raise_errors=exc is None, ended_by=exc)
-
-
-def _check_pair(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """The optimizer must update some of the model's parameters: the guard checks the
-    model's gradients before the optimizer's step (a swapped pair of a GAN would check one
-    network and let the other one's update through)."""
-    updated = {id(p) for group in optimizer.param_groups for p in group.get("params", [])}
-    own = {id(p) for p in model.parameters()}
-    if updated and own and not updated & own:
-        raise ConfigError(
-            "optimizer",
-            f"the {type(optimizer).__name__} updates none of the parameters of the "
-            f"{type(model).__name__} it was given with: the guard checks the model's gradients "
-            "before that optimizer steps; pass the model the optimizer was built over (with "
-            "two models and two optimizers, one Guard per pair, each with its own run_dir)",
-        )
 
 
 _KEYWORD_DEFAULTS: dict[str, object] = {
