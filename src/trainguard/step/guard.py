@@ -14,7 +14,7 @@ import contextlib
 import inspect
 import logging
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -206,25 +206,27 @@ class Guard(GuardAssembly):
         not zero. ``backward_ran=False``: the step ran no backward on any rank by design (a
         Lightning ``training_step`` that returned None): it has no gradient, and the warning
         of a ``check()`` called before ``backward()`` does not apply."""
-        self._loss_known = False
-        self._no_grads.backward_ran = backward_ran
-        try:
-            return self.check(torch.zeros(()))
-        finally:
-            self._loss_known = True
-            self._no_grads.backward_ran = True
+        return self._without_loss(self.check, backward_ran, 0.0)
 
     def _check_dropped(self, scaled: bool) -> bool:
         """``check_gradients()`` of a step this rank's loop left out itself, on the full path,
         its row saying so (``trainguard run``: ``attach/drops.py``). Returns False."""
-        self._dropped = DROPPED_WITH_SCALER if scaled else DROPPED_BY_LOOP
-        self._loss_known = False
-        try:
-            self._check(torch.zeros(()))
-        finally:
-            self._dropped = 0.0
-            self._loss_known = True
+        dropped = DROPPED_WITH_SCALER if scaled else DROPPED_BY_LOOP
+        self._without_loss(self._check, True, dropped)
         return False
+
+    def _without_loss(
+        self, check: Callable[[LossLike], bool], backward_ran: bool, dropped: float
+    ) -> bool:
+        """``check`` of a step whose loss was not seen (the record holds none), this rank's
+        row saying whether it ran a backward and left the update out (``LocalReport``)."""
+        self._loss_known, self._dropped = False, dropped
+        self._no_grads.backward_ran = backward_ran
+        try:
+            return check(torch.zeros(()))
+        finally:
+            self._loss_known, self._dropped = True, 0.0
+            self._no_grads.backward_ran = True
 
     def check(self, loss: LossLike | None = None) -> bool:
         """After backward, before the optimizer step. True only when the loss and every
