@@ -43,6 +43,11 @@ class GuardConfig:
     hang_timeout: float | None = None
     """Seconds without progress before a hang is declared; None learns it; 0 disables."""
 
+    mark_saves: bool = True
+    """While the watchdog runs, a ``torch.save`` on the loop's thread runs in a ``save``
+    phase (docs/hangs.md): one rank writing a long checkpoint while the others wait is not
+    taken for a hang. False: the loop marks its saves itself (``guard.phase``)."""
+
     accumulation_steps: int = 1
     """Micro-batches per optimizer step; ``watch()`` groups batches by this count."""
 
@@ -204,8 +209,9 @@ class GuardConfig:
                 "on_nonfinite", f"got {self.on_nonfinite!r}; use one of {', '.join(_ACTIONS)}"
             )
         _check_health(self)
-        if not isinstance(self.restore_buffers, bool):
-            raise ConfigError("restore_buffers", f"got {self.restore_buffers!r}; use True or False")
+        for name in ("restore_buffers", "mark_saves"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"got {getattr(self, name)!r}; use True or False")
         if not isinstance(self.max_consecutive, int) or self.max_consecutive < 1:
             raise ConfigError(
                 "max_consecutive", f"got {self.max_consecutive!r}; use an integer >= 1"

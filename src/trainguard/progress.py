@@ -37,6 +37,19 @@ class Progress:
         """Progress in the phase the loop is in (an evaluation's forward between steps)."""
         self.beats += 1
 
+    def push_phase(self, name: str) -> str:
+        """Enter the user phase ``name`` (``guard.phase``); returns the phase to go back to
+        (``pop_phase``)."""
+        previous = self.phase
+        self.user_phases.append(name)
+        self.enter(name)
+        return previous
+
+    def pop_phase(self, previous: str) -> None:
+        """Leave the innermost user phase, back to ``previous`` (``push_phase``'s answer)."""
+        self.user_phases.pop()
+        self.enter(previous)
+
     @property
     def in_user_phase(self) -> bool:
         return bool(self.user_phases)

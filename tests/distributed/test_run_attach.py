@@ -163,6 +163,23 @@ def test_a_rank_blocked_in_its_loader_ends_every_rank_with_91(tmp_path: Path) ->
     assert {r["rank"]: r["phase"] for r in report["ranks"]}[1] == "data"
 
 
+@pytest.mark.timeout(120)
+def test_a_long_save_on_one_rank_is_not_a_hang(tmp_path: Path) -> None:
+    """Rank 0 alone writes a checkpoint (``torch.save``) for longer than the hang timeout
+    while rank 1 waits in a barrier: the script cannot mark it, the guard does."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    cmd = [*_guarded(run_dir, "--hang-timeout", "2"), "--", *_launch(2), "--out", str(out)]
+    save = ["--save-rank", "0", "--save-step", "3", "--save-seconds", "6"]
+    done = _run([*cmd, *save], timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not (run_dir / "hangs").exists()
+    for rank in (0, 1):
+        assert "hang" not in [e["kind"] for e in tg.read_events(run_dir, rank)]
+    first, second = (torch.load(out / f"rank{rank}.pt")["model"] for rank in (0, 1))
+    weights = [key for key in first if "running" not in key and "batches" not in key]
+    assert all(torch.equal(first[key], second[key]) for key in weights)  # replicas agree
+
+
 @pytest.mark.timeout(100)
 def test_a_second_optimizer_makes_it_stand_aside(tmp_path: Path) -> None:
     cmd = [*_guarded(tmp_path / "run"), "--", *_launch(1), "--out", str(tmp_path / "out")]

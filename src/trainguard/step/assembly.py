@@ -23,6 +23,7 @@ from trainguard.config import GuardConfig
 from trainguard.elastic import agree_attempt
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
+from trainguard.hang.saves import SAVES, SaveMarking
 from trainguard.hang.watchdog import Watchdog, start_watchdog
 from trainguard.health.replicas import ReplicaWatch
 from trainguard.health.stragglers import StragglerWatch
@@ -191,7 +192,12 @@ class GuardAssembly:
         )
         if self._watchdog is not None:  # a hang exits with os._exit: keep the metrics
             self._watchdog.before_exit(self.history.flush)
-        closers = [c for c in (self._watchdog, self._start, self._timer) if c is not None]
+        self._saves = SaveMarking(
+            SAVES.watch(self.progress) if self._watchdog and self.config.mark_saves else None
+        )  # torch.save on this thread: a "save" phase (hang/saves.py)
+        closers = [
+            c for c in (self._watchdog, self._start, self._timer, self._saves) if c is not None
+        ]
         parts = UnclosedParts(self.progress, self.state, self.events, self.history, closers)
         self._unclosed = unclosed.watch(self, parts)  # dropped or never closed: step/unclosed.py
 

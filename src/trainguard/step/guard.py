@@ -329,15 +329,12 @@ class Guard(GuardAssembly):
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Mark long non-training work (eval, checkpointing) so it is not taken for a hang."""
-        previous = self.progress.phase
-        self.progress.user_phases.append(name)
-        self.progress.enter(name)
+        previous = self.progress.push_phase(name)
         self.events.write("phase", self.state.step, phase=name, state="enter")
         try:
             yield
         finally:
-            self.progress.user_phases.pop()
-            self.progress.enter(previous)
+            self.progress.pop_phase(previous)
             self.events.write("phase", self.state.step, phase=name, state="exit")
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -405,6 +402,7 @@ class Guard(GuardAssembly):
             self.progress.enter("closed")
             if self._watchdog is not None:
                 self._watchdog.stop()
+            self._saves.close()  # torch.save as it was, once no guard marks it
             error = {} if ended_by is None else {"error": error_text(ended_by)}
             self.events.write(
                 "close", self.state.step, total_nonfinite=self.state.total_nonfinite, **error

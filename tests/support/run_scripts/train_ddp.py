@@ -24,6 +24,7 @@ with ``--clip`` the norms the clip returned (``clip_norms``: step -> float).
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import time
 from pathlib import Path
@@ -69,6 +70,19 @@ class Points(Dataset[tuple[Tensor, Tensor]]):
         return self.x[i], self.y[i]
 
 
+class SlowFile(io.BytesIO):
+    """A checkpoint file whose first write takes ``delay`` seconds (a large save)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def write(self, data: Any) -> int:
+        time.sleep(self.delay)
+        self.delay = 0.0
+        return super().write(data)
+
+
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
@@ -102,6 +116,9 @@ def main() -> None:
     parser.add_argument("--scaler", action="store_true")
     parser.add_argument("--overflow-rank", type=int, default=-1)
     parser.add_argument("--overflow-step", type=int, default=-1)
+    parser.add_argument("--save-rank", type=int, default=-1)
+    parser.add_argument("--save-step", type=int, default=-1)
+    parser.add_argument("--save-seconds", type=float, default=0.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     distributed = "LOCAL_RANK" in os.environ
@@ -142,6 +159,11 @@ def main() -> None:
         optimizer.step()
         if head is not None and step >= 2:
             head.step()
+        if step == args.save_step:  # one rank writes a checkpoint, the others wait for it
+            if rank == args.save_rank:
+                torch.save({"model": net.state_dict()}, SlowFile(args.save_seconds))
+            if distributed:
+                dist.barrier()
     args.out.mkdir(parents=True, exist_ok=True)
     state = {"model": net.state_dict(), "optimizer": optimizer.state_dict()}
     if scaler is not None:
