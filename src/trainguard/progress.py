@@ -21,6 +21,8 @@ class Progress:
     beats: int = 0
     phase_since: float = field(default_factory=time.monotonic)
     user_phases: list[str] = field(default_factory=list)
+    busy_beats: int = 0
+    """The beats of ``busy``: work between steps on another module (``hang/busy.py``)."""
     pass_start: bool = False
     """A ``watch()`` pass is fetching its first batches (a DataLoader starting its workers
     at each epoch): the learned hang timeout gives that the start's grace."""
@@ -35,6 +37,12 @@ class Progress:
 
     def beat(self) -> None:
         """Progress in the phase the loop is in (an evaluation's forward between steps)."""
+        self.beats += 1
+
+    def busy(self) -> None:
+        """Work between steps that is not the loop's (an EMA copy's forward): progress for
+        the hang rule, not a stretch the learned timeout measures (``hang/busy.py``)."""
+        self.busy_beats += 1
         self.beats += 1
 
     def push_phase(self, name: str) -> str:

@@ -164,12 +164,13 @@ def test_a_rank_blocked_in_its_loader_ends_every_rank_with_91(tmp_path: Path) ->
 
 
 @pytest.mark.timeout(120)
-def test_a_long_save_on_one_rank_is_not_a_hang(tmp_path: Path) -> None:
-    """Rank 0 alone writes a checkpoint (``torch.save``) for longer than the hang timeout
-    while rank 1 waits in a barrier: the script cannot mark it, the guard does."""
+def test_a_long_save_and_ema_evaluation_on_one_rank_are_not_a_hang(tmp_path: Path) -> None:
+    """Rank 0 alone writes a checkpoint (``torch.save``), then evaluates an EMA copy made
+    before the guard, each for longer than the hang timeout, while rank 1 waits in a
+    barrier: the script marks neither, the guard tells both from a hang."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     cmd = [*_guarded(run_dir, "--hang-timeout", "2"), "--", *_launch(2), "--out", str(out)]
-    save = ["--save-rank", "0", "--save-step", "3", "--save-seconds", "6"]
+    save = ["--save-rank", "0", "--save-step", "3", "--save-seconds", "5", "--eval-seconds", "5"]
     done = _run([*cmd, *save], timeout=100)
     assert done.returncode == 0, done.stderr[-3000:]
     assert not (run_dir / "hangs").exists()

@@ -6,6 +6,7 @@ and phase, the stack files, the events, and how long after the fault every rank 
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import io
 import json
@@ -204,15 +205,18 @@ class SlowFile(io.BytesIO):
         return super().write(data)
 
 
-def rank0_saves_alone(
+def rank0_works_alone(
     rank: int, world_size: int, run_dir: str, timeout: float, mark_saves: bool
 ) -> tuple[int, list[float]]:
-    """Rank 0 alone writes a checkpoint at step 4 (``torch.save``, unmarked by the loop)
-    that outlasts the hang timeout, while rank 1 waits in a barrier."""
+    """At step 4 rank 0 alone writes a checkpoint (``torch.save``), then evaluates an EMA
+    copy made before the guard, each for longer than the hang timeout and unmarked by the
+    loop, while rank 1 waits in a barrier."""
     import torch.distributed as dist
 
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(TinyNet())
+    net = TinyNet()
+    ema = copy.deepcopy(net)
+    model = torch.nn.parallel.DistributedDataParallel(net)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     config = tg.GuardConfig(run_dir=run_dir, hang_timeout=timeout, mark_saves=mark_saves)
     with tg.Guard(model, optimizer, config=config) as guard:
@@ -226,14 +230,15 @@ def rank0_saves_alone(
                     torch.save({"model": model.state_dict(), "step": 4}, file)
                     file.seek(0)
                     assert torch.load(file)["step"] == 4
+                    _evaluate(ema, seconds=2.5 * timeout)
                 dist.barrier()
         return guard.state.step, [float(p.detach().sum()) for p in model.parameters()]
 
 
 @pytest.mark.timeout(90)
-def test_a_long_save_on_one_rank_is_not_a_hang(tmp_path: Path) -> None:
+def test_a_long_save_and_ema_evaluation_on_one_rank_are_not_a_hang(tmp_path: Path) -> None:
     timeout = 2.0
-    results = run_ranks(rank0_saves_alone, 2, str(tmp_path), timeout, True, timeout=75)
+    results = run_ranks(rank0_works_alone, 2, str(tmp_path), timeout, True, timeout=75)
 
     assert [(r.exitcode, r.error_type) for r in results] == [(0, None)] * 2
     assert [r.value[0] for r in results] == [8, 8]
@@ -248,7 +253,7 @@ def test_a_long_save_on_one_rank_is_not_a_hang(tmp_path: Path) -> None:
 def test_an_unmarked_long_save_is_a_hang_named_after_the_saving_rank(tmp_path: Path) -> None:
     """The control: the same save with ``mark_saves=False`` outlasts the timeout."""
     timeout = 2.0
-    results = run_ranks(rank0_saves_alone, 2, str(tmp_path), timeout, False, timeout=75)
+    results = run_ranks(rank0_works_alone, 2, str(tmp_path), timeout, False, timeout=75)
 
     assert [r.exitcode for r in results] == [tg.EXIT_HANG] * 2
     report = only_report(tmp_path)

@@ -12,7 +12,7 @@ import pytest
 import trainguard as tg
 from trainguard.events import EventLog, read_events
 from trainguard.hang.channel import StoreChannel
-from trainguard.hang.timeout import TimeoutLearner
+from trainguard.hang.timeout import TimeoutLearner, record_after
 from trainguard.hang.watchdog import Watchdog, store_prefix
 from trainguard.progress import Progress
 
@@ -332,3 +332,20 @@ def test_store_prefix_separates_torchrun_attempts(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert store_prefix(2) == "trainguard/job/attempt1/2"
+
+
+def test_the_watchdog_arms_the_busy_probe_after_a_quarter_timeout(tmp_path: Path) -> None:
+    """``on_stall`` (the guard's ``BusyProbe.arm``) runs once the loop made no progress for
+    ``record_after``, and not in a user phase."""
+    store, clock = FakeStore(), Clock()
+    r0 = Rank(0, 1, store, clock, tmp_path, timeout=8.0)
+    arms: list[float] = []
+    r0.wd.on_stall.append(lambda: arms.append(clock.now))
+    r0.progress.enter("step", 3)
+    start = clock.now
+    run(clock, [r0], 6.0, step=0.5)  # record_after(8 s) is 2 s
+    assert arms and arms[0] - start >= record_after(8.0)
+    arms.clear()
+    r0.progress.push_phase("eval")
+    run(clock, [r0], 2.0, step=0.5)
+    assert arms == [] and r0.exits == []

@@ -117,11 +117,15 @@ class TimeoutLearner:
 class StallMeter:
     """Measures the local loop's stretches without progress (``Progress.beats`` unchanged)
     and feeds each finished one to the learner, unless part of it was spent in a user phase
-    or outside the loop (``init``, ``done``, ``closed``), or it began during the warm-up."""
+    or outside the loop (``init``, ``done``, ``closed``), it began during the warm-up, or it
+    ended or began with busy beats alone (work on another module: ``hang/busy.py``; a busy
+    beat beside the loop's own, a module called on the batch as the loop resumes, changes
+    nothing)."""
 
     def __init__(self, learner: TimeoutLearner, now: float) -> None:
         self.learner = learner
         self._last_beats = -1
+        self._last_busy = 0
         self._last_change = now
         self._from_steps = 0
         self._excluded = True
@@ -140,10 +144,13 @@ class StallMeter:
         if progress.beats == self._last_beats:
             self._excluded = self._excluded or excluded
             return
-        counted = self._last_beats >= 0 and not self._excluded
+        # only busy beats since the last look: work on another module, not the loop's own
+        busy = progress.busy_beats - self._last_busy == progress.beats - self._last_beats
+        counted = self._last_beats >= 0 and not self._excluded and not busy
         if counted and self._from_steps >= self.learner.warmup_steps:
             self.learner.observe(now - self._last_change, steps_done)
         self._last_beats = progress.beats
+        self._last_busy = progress.busy_beats
         self._last_change = now
         self._from_steps = steps_done
-        self._excluded = excluded
+        self._excluded = excluded or busy

@@ -110,6 +110,9 @@ class Watchdog:
         self._step0 = progress.step
         self._stalls = StallMeter(learner, now)
         self._probe = probe
+        self.on_stall: list[Callable[[], Any]] = []
+        """Called at each tick once the loop has stalled for ``record_after`` (the guard's
+        ``BusyProbe.arm``: work on another module between steps is progress)."""
         self._logged_timeout: tuple[str, float] | None = None
         self._exit = self._exit_path(exit_fn, ack_wait_s)
         self._failures = self._failure_publisher(ack_wait_s)
@@ -264,6 +267,9 @@ class Watchdog:
             self._frozen.arm(timing.frozen_after(self.timeout))
         self._stalls.observe(self.progress, self.steps_done(), now)
         self._log_timeout()
+        if self.on_stall and self._stalled(now):
+            for arm in self.on_stall:
+                arm()
         collective = self._collective(now)
         self._exit.collective = collective
         try:
@@ -283,6 +289,14 @@ class Watchdog:
             verdict = self.channel.propose(verdict)
         if not self._failures.failed:  # set before this rank publishes its own failure
             self._exit.act(verdict)
+
+    def _stalled(self, now: float) -> bool:
+        """The loop (not before it, nor after the guard closed, nor in a user phase) made no
+        progress for ``record_after``."""
+        p = self.progress
+        if p.phase in ("init", "closed") or p.in_user_phase:
+            return False
+        return self._stalls.stalled_for(now) >= timing.record_after(self.timeout)
 
     def _collective(self, now: float) -> dict[str, Any] | None:
         """The collective this rank waits in, once its loop has stalled for

@@ -23,6 +23,7 @@ from trainguard.config import GuardConfig
 from trainguard.elastic import agree_attempt
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
+from trainguard.hang.busy import BusyProbe
 from trainguard.hang.saves import SAVES, SaveMarking
 from trainguard.hang.watchdog import Watchdog, start_watchdog
 from trainguard.health.replicas import ReplicaWatch
@@ -195,8 +196,14 @@ class GuardAssembly:
         self._saves = SaveMarking(
             SAVES.watch(self.progress) if self._watchdog and self.config.mark_saves else None
         )  # torch.save on this thread: a "save" phase (hang/saves.py)
+        self._busy: BusyProbe | None = None  # another module's forwards: progress (busy.py)
+        if self._watchdog is not None:
+            self._busy = BusyProbe(self.progress, self.model)
+            self._watchdog.on_stall.append(self._busy.arm)
         closers = [
-            c for c in (self._watchdog, self._start, self._timer, self._saves) if c is not None
+            c
+            for c in (self._watchdog, self._start, self._timer, self._saves, self._busy)
+            if c is not None
         ]
         parts = UnclosedParts(self.progress, self.state, self.events, self.history, closers)
         self._unclosed = unclosed.watch(self, parts)  # dropped or never closed: step/unclosed.py

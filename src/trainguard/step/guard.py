@@ -403,6 +403,8 @@ class Guard(GuardAssembly):
             if self._watchdog is not None:
                 self._watchdog.stop()
             self._saves.close()  # torch.save as it was, once no guard marks it
+            if self._busy is not None:
+                self._busy.close()
             error = {} if ended_by is None else {"error": error_text(ended_by)}
             self.events.write(
                 "close", self.state.step, total_nonfinite=self.state.total_nonfinite, **error

@@ -24,6 +24,7 @@ with ``--clip`` the norms the clip returned (``clip_norms``: step -> float).
 from __future__ import annotations
 
 import argparse
+import copy
 import io
 import os
 import time
@@ -83,6 +84,16 @@ class SlowFile(io.BytesIO):
         return super().write(data)
 
 
+def evaluate(module: nn.Module, seconds: float) -> None:
+    """Forwards of ``module`` in eval mode for ``seconds`` (a sampler's loop)."""
+    module.eval()
+    end = time.monotonic() + seconds
+    with torch.no_grad():
+        while time.monotonic() < end:
+            module(torch.randn(4, 8))
+            time.sleep(0.1)
+
+
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
@@ -119,6 +130,7 @@ def main() -> None:
     parser.add_argument("--save-rank", type=int, default=-1)
     parser.add_argument("--save-step", type=int, default=-1)
     parser.add_argument("--save-seconds", type=float, default=0.0)
+    parser.add_argument("--eval-seconds", type=float, default=0.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     distributed = "LOCAL_RANK" in os.environ
@@ -127,6 +139,7 @@ def main() -> None:
     rank = dist.get_rank() if distributed else 0
     torch.manual_seed(0)
     net = Net()
+    ema = copy.deepcopy(net)  # evaluated by one rank (--eval-seconds), never trained
     model: nn.Module = nn.parallel.DistributedDataParallel(net) if distributed else net
     optimizer = make_optimizer(args.optimizer, model.parameters())
     head = torch.optim.SGD(net.head.parameters(), lr=0.01) if args.second_optimizer else None
@@ -162,6 +175,7 @@ def main() -> None:
         if step == args.save_step:  # one rank writes a checkpoint, the others wait for it
             if rank == args.save_rank:
                 torch.save({"model": net.state_dict()}, SlowFile(args.save_seconds))
+                evaluate(ema, args.eval_seconds)
             if distributed:
                 dist.barrier()
     args.out.mkdir(parents=True, exist_ok=True)
