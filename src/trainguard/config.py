@@ -354,6 +354,8 @@ def more_options(options: dict[str, object]) -> dict[str, object]:
         if name not in fields or name == "extra":
             close = difflib.get_close_matches(name, list(fields), n=1)
             hint = f"did you mean {close[0]}=? " if close else ""
+            if name == "extra":  # not beside extra_state: pass it in a config
+                hint = "pass it as config=GuardConfig(..., extra={...}); "
             raise ConfigError(
                 name,
                 f"Guard has no option {name!r}; {hint}the options are trainguard.GuardConfig's "

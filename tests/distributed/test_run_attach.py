@@ -181,6 +181,45 @@ def test_a_long_save_and_ema_evaluation_on_one_rank_are_not_a_hang(tmp_path: Pat
     assert all(torch.equal(first[key], second[key]) for key in weights)  # replicas agree
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("ranks", [1, 2], ids=["1-process", "2-rank-torchrun"])
+def test_an_optimizer_made_anew_is_guarded_on_the_same_run(tmp_path: Path, ranks: int) -> None:
+    """The script makes its optimizer anew at step 3, and that very step's batch holds a NaN
+    on the last rank: the new optimizer's guard skips it on every rank (with the step's
+    start the old guard recorded at its forward), on the one run, and the results are those
+    of the bare script leaving that step out."""
+    renew = ["--renew-step", "3", "--steps", "8"]
+    bare_out, out, run_dir = tmp_path / "bare", tmp_path / "out", tmp_path / "run"
+    # the bare script leaves step 3 out and makes its optimizer at step 4: the same, as the
+    # skipped step leaves the new optimizer untouched
+    left_out = ["--renew-step", "4", "--steps", "8", "--drop-step", "3"]
+    bare = _run([*_launch(ranks, bare=True), "--out", str(bare_out), *left_out])
+    assert bare.returncode == 0, bare.stderr[-3000:]
+    cmd = [*_guarded(run_dir), "--", *_launch(ranks), "--out", str(out), *renew]
+    done = _run([*cmd, "--nan-rank", str(ranks - 1), "--nan-step", "3"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "not guarding" not in done.stderr
+    for rank in range(ranks):
+        line = f"trainguard run: rank {rank}: the script made a new optimizer at step 3 (AdamW"
+        assert line in done.stderr
+        events = tg.read_events(run_dir, rank)
+        assert [e["step"] for e in events if e["kind"] == "optimizer_replaced"] == [3]
+        assert [e["step"] for e in events if e["kind"] == "skip"] == [3]
+        assert len({e["run"] for e in events}) == 1  # one run, two guards
+    _assert_same(bare_out, out, ranks)
+    bundle = tg.load_bundle(run_dir / "captures" / "step-00000003")
+    (batch,) = bundle.batches(ranks - 1)  # recorded at the forward, before the handover
+    assert not torch.isfinite(batch).all() and bundle.rng(ranks - 1) is not None
+    report = subprocess.run(
+        [sys.executable, "-m", "trainguard", "report", str(run_dir), "--no-html"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert report.returncode == 0 and "skip 1" in report.stdout, report.stdout
+    assert "starts" not in report.stdout  # one start: the new guard goes on with it
+
+
 @pytest.mark.timeout(100)
 def test_a_second_optimizer_makes_it_stand_aside(tmp_path: Path) -> None:
     cmd = [*_guarded(tmp_path / "run"), "--", *_launch(1), "--out", str(tmp_path / "out")]

@@ -21,6 +21,7 @@ from trainguard.attach.hooks import second_optimizer_reason
 from trainguard.attach.launch import guard_exit_code
 from trainguard.attach.options import BOOTSTRAP_DIR, ENV_VAR, RunOptions, child_env, launcher_of
 from trainguard.attach.prestart import batch_of
+from trainguard.attach.replace import made_anew
 from trainguard.cli import main
 from trainguard.errors import ConfigError
 
@@ -231,12 +232,19 @@ def test_removing_the_prestart_hooks_leaves_no_global_hook_behind() -> None:
     assert not module_hooks._has_any_global_hook()
 
 
-def test_an_optimizer_made_anew_is_named_as_such() -> None:
-    """A new optimizer over every guarded parameter (made each epoch, or after unfreezing) is
-    named as made anew; one over part of them steps besides the guarded one."""
+def test_an_optimizer_made_anew_is_followed_and_others_are_named() -> None:
+    """A new optimizer over every guarded parameter and only the model's (made each epoch, or
+    after unfreezing) is made anew (followed: ``replace.made_anew``); one over more than the
+    model, or over part of it, is refused and named so."""
     net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
-    guarded = torch.optim.SGD(net.parameters(), lr=0.1)
-    anew = second_optimizer_reason(torch.optim.SGD(net.parameters(), lr=0.1), guarded)
-    assert anew.startswith("a new optimizer (SGD) over every guarded parameter") and "anew" in anew
-    head = second_optimizer_reason(torch.optim.Adam(net[1].parameters()), guarded)
+    extra = nn.Linear(2, 2)
+    guarded = torch.optim.SGD(net[1].parameters(), lr=0.1)  # the head, the backbone frozen
+    unfrozen = torch.optim.SGD(net.parameters(), lr=0.1)
+    assert made_anew(unfrozen, guarded, net)
+    wider = torch.optim.SGD([*net.parameters(), *extra.parameters()], lr=0.1)
+    assert not made_anew(wider, guarded, net)
+    assert not made_anew(torch.optim.Adam(net[0].parameters()), guarded, net)
+    anew = second_optimizer_reason(wider, guarded)
+    assert anew.startswith("a new optimizer (SGD) over every guarded parameter and parameters")
+    head = second_optimizer_reason(torch.optim.Adam(net[0].parameters()), unfrozen)
     assert head.startswith("a second optimizer (Adam) steps besides the guarded SGD")

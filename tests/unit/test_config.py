@@ -58,6 +58,8 @@ def test_every_guardconfig_option_goes_in_as_a_keyword(tmp_path: object) -> None
     with pytest.raises(tg.ConfigError, match="did you mean good_after=") as info:
         tg.Guard(model, opt, run_dir=f"{tmp_path}/typo", good_afer=7)
     assert info.value.option == "good_afer"
+    with pytest.raises(tg.ConfigError, match=r"pass it as config=GuardConfig\(\.\.\., extra="):
+        tg.Guard(model, opt, run_dir=f"{tmp_path}/extra", extra={"sha": "abc"})  # not "extra=?"
     config = tg.GuardConfig(run_dir=f"{tmp_path}/cfg", hang_timeout=0)
     with pytest.raises(tg.ConfigError, match="move spike_z into the GuardConfig"):
         tg.Guard(model, opt, spike_z=5.0, config=config)

@@ -196,3 +196,26 @@ def test_restarts_count_the_steps_each_start_ran(tmp_path: Path) -> None:
     summary = summarize(tmp_path / "b")
     assert (summary.starts, summary.first_step, summary.steps_run) == (2, 0, 15)
     assert summary.decisions == {"ok": 15}
+
+
+def test_a_guard_taking_over_an_optimizer_made_anew_goes_on_with_its_start(
+    tmp_path: Path,
+) -> None:
+    """``trainguard run`` hands the guard over when the script makes its optimizer anew
+    (``attach/replace.py``): the successor's ``start`` carries ``handover``; the run has one
+    start, its steps counted once, from 0."""
+    events = [
+        _event(100.0, 0, "start", "h", world_size=1, run_origin="new"),
+        _event(103.0, 3, "optimizer_replaced", "h", old="SGD", new="AdamW"),
+        _event(103.1, 3, "close", "h"),
+        _event(103.2, 3, "start", "h", world_size=1, handover="optimizer_replaced"),
+        _event(105.0, 5, "nonfinite", "h", where="grad", ranks=[0], action="skip"),
+        _event(108.0, 8, "close", "h"),
+    ]
+    metrics = [_metric(100.5 + s, s, "skip" if s == 5 else "ok") for s in range(8)]
+    _write(tmp_path / "events" / "rank-0.jsonl", events)
+    _write(tmp_path / "metrics" / "rank-0.jsonl", metrics)
+    summary = summarize(tmp_path)
+    assert (summary.starts, summary.first_step, summary.steps, summary.steps_run) == (1, 0, 8, 8)
+    assert [r["starts"] for r in summary.runs] == [1]
+    assert "starts" not in report_text(summary)

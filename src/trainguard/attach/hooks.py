@@ -54,7 +54,15 @@ from trainguard.attach.clip import ClipWatch
 from trainguard.attach.discovery import describe, describe_module, existing_guard, find_model
 from trainguard.attach.drops import DropWatch
 from trainguard.attach.options import RunOptions
-from trainguard.attach.prestart import PreStart, StepZero, batch_of
+from trainguard.attach.prestart import PreStart, batch_of
+from trainguard.attach.replace import (
+    HANDOVER,
+    adopt_start,
+    hand_over,
+    made_anew,
+    parameter_ids,
+)
+from trainguard.config import GuardConfig
 from trainguard.errors import ConfigError
 from trainguard.step.guard import Guard
 from trainguard.step.join import JOIN_REASON, shadowed_in_join
@@ -99,16 +107,16 @@ def announcer() -> logging.Logger:
 
 
 def second_optimizer_reason(new: torch.optim.Optimizer, guarded: torch.optim.Optimizer) -> str:
-    """Why an optimizer other than the guarded one stepping ends the guarding: one over every
-    guarded parameter (and maybe more) is most likely the optimizer made anew (each epoch,
-    after unfreezing a backbone), and is named so."""
+    """Why an optimizer other than the guarded one stepping ends the guarding (one made anew
+    over the guarded model's parameters is followed instead: ``replace.py``): one over every
+    guarded parameter and others outside the guarded model, or one over part of them."""
     new_name, guarded_name = type(new).__name__, type(guarded).__name__
-    if _parameter_ids(new) >= _parameter_ids(guarded):
+    if parameter_ids(new) >= parameter_ids(guarded):
         what = (
-            f"a new optimizer ({new_name}) over every guarded parameter steps instead of, or "
-            f"besides, the guarded {guarded_name} (made anew mid-run?): trainguard run guards "
-            "the one optimizer of the first step (make it once, or use trainguard.Guard in "
-            "the script)"
+            f"a new optimizer ({new_name}) over every guarded parameter and parameters "
+            f"outside the guarded model steps instead of, or besides, the guarded "
+            f"{guarded_name}: trainguard run follows an optimizer made anew over the same "
+            "model only (use trainguard.Guard in the script)"
         )
     else:
         what = (
@@ -117,10 +125,6 @@ def second_optimizer_reason(new: torch.optim.Optimizer, guarded: torch.optim.Opt
             "script for more)"
         )
     return what
-
-
-def _parameter_ids(optimizer: torch.optim.Optimizer) -> set[int]:
-    return {id(p) for group in optimizer.param_groups for p in group["params"]}
 
 
 def _rank() -> int:
@@ -217,8 +221,11 @@ class Attacher:
         if self.aside:
             return None
         if self.optimizer is not None and optimizer is not self.optimizer:
-            self.stand_aside(second_optimizer_reason(optimizer, self.optimizer))
-            return None
+            if self.model is None or not made_anew(optimizer, self.optimizer, self.model):
+                self.stand_aside(second_optimizer_reason(optimizer, self.optimizer))
+                return None
+            if not self._replace(optimizer, self.model):
+                return None
         # ``args`` starts with the optimizer itself (torch passes the step's own arguments)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None:
@@ -297,33 +304,69 @@ class Attacher:
                 then="the script's own guard keeps the run",
             )
             return False
-        options = self.options
         try:
-            guard = Guard(
-                model,
-                optimizer,
-                run_dir=options.run_dir,
-                on_nonfinite=options.on_nonfinite,
-                capture=options.capture,
-                hang_timeout=options.hang_timeout,
-                check_inputs=options.check_inputs,
-                ignore_inputs=options.ignore_inputs,
-                allow_masks=options.allow_masks,
-            )
+            guard = self._new_guard(model, optimizer, None)
         except Exception as exc:
             self.stand_aside(f"the guard could not start: {type(exc).__name__}: {exc}")
             return False
-        self.guard, self.optimizer, self.model = guard, optimizer, model
-        guard._drop_update.keep_dropped = True  # given back after the skipped step
-        self._clip.attach(optimizer, functools.partial(self._before_update, optimizer, None))
-        self._drops.attach(guard, optimizer, model, lambda: self._clip.scaled)
-        _adopt_step_zero(guard, prestart.calls.get(id(model)))
+        self._use(guard, optimizer, model)
+        adopt_start(guard, prestart.calls.get(id(model)), 0)
         prestart.calls.clear()
         # a Hook: a copy of the model (EMA, torch.save) carries an inert one; run eagerly
         # around a model compiled in place (user_hooks.add_forward_hooks)
         self._handles.append(add_forward_hooks(model, pre=self._model_pre))
         atexit.register(self.close)
         self._announce(guard, optimizer, model)
+        return True
+
+    def _new_guard(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, run: str | None
+    ) -> Guard:
+        options = self.options
+        config = GuardConfig(
+            run_dir=options.run_dir,
+            on_nonfinite=options.on_nonfinite,
+            capture=options.capture,
+            hang_timeout=options.hang_timeout,
+            check_inputs=options.check_inputs,
+            ignore_inputs=options.ignore_inputs,
+            allow_masks=options.allow_masks,
+            run=run,
+            extra=dict(HANDOVER) if run is not None else {},
+        )
+        return Guard(model, optimizer, config=config)
+
+    def _use(self, guard: Guard, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+        """Guard ``optimizer``'s steps with ``guard``: its clips and left-out steps too."""
+        self.guard, self.optimizer, self.model = guard, optimizer, model
+        guard._drop_update.keep_dropped = True  # given back after the skipped step
+        self._clip.attach(optimizer, functools.partial(self._before_update, optimizer, None))
+        self._drops.attach(guard, optimizer, model, lambda: self._clip.scaled)
+
+    def _replace(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
+        """The script made its optimizer anew (``replace.py``): guard the new one, on the same
+        run; False (standing aside) when the new guard cannot start."""
+        old = self.guard
+        if old is None:
+            return False
+        self.guard = None
+        self._clip.remove()
+        self._drops.remove()
+        step, before = old.state.step, type(self.optimizer).__name__
+        try:
+            guard = hand_over(old, optimizer, functools.partial(self._new_guard, model, optimizer))
+        except Exception as exc:
+            self.stand_aside(f"the guard of the new optimizer could not start: {exc}")
+            return False
+        self._use(guard, optimizer, model)
+        announcer().info(
+            "trainguard run: rank %d: the script made a new optimizer at step %d (%s, was %s): "
+            "guarding it, the run goes on",
+            guard.rank,
+            step,
+            type(optimizer).__name__,
+            before,
+        )
         return True
 
     def _model_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -360,15 +403,3 @@ class Attacher:
 
 def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
     return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
-
-
-def _adopt_step_zero(guard: Guard, zero: StepZero | None) -> None:
-    """Hand the first step's start (recorded before the guard existed) to the guard, as if
-    its own ``StepStart`` had seen that forward: buffers, RNG, autocast, micro-batches."""
-    if zero is None or guard.state.step != 0:
-        return
-    start = guard._start  # the guard's step-start record (step/start.py)
-    if guard.config.restore_buffers:
-        start.buffers = zero.buffers
-    start.step, start.rng, start.autocast, start.seen = 0, zero.rng, zero.autocast, True
-    guard._recorded.adopt(zero.recorded, 0)

@@ -43,7 +43,9 @@ def run_starts(events: list[dict[str, Any]], records: list[dict[str, Any]]) -> l
     ranks = [int_of(e.get("rank")) for e in events if e["kind"] == "start"]
     ranks = ranks or [int_of(e.get("rank")) for e in events]
     own = [e for e in events if int_of(e.get("rank")) == min(ranks)] if ranks else []
-    cuts = [i for i, e in enumerate(own) if e["kind"] == "start"]
+    # a guard that took over from another in the same process (an optimizer made anew
+    # under ``trainguard run``: its start carries ``handover``) goes on with its start
+    cuts = [i for i, e in enumerate(own) if e["kind"] == "start" and not e.get("handover")]
     if not cuts:
         return [_start(own, records, -math.inf, math.inf, 0)] if own or records else []
     out = []

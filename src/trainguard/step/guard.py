@@ -362,9 +362,14 @@ class Guard(GuardAssembly):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``'s counters, step, spike state and LR backoff."""
+        self._load_state(state)
+        self.events.write("state_loaded", self.state.step)  # the report: where the run began
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        """``load_state_dict`` without its event: a guard taking over from another one in the
+        same run (``attach/replace.py``), whose steps go on rather than begin there."""
         load_guard_state(state, self.state, self.recovery.state if self.recovery else None)
         self.progress.enter(self.progress.phase, self.state.step)
-        self.events.write("state_loaded", self.state.step)  # the report: where the run began
 
     @property
     def global_step(self) -> int:

@@ -131,6 +131,7 @@ def main() -> None:
     parser.add_argument("--save-step", type=int, default=-1)
     parser.add_argument("--save-seconds", type=float, default=0.0)
     parser.add_argument("--eval-seconds", type=float, default=0.0)
+    parser.add_argument("--renew-step", type=int, default=-1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     distributed = "LOCAL_RANK" in os.environ
@@ -149,6 +150,8 @@ def main() -> None:
     for step, (x, y) in enumerate(loader):
         if step == args.drop_step:
             continue
+        if step == args.renew_step:  # made anew mid-run (each epoch, after unfreezing)
+            optimizer = make_optimizer(args.optimizer, model.parameters())
         optimizer.zero_grad()
         loss = F.mse_loss(model(x), y)
         if rank == args.overflow_rank and step == args.overflow_step:
