@@ -28,6 +28,7 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 FAST_EXIT = Path(__file__).resolve().parent / "scripts" / "fast_exit.py"
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_ddp.py"
 DROP = 3
+CLIP = 0.05
 
 
 def _env() -> dict[str, str]:
@@ -182,34 +183,47 @@ def test_a_long_save_and_ema_evaluation_on_one_rank_are_not_a_hang(tmp_path: Pat
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("ranks", [1, 2], ids=["1-process", "2-rank-torchrun"])
-def test_an_optimizer_made_anew_is_guarded_on_the_same_run(tmp_path: Path, ranks: int) -> None:
+@pytest.mark.parametrize(
+    ("ranks", "clip"), [(1, False), (2, True)], ids=["1-process", "2-rank-torchrun-clip"]
+)
+def test_an_optimizer_made_anew_is_guarded_on_the_same_run(
+    tmp_path: Path, ranks: int, clip: bool
+) -> None:
     """The script makes its optimizer anew at step 3, and that very step's batch holds a NaN
-    on the last rank: the new optimizer's guard skips it on every rank (with the step's
-    start the old guard recorded at its forward), on the one run, and the results are those
-    of the bare script leaving that step out."""
-    renew = ["--renew-step", "3", "--steps", "8"]
+    on the last rank: the step is skipped on every rank, on the one run, and the results are
+    those of the bare script leaving that step out. Without a clip the new optimizer's guard
+    checks step 3 (with the step's start the old guard recorded at its forward); with one,
+    the old guard checked it at the clip, and the new one takes over from step 4, checking
+    before the script's clip too."""
+    extra = ["--steps", "8"] + (["--clip", str(CLIP)] if clip else [])
     bare_out, out, run_dir = tmp_path / "bare", tmp_path / "out", tmp_path / "run"
     # the bare script leaves step 3 out and makes its optimizer at step 4: the same, as the
     # skipped step leaves the new optimizer untouched
-    left_out = ["--renew-step", "4", "--steps", "8", "--drop-step", "3"]
+    left_out = ["--renew-step", "4", "--drop-step", "3", *extra]
     bare = _run([*_launch(ranks, bare=True), "--out", str(bare_out), *left_out])
     assert bare.returncode == 0, bare.stderr[-3000:]
-    cmd = [*_guarded(run_dir), "--", *_launch(ranks), "--out", str(out), *renew]
-    done = _run([*cmd, "--nan-rank", str(ranks - 1), "--nan-step", "3"])
+    cmd = [*_guarded(run_dir), "--", *_launch(ranks), "--out", str(out), "--renew-step", "3"]
+    done = _run([*cmd, *extra, "--nan-rank", str(ranks - 1), "--nan-step", "3"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "not guarding" not in done.stderr
+    takes_over = 4 if clip else 3
     for rank in range(ranks):
-        line = f"trainguard run: rank {rank}: the script made a new optimizer at step 3 (AdamW"
-        assert line in done.stderr
+        line = f"trainguard run: rank {rank}: the script made a new optimizer (AdamW, was AdamW):"
+        assert f"{line} guarding it from step {takes_over}" in done.stderr
         events = tg.read_events(run_dir, rank)
-        assert [e["step"] for e in events if e["kind"] == "optimizer_replaced"] == [3]
+        assert [e["step"] for e in events if e["kind"] == "optimizer_replaced"] == [takes_over]
         assert [e["step"] for e in events if e["kind"] == "skip"] == [3]
         assert len({e["run"] for e in events}) == 1  # one run, two guards
     _assert_same(bare_out, out, ranks)
     bundle = tg.load_bundle(run_dir / "captures" / "step-00000003")
     (batch,) = bundle.batches(ranks - 1)  # recorded at the forward, before the handover
     assert not torch.isfinite(batch).all() and bundle.rng(ranks - 1) is not None
+    if clip:  # the new guard checks before the script's clip: the norm the clip measured
+        clip_norms = torch.load(out / "rank0.pt")["clip_norms"]
+        lines = (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()
+        norms = {line["step"]: line["grad_norm"] for line in map(json.loads, lines)}
+        for step in range(4, 8):
+            assert norms[step] > CLIP and abs(norms[step] - clip_norms[step]) <= 1e-5 * norms[step]
     report = subprocess.run(
         [sys.executable, "-m", "trainguard", "report", str(run_dir), "--no-html"],
         capture_output=True,
@@ -348,7 +362,6 @@ def test_every_ranks_scaler_overflow_is_the_scalers_skip(tmp_path: Path) -> None
     assert decisions == {step: "overflow" if step == DROP else "ok" for step in range(8)}
 
 
-CLIP = 0.05
 """The scripts' ``--clip``: small enough that every step's gradients are clipped."""
 
 

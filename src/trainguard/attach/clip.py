@@ -71,6 +71,11 @@ class ClipWatch:
         )
         self._check = check
 
+    def detach(self) -> None:
+        """No clip runs a check until the next ``attach`` (the wrappers stay in place: the
+        guard is being handed over to a new optimizer's)."""
+        self._param_ids, self._check = frozenset(), None
+
     def forward(self) -> None:
         """A training forward of the guarded model: a step's gradients are being made."""
         self._forward_seen = True

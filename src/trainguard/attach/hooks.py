@@ -350,7 +350,7 @@ class Attacher:
         if old is None:
             return False
         self.guard = None
-        self._clip.remove()
+        self._clip.detach()  # its wrappers stay: the new guard checks before a clip too
         self._drops.remove()
         step, before = old.state.step, type(self.optimizer).__name__
         try:
@@ -360,12 +360,12 @@ class Attacher:
             return False
         self._use(guard, optimizer, model)
         announcer().info(
-            "trainguard run: rank %d: the script made a new optimizer at step %d (%s, was %s): "
-            "guarding it, the run goes on",
+            "trainguard run: rank %d: the script made a new optimizer (%s, was %s): guarding it "
+            "from step %d, the run goes on",
             guard.rank,
-            step,
             type(optimizer).__name__,
             before,
+            step,
         )
         return True
 
