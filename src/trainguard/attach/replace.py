@@ -63,6 +63,9 @@ def hand_over(
     guard = successor(run)
     guard._load_state(state)  # the run goes on: no "state_loaded", where a run would begin
     adopt_start(guard, start, step)
+    # a step the old guard skipped at the script's clip: its gradients go back after the
+    # new optimizer's step, as after any skipped step (the attacher's post-step hook)
+    guard._drop_update.dropped = old._drop_update.dropped
     return guard
 
 
