@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import io
 import json
 import os
 import signal
@@ -22,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from run_scripts.train_ddp import SlowFile  # a large save: its first write is slow
 from tg_dist import free_port, run_ranks
 from tg_models import TinyNet, loss_fn, make_batches
 
@@ -190,19 +190,6 @@ def test_irregular_steps_and_a_long_eval_are_not_a_hang(tmp_path: Path) -> None:
         kinds = event_kinds(tmp_path, rank)
         assert "hang" not in kinds and "peer_failure" not in kinds
         assert kinds.count("watchdog") == 1 and kinds.count("watchdog_stop") == 1
-
-
-class SlowFile(io.BytesIO):
-    """A checkpoint file whose first write takes ``delay`` seconds (a large save)."""
-
-    def __init__(self, delay: float) -> None:
-        super().__init__()
-        self.delay = delay
-
-    def write(self, data: Any) -> int:
-        time.sleep(self.delay)
-        self.delay = 0.0
-        return super().write(data)
 
 
 def rank0_works_alone(

@@ -248,3 +248,17 @@ def test_an_optimizer_made_anew_is_followed_and_others_are_named() -> None:
     assert anew.startswith("a new optimizer (SGD) over every guarded parameter and parameters")
     head = second_optimizer_reason(torch.optim.Adam(net[0].parameters()), unfrozen)
     assert head.startswith("a second optimizer (Adam) steps besides the guarded SGD")
+
+
+def test_run_options_make_the_attached_guards_config() -> None:
+    """Every option of ``trainguard run`` but its launcher is the guard's own."""
+    options = RunOptions(
+        run_dir="r", on_nonfinite="warn", hang_timeout=5.0, capture=False, check_inputs=False,
+        ignore_inputs=("[1]",), allow_masks=False, launcher="torchrun",
+    )  # fmt: skip
+    config = options.guard_config("abc", {"handover": "optimizer_replaced"})
+    assert (config.run_dir, config.on_nonfinite, config.hang_timeout) == (Path("r"), "warn", 5.0)
+    assert (config.capture, config.check_inputs, config.allow_masks) == (False, False, False)
+    assert config.ignore_inputs == ("[1]",) and config.run == "abc"
+    assert config.extra == {"handover": "optimizer_replaced"}
+    assert options.guard_config().run is None and options.guard_config().extra == {}

@@ -62,7 +62,6 @@ from trainguard.attach.replace import (
     made_anew,
     parameter_ids,
 )
-from trainguard.config import GuardConfig
 from trainguard.errors import ConfigError
 from trainguard.step.guard import Guard
 from trainguard.step.join import JOIN_REASON, shadowed_in_join
@@ -322,18 +321,7 @@ class Attacher:
     def _new_guard(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, run: str | None
     ) -> Guard:
-        options = self.options
-        config = GuardConfig(
-            run_dir=options.run_dir,
-            on_nonfinite=options.on_nonfinite,
-            capture=options.capture,
-            hang_timeout=options.hang_timeout,
-            check_inputs=options.check_inputs,
-            ignore_inputs=options.ignore_inputs,
-            allow_masks=options.allow_masks,
-            run=run,
-            extra=dict(HANDOVER) if run is not None else {},
-        )
+        config = self.options.guard_config(run, HANDOVER if run is not None else None)
         return Guard(model, optimizer, config=config)
 
     def _use(self, guard: Guard, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

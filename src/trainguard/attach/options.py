@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from trainguard.config import NonFiniteAction, check_ignore_inputs
+from trainguard.config import GuardConfig, NonFiniteAction, check_ignore_inputs
 from trainguard.errors import ConfigError
 
 ENV_VAR = "TRAINGUARD_RUN"
@@ -59,6 +59,14 @@ class RunOptions:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
+
+    def guard_config(
+        self, run: str | None = None, extra: dict[str, object] | None = None
+    ) -> GuardConfig:
+        """The attached guard's configuration: these options (``launcher`` is the run's own),
+        the run it writes (None: as ``GuardConfig.run``) and its start event's ``extra``."""
+        options = {k: v for k, v in asdict(self).items() if k != "launcher"}
+        return GuardConfig(**options, run=run, extra=dict(extra or {}))
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> RunOptions:

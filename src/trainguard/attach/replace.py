@@ -37,7 +37,7 @@ def made_anew(new: torch.optim.Optimizer, guarded: torch.optim.Optimizer, model:
     return updates >= parameter_ids(guarded) and updates <= {id(p) for p in model.parameters()}
 
 
-HANDOVER = {"handover": "optimizer_replaced"}
+HANDOVER: dict[str, object] = {"handover": "optimizer_replaced"}
 """The successor's ``start`` event carries this (``GuardConfig.extra``): the report counts
 it as the same start going on, not a restart (``report/starts.py``, ``report/runs.py``)."""
 
