@@ -288,6 +288,11 @@ def test_resume_from_a_trainer_checkpoint_continues_the_guards_state(tmp_path: P
     bad = first.final_state["state"]["nonfinite_steps"]
     assert len(bad) == 1 and bad[0] < 8  # the masked sample came before the checkpoint
     assert (tmp_path / "trainer" / "checkpoint-8" / "trainguard_state.pt").is_file()
+    phases = [e for e in tg.read_events(tmp_path / "run", 0) if e["kind"] == "phase"]
+    assert [(e["phase"], e["state"], e["step"]) for e in phases] == [
+        ("checkpoint", "enter", 8),  # the write is a phase: no hang while the others wait
+        ("checkpoint", "exit", 8),
+    ]
     resumed = train(12, resume=True)
     assert resumed.final_state is not None
     state = resumed.final_state["state"]

@@ -19,7 +19,8 @@ in the logs), ``optimizer.step()`` leaves weights and moments unchanged. The Tra
 counts the step: ``global_step`` and the LR scheduler advance on a skipped step, exactly as
 for a step whose update was zero, so the schedule stays aligned with ``global_step`` and
 ``max_steps``. ``on_nonfinite="raise"`` and escalation raise on every rank out of
-``trainer.train()``. Evaluation runs under ``guard.phase("evaluation")``.
+``trainer.train()``. Evaluation runs under ``guard.phase("evaluation")``, a checkpoint's
+write under ``guard.phase("checkpoint")``.
 
 A Trainer without ``TrainGuardMixin`` is refused in ``on_train_begin``, before any forward.
 ``log_metrics=True`` (the default): the mixin's ``log()`` adds ``guard.metrics()`` to the
@@ -309,6 +310,17 @@ class TrainGuardMixin:
             except Exception:  # never mask the run's own exception
                 logger.exception("trainguard: closing the guard after %r failed", exc)
             raise
+
+    def _save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's checkpoint write (the process that saves: weights through
+        safetensors, optimizer and scheduler through ``torch.save``), as a phase of the
+        guard: while it writes, the other ranks wait in the next step's collective, which the
+        watchdog does not take for a hang, however large the checkpoint."""
+        callback = self._trainguard_or_none()
+        if callback is None:
+            return super()._save_checkpoint(*args, **kwargs)  # type: ignore[misc]
+        with callback.phase("checkpoint"):
+            return super()._save_checkpoint(*args, **kwargs)  # type: ignore[misc]
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's ``evaluate``, as a phase of the guard (the watchdog does not take it
