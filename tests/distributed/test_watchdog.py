@@ -6,7 +6,6 @@ and phase, the stack files, the events, and how long after the fault every rank 
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import json
 import os
@@ -21,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-from run_scripts.train_ddp import SlowFile  # a large save: its first write is slow
 from tg_dist import free_port, run_ranks
 from tg_models import TinyNet, loss_fn, make_batches
 
@@ -190,61 +188,6 @@ def test_irregular_steps_and_a_long_eval_are_not_a_hang(tmp_path: Path) -> None:
         kinds = event_kinds(tmp_path, rank)
         assert "hang" not in kinds and "peer_failure" not in kinds
         assert kinds.count("watchdog") == 1 and kinds.count("watchdog_stop") == 1
-
-
-def rank0_works_alone(
-    rank: int, world_size: int, run_dir: str, timeout: float, mark_saves: bool
-) -> tuple[int, list[float]]:
-    """At step 4 rank 0 alone writes a checkpoint (``torch.save``), then evaluates an EMA
-    copy made before the guard, each for longer than the hang timeout and unmarked by the
-    loop, while rank 1 waits in a barrier."""
-    import torch.distributed as dist
-
-    torch.manual_seed(0)
-    net = TinyNet()
-    ema = copy.deepcopy(net)
-    model = torch.nn.parallel.DistributedDataParallel(net)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    config = tg.GuardConfig(run_dir=run_dir, hang_timeout=timeout, mark_saves=mark_saves)
-    with tg.Guard(model, optimizer, config=config) as guard:
-        for batch in guard.watch(make_batches(8, seed=rank)):
-            loss = loss_fn(model, batch)
-            loss.backward()
-            guard.step(loss)
-            if guard.state.step == 4:
-                if rank == 0:
-                    file = SlowFile(delay=2.5 * timeout)
-                    torch.save({"model": model.state_dict(), "step": 4}, file)
-                    file.seek(0)
-                    assert torch.load(file)["step"] == 4
-                    _evaluate(ema, seconds=2.5 * timeout)
-                dist.barrier()
-        return guard.state.step, [float(p.detach().sum()) for p in model.parameters()]
-
-
-@pytest.mark.timeout(90)
-def test_a_long_save_and_ema_evaluation_on_one_rank_are_not_a_hang(tmp_path: Path) -> None:
-    timeout = 2.0
-    results = run_ranks(rank0_works_alone, 2, str(tmp_path), timeout, True, timeout=75)
-
-    assert [(r.exitcode, r.error_type) for r in results] == [(0, None)] * 2
-    assert [r.value[0] for r in results] == [8, 8]
-    assert results[0].value[1] == results[1].value[1]  # the same weights on both ranks
-    assert not (tmp_path / "hangs").exists()
-    for rank in range(2):
-        assert "hang" not in event_kinds(tmp_path, rank)
-    assert torch.save is torch.serialization.save  # the wrapper is gone with the guard
-
-
-@pytest.mark.timeout(90)
-def test_an_unmarked_long_save_is_a_hang_named_after_the_saving_rank(tmp_path: Path) -> None:
-    """The control: the same save with ``mark_saves=False`` outlasts the timeout."""
-    timeout = 2.0
-    results = run_ranks(rank0_works_alone, 2, str(tmp_path), timeout, False, timeout=75)
-
-    assert [r.exitcode for r in results] == [tg.EXIT_HANG] * 2
-    report = only_report(tmp_path)
-    assert report["kind"] == "hang" and report["culprits"] == [0]
 
 
 # -- a main thread frozen in C code that holds the GIL ----------------------------------------

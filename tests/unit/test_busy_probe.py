@@ -1,8 +1,8 @@
 """Work between steps on another module is progress (``hang/busy.py``): the one-shot probe,
 and the stall meter's exclusion of its stretches (the watchdog arming it:
-test_watchdog_protocol.py). The 2-rank checks
-(an EMA evaluated on rank 0 while rank 1 waits) are in tests/distributed/test_watchdog.py
-and, under ``trainguard run``, test_run_attach.py."""
+test_watchdog_protocol.py). The 2-rank checks (an EMA evaluated on rank 0 while rank 1
+waits) are in tests/distributed/test_rank_works_alone.py and, under ``trainguard run``,
+test_run_attach.py."""
 
 from __future__ import annotations
 

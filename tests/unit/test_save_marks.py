@@ -1,5 +1,5 @@
 """``torch.save`` on the loop's thread runs in a ``save`` phase while a guard marks it
-(``hang/saves.py``); the 2-rank hang checks are in tests/distributed/test_watchdog.py."""
+(``hang/saves.py``); the 2-rank hang checks are in tests/distributed/test_rank_works_alone.py."""
 
 from __future__ import annotations
 
