@@ -20,12 +20,13 @@ and its own hooks mark that.
 
 What it does not see, and stays a hang past the timeout: work without a module forward on
 the loop's thread (a save through another writer than ``torch.save``, metrics computed in
-NumPy: ``guard.phase`` marks those); a forward inside a compiled region (the hook does
-nothing while dynamo traces; the compiled wrapper's own call, eager, is seen).
+NumPy: ``guard.phase`` marks those); a forward on another thread; a forward inside a
+compiled region (the hook does nothing while dynamo traces; the compiled wrapper's own
+call, eager, is seen).
 
-A stretch ended by a busy beat, and the one after it, are not fed to the timeout's learner
-(``timeout.StallMeter``), as user phases are not: an evaluation does not teach the learner
-that the loop may stand still that long. A rank stuck in a collective runs no forward, so
+A stretch ended by busy beats alone, and the one after it, are not fed to the timeout's
+learner (``timeout.StallMeter``), as user phases are not: an evaluation does not teach the
+learner that the loop may stand still that long. A rank stuck in a collective runs no forward, so
 a real hang is still declared after the timeout.
 """
 
