@@ -120,6 +120,15 @@ def test_a_fit_resumed_without_the_guards_state_counts_from_lightnings_step(
             enable_model_summary=False,
         )
         trainer.fit(model, data)
+        assert "save_checkpoint" not in vars(trainer)  # the Trainer's own method again
+        phases = [e for e in tg.read_events(tmp_path / "a", 0) if e["kind"] == "phase"]
+        saves = [(e["state"], e["step"]) for e in phases if e["phase"] == "checkpoint"]
+        assert saves[:4] == [  # each write a phase: no hang while the others wait for it
+            ("enter", 2),
+            ("exit", 2),
+            ("enter", 4),
+            ("exit", 4),
+        ]
         checkpoint = tmp_path / "ckpt" / "step=2.ckpt"
         saved = torch.load(checkpoint, weights_only=False)
         saved["callbacks"] = {k: v for k, v in saved["callbacks"].items() if k != "TrainGuard"}

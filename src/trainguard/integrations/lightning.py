@@ -13,8 +13,9 @@ Where each part of a step happens, in Lightning's own hooks:
   rank, so the optimizer step that follows changes nothing (and a GradScaler, already past
   ``unscale_``, skips it and lowers its scale). ``on_nonfinite="raise"`` and escalation
   raise the same error on every rank, which ends ``trainer.fit`` everywhere.
-- validation runs under ``guard.phase("validation")`` (the hang watchdog does not mistake a
-  long evaluation for a hang).
+- validation runs under ``guard.phase("validation")``, and ``trainer.save_checkpoint`` under
+  ``guard.phase("checkpoint")`` (the hang watchdog does not mistake a long evaluation or a
+  large checkpoint for a hang).
 
 ``log_metrics=True`` (the default): after each check, ``guard.metrics()`` goes to the
 Trainer's loggers (``logger.log_metrics``, rank 0, at ``log_every_n_steps`` and at once after
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import warnings
 from collections.abc import Callable, Iterator
@@ -75,6 +77,28 @@ LightningModule or its DistributedDataParallel wrapper (FSDP2 shards in place un
 ModelParallelStrategy). The exact classes: XLA's strategies derive from these."""
 
 
+def _checkpoint_phase(trainer: pl.Trainer, guard: Guard) -> Callable[[], None]:
+    """``trainer.save_checkpoint`` (``ModelCheckpoint``'s and the script's) under
+    ``guard.phase("checkpoint")``: every rank enters it, rank 0 writes (Lightning serializes
+    with ``torch.save``, then writes the bytes through fsspec, which the guard's
+    ``torch.save`` marking does not cover) while the others wait in its barrier; the
+    watchdog does not take a large checkpoint for a hang. Returns what puts it back."""
+    original = trainer.save_checkpoint
+
+    @functools.wraps(original)
+    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        with guard.phase("checkpoint"):
+            return original(*args, **kwargs)
+
+    trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+
+    def restore() -> None:
+        if vars(trainer).get("save_checkpoint") is save_checkpoint:
+            del trainer.save_checkpoint
+
+    return restore
+
+
 class TrainGuard(Callback):  # type: ignore[misc]
     """A Lightning callback that runs a :class:`trainguard.Guard` on every optimizer step.
 
@@ -97,6 +121,8 @@ class TrainGuard(Callback):  # type: ignore[misc]
         """The Guard of the running fit (from ``on_train_start`` to ``on_train_end``)."""
         self._loss: Tensor | None = None
         self._phases = contextlib.ExitStack()
+        self._unmark_saves: Callable[[], None] | None = None
+        """Puts the Trainer's own ``save_checkpoint`` back (``_checkpoint_phase``)."""
         self._loaded_state: dict[str, Any] | None = None
         """The guard's state restored from a checkpoint (``fit(ckpt_path=...)``): the next
         fit's guard starts from it."""
@@ -145,6 +171,7 @@ class TrainGuard(Callback):  # type: ignore[misc]
         self.guard = Guard(
             pl_module, trainer.optimizers[0], scaler=scaler, config=config, rerun=rerun
         )
+        self._unmark_saves = _checkpoint_phase(trainer, self.guard)
         if loaded is not None:
             self.guard.load_state_dict(loaded)
         elif trainer.global_step > 0:  # resumed from a checkpoint saved without TrainGuard
@@ -220,6 +247,9 @@ class TrainGuard(Callback):  # type: ignore[misc]
 
     def _close(self) -> None:
         self._phases.close()
+        unmark, self._unmark_saves = self._unmark_saves, None
+        if unmark is not None:
+            unmark()
         guard, self.guard = self.guard, None
         if guard is not None:
             self._final_state = guard.state_dict()
