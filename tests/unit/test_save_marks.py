@@ -40,7 +40,7 @@ def marks() -> Any:
 def test_a_save_on_the_watching_thread_runs_in_the_save_phase(marks: SaveMarks) -> None:
     progress = Progress()
     progress.enter("data", 3)
-    release = marks.watch(progress)
+    marking = marks.watch(progress)
     assert torch.save is not ORIGINAL and torch.serialization.save is torch.save
     spy = PhaseSpy(progress)
     torch.save({"x": torch.arange(3)}, spy)
@@ -48,47 +48,47 @@ def test_a_save_on_the_watching_thread_runs_in_the_save_phase(marks: SaveMarks) 
     assert (progress.phase, progress.user_phases, progress.step) == ("data", [], 3)
     spy.seek(0)
     assert torch.equal(torch.load(spy)["x"], torch.arange(3))  # saved as without the mark
-    release()
-    release()  # idempotent
+    marking.close()
+    marking.close()  # idempotent
 
 
 def test_the_phase_ends_when_the_save_fails(marks: SaveMarks) -> None:
     progress = Progress()
     progress.enter("step")
-    release = marks.watch(progress)
+    marking = marks.watch(progress)
     with pytest.raises(AttributeError):
         torch.save({"x": 1}, object())  # no write(): torch.save raises
     assert (progress.phase, progress.user_phases) == ("step", [])
-    release()
+    marking.close()
 
 
 def test_a_save_on_another_thread_marks_nothing(marks: SaveMarks) -> None:
     progress = Progress()
     progress.enter("step")
-    release = marks.watch(progress)
+    marking = marks.watch(progress)
     spy = PhaseSpy(progress)
     thread = threading.Thread(target=torch.save, args=({"x": 1}, spy))
     thread.start()
     thread.join()
     assert spy.seen and {phase for phase, _ in spy.seen} == {"step"}
-    release()
+    marking.close()
 
 
 def test_nested_in_a_user_phase_and_two_guards(marks: SaveMarks) -> None:
     first, second = Progress(), Progress()
     first.push_phase("checkpoint")
-    release_first, release_second = marks.watch(first), marks.watch(second)
+    marking_first, marking_second = marks.watch(first), marks.watch(second)
     spy = PhaseSpy(first, second)
     torch.save([1], spy)
     assert spy.seen[:2] == [(SAVE_PHASE, ["checkpoint", SAVE_PHASE]), (SAVE_PHASE, [SAVE_PHASE])]
     assert first.user_phases == ["checkpoint"] and second.user_phases == []
-    release_first()
+    marking_first.close()
     assert torch.save is not ORIGINAL  # the second still marks
-    release_second()
+    marking_second.close()
 
 
 def test_a_wrapper_installed_later_is_left_alone(marks: SaveMarks) -> None:
-    release = marks.watch(Progress())
+    marking = marks.watch(Progress())
     theirs = torch.save
 
     def their_save(*args: Any, **kwargs: Any) -> None:
@@ -96,7 +96,7 @@ def test_a_wrapper_installed_later_is_left_alone(marks: SaveMarks) -> None:
 
     torch.save = their_save
     try:
-        release()
+        marking.close()
         assert torch.save is their_save  # not put back over theirs
         assert torch.serialization.save is ORIGINAL
     finally:
@@ -125,12 +125,12 @@ def test_someone_elses_wrapper_made_before_is_kept_inside(marks: SaveMarks) -> N
     torch.save = their_save
     try:
         progress = Progress()
-        release = marks.watch(progress)
+        marking = marks.watch(progress)
         assert torch.serialization.save is ORIGINAL  # not the function scripts call: untouched
         spy = PhaseSpy(progress)
         torch.save([1], spy)
         assert calls == [1] and spy.seen[0][0] == SAVE_PHASE
-        release()
+        marking.close()
         assert torch.save is their_save
     finally:
         torch.save = ORIGINAL
@@ -140,9 +140,9 @@ def test_releasing_one_of_two_equal_progress_objects_keeps_the_other(marks: Save
     first, second = Progress(), Progress()
     second.phase_since = first.phase_since  # equal as dataclasses, not the same object
     assert first == second
-    release_first, release_second = marks.watch(first), marks.watch(second)
-    release_second()
+    marking_first, marking_second = marks.watch(first), marks.watch(second)
+    marking_second.close()
     spy = PhaseSpy(first, second)
     torch.save([1], spy)
     assert spy.seen[:2] == [(SAVE_PHASE, [SAVE_PHASE]), ("init", [])]
-    release_first()
+    marking_first.close()

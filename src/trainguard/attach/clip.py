@@ -37,6 +37,8 @@ import torch
 from torch import Tensor
 from torch.amp.grad_scaler import GradScaler
 
+from trainguard.attach.discovery import optimizer_params
+
 CLIPPERS = ("clip_grad_norm_", "clip_grads_with_norm_", "clip_grad_value_")
 """The clipping functions wrapped, in each of ``_namespaces()`` that has them."""
 
@@ -66,9 +68,7 @@ class ClipWatch:
 
     def attach(self, optimizer: torch.optim.Optimizer, check: Callable[[], None]) -> None:
         """From now on a clip over ``optimizer``'s parameters runs ``check`` first."""
-        self._param_ids = frozenset(
-            id(p) for group in optimizer.param_groups for p in group["params"]
-        )
+        self._param_ids = frozenset(optimizer_params(optimizer))
         self._check = check
 
     def detach(self) -> None:

@@ -51,17 +51,17 @@ from torch.optim.optimizer import (
 from torch.utils.hooks import RemovableHandle
 
 from trainguard.attach.clip import ClipWatch
-from trainguard.attach.discovery import describe, describe_module, existing_guard, find_model
+from trainguard.attach.discovery import (
+    describe,
+    describe_module,
+    existing_guard,
+    find_model,
+    optimizer_params,
+)
 from trainguard.attach.drops import DropWatch
 from trainguard.attach.options import RunOptions
 from trainguard.attach.prestart import PreStart, batch_of
-from trainguard.attach.replace import (
-    HANDOVER,
-    adopt_start,
-    hand_over,
-    made_anew,
-    parameter_ids,
-)
+from trainguard.attach.replace import HANDOVER, adopt_start, hand_over, made_anew
 from trainguard.errors import ConfigError
 from trainguard.step.guard import Guard
 from trainguard.step.join import JOIN_REASON, shadowed_in_join
@@ -110,7 +110,7 @@ def second_optimizer_reason(new: torch.optim.Optimizer, guarded: torch.optim.Opt
     over the guarded model's parameters is followed instead: ``replace.py``): one over every
     guarded parameter and others outside the guarded model, or one over part of them."""
     new_name, guarded_name = type(new).__name__, type(guarded).__name__
-    if parameter_ids(new) >= parameter_ids(guarded):
+    if optimizer_params(new) >= optimizer_params(guarded):
         what = (
             f"a new optimizer ({new_name}) over every guarded parameter and parameters "
             f"outside the guarded model steps instead of, or besides, the guarded "

@@ -23,18 +23,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from trainguard.attach.discovery import optimizer_params
 from trainguard.attach.prestart import StepZero
 from trainguard.step.guard import Guard
 
 
-def parameter_ids(optimizer: torch.optim.Optimizer) -> set[int]:
-    return {id(p) for group in optimizer.param_groups for p in group["params"]}
-
-
 def made_anew(new: torch.optim.Optimizer, guarded: torch.optim.Optimizer, model: nn.Module) -> bool:
     """Whether ``new`` updates every parameter ``guarded`` does and only ``model``'s."""
-    updates = parameter_ids(new)
-    return updates >= parameter_ids(guarded) and updates <= {id(p) for p in model.parameters()}
+    updates = optimizer_params(new)
+    return updates >= optimizer_params(guarded) and updates <= {id(p) for p in model.parameters()}
 
 
 HANDOVER: dict[str, object] = {"handover": "optimizer_replaced"}
@@ -54,8 +51,8 @@ def hand_over(
         step,
         old=type(old.optimizer).__name__,
         new=type(new).__name__,
-        parameters=len(parameter_ids(new)),
-        guarded_parameters=len(parameter_ids(old.optimizer)),
+        parameters=len(optimizer_params(new)),
+        guarded_parameters=len(optimizer_params(old.optimizer)),
     )
     state, start = old.state_dict(), step_start(old)
     run = old.events.run.id if old.events.run is not None else None

@@ -54,8 +54,6 @@ class BusyProbe:
         self._handle: RemovableHandle | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self.fired = 0
-        """Busy beats counted so far."""
 
     @property
     def armed(self) -> bool:
@@ -83,6 +81,5 @@ class BusyProbe:
             return None
         self.disarm()
         if id(module) not in self._own:
-            self.fired += 1
             self._progress.busy()
         return None

@@ -50,32 +50,22 @@ class SaveMarks:
         self._wrapper: Callable[..., Any] | None = None
         self._lock = threading.Lock()
 
-    def watch(self, progress: Progress, thread: int | None = None) -> Callable[[], None]:
-        """Mark ``torch.save`` on ``thread`` (default: this one) for ``progress``; returns
-        the function that stops it (idempotent)."""
+    def watch(self, progress: Progress, thread: int | None = None) -> SaveMarking:
+        """Mark ``torch.save`` on ``thread`` (default: this one) for ``progress`` until the
+        returned marking is closed."""
         entry = (progress, threading.get_ident() if thread is None else thread)
         with self._lock:
             self._watched.append(entry)
             if self._wrapper is None:
                 self._install()
-        released = False
+        return SaveMarking(self, entry)
 
-        def release() -> None:
-            nonlocal released
-            if released:
-                return
-            released = True
-            with self._lock:
-                # by identity: two guards' Progress objects may compare equal (a dataclass)
-                self._watched = [e for e in self._watched if e is not entry]
-                if not self._watched:
-                    self._uninstall()
-
-        return release
-
-    @property
-    def installed(self) -> bool:
-        return self._wrapper is not None
+    def _release(self, entry: _Watched) -> None:
+        with self._lock:
+            # by identity: two guards' Progress objects may compare equal (a dataclass)
+            self._watched = [e for e in self._watched if e is not entry]
+            if not self._watched:
+                self._uninstall()
 
     def _install(self) -> None:
         original = torch.save  # what scripts call (someone else's wrapper, if any, stays)
@@ -107,20 +97,17 @@ class SaveMarks:
 
 
 class SaveMarking:
-    """One guard's marking (``SaveMarks.watch``'s release, or None: not marking), with the
-    ``close()`` the guard's closers call."""
+    """One guard's marking (``SaveMarks.watch``); ``close()`` ends it (idempotent: the
+    guard's close and its unclosed-release may both call it)."""
 
-    def __init__(self, release: Callable[[], None] | None) -> None:
-        self._release = release
-
-    @property
-    def active(self) -> bool:
-        return self._release is not None
+    def __init__(self, marks: SaveMarks, entry: _Watched) -> None:
+        self._marks: SaveMarks | None = marks
+        self._entry = entry
 
     def close(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
+        marks, self._marks = self._marks, None
+        if marks is not None:
+            marks._release(self._entry)
 
 
 SAVES = SaveMarks()

@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from trainguard.report.readers import float_of
+from trainguard.report.starts import is_start
 
 LEGACY = "legacy"
 """The run of events that carry no run id (written before runs had ids)."""
@@ -66,8 +67,8 @@ def list_runs(events: Iterable[dict[str, Any]]) -> list[RunInfo]:
         if info is None:
             info = runs[run] = RunInfo(run, time, time, 0)
         info.start, info.last = min(info.start, time), max(info.last, time)
-        if event.get("kind") == "start" and event.get("rank") == 0 and not event.get("handover"):
-            info.starts += 1  # not a guard taking over in the same process (starts.py)
+        if is_start(event) and event.get("rank") == 0:
+            info.starts += 1
     return sorted(runs.values(), key=lambda r: (r.start, r.id))
 
 

@@ -37,15 +37,20 @@ class Start:
         return max(self.end - self.begin, 0) + self.again
 
 
+def is_start(event: dict[str, Any]) -> bool:
+    """A ``start`` event that begins a start: not a guard taking over from another in the
+    same process (an optimizer made anew under ``trainguard run``: its start carries
+    ``handover``), which goes on with the start before it."""
+    return event.get("kind") == "start" and not event.get("handover")
+
+
 def run_starts(events: list[dict[str, Any]], records: list[dict[str, Any]]) -> list[Start]:
     """The run's starts in time order: one for a log written before runs had ``start``
     events (it began at step 0), none for an empty run."""
     ranks = [int_of(e.get("rank")) for e in events if e["kind"] == "start"]
     ranks = ranks or [int_of(e.get("rank")) for e in events]
     own = [e for e in events if int_of(e.get("rank")) == min(ranks)] if ranks else []
-    # a guard that took over from another in the same process (an optimizer made anew
-    # under ``trainguard run``: its start carries ``handover``) goes on with its start
-    cuts = [i for i, e in enumerate(own) if e["kind"] == "start" and not e.get("handover")]
+    cuts = [i for i, e in enumerate(own) if is_start(e)]
     if not cuts:
         return [_start(own, records, -math.inf, math.inf, 0)] if own or records else []
     out = []

@@ -193,9 +193,9 @@ class GuardAssembly:
         )
         if self._watchdog is not None:  # a hang exits with os._exit: keep the metrics
             self._watchdog.before_exit(self.history.flush)
-        self._saves = SaveMarking(
-            SAVES.watch(self.progress) if self._watchdog and self.config.mark_saves else None
-        )  # torch.save on this thread: a "save" phase (hang/saves.py)
+        self._saves: SaveMarking | None = None  # torch.save here: a "save" phase (saves.py)
+        if self._watchdog is not None and self.config.mark_saves:
+            self._saves = SAVES.watch(self.progress)
         self._busy: BusyProbe | None = None  # another module's forwards: progress (busy.py)
         if self._watchdog is not None:
             self._busy = BusyProbe(self.progress, self.model)

@@ -407,9 +407,9 @@ class Guard(GuardAssembly):
             self.progress.enter("closed")
             if self._watchdog is not None:
                 self._watchdog.stop()
-            self._saves.close()  # torch.save as it was, once no guard marks it
-            if self._busy is not None:
-                self._busy.close()
+            for part in (self._saves, self._busy):  # torch.save as it was; no probe
+                if part is not None:
+                    part.close()
             error = {} if ended_by is None else {"error": error_text(ended_by)}
             self.events.write(
                 "close", self.state.step, total_nonfinite=self.state.total_nonfinite, **error
