@@ -149,7 +149,7 @@ def _agreement(drops: list[float], norms: list[float]) -> Agreement:
     rows: list[float] = []
     for dropped, norm in zip(drops, norms, strict=True):
         report = LocalReport(torch.tensor([0.5, 0.5, norm, 0.0, 0.0]), dropped=dropped)
-        rows += [0.5, 0.5, norm, 0.0, 0.0, *_host_columns(report)]
+        rows += [0.5, 0.5, norm, 0.0, 0.0, *_host_columns(report), 0.0]  # no loss scale
     report = LocalReport(torch.zeros(5))
     return consensus.read(rows, Reduced(report.values, report, False))
 
@@ -158,22 +158,22 @@ def test_the_row_carries_the_drop_and_every_rank_decides_alike() -> None:
     config = GuardConfig()
     agreement = _agreement([0.0, DROPPED_BY_LOOP], [1.0, 1.0])
     assert agreement.dropped_ranks == [1] and not agreement.bad
-    assert decide(agreement, config, 0, None) is Decision.DROPPED
-    assert decide(_agreement([0.0, 0.0], [1.0, 1.0]), config, 0, None) is Decision.OK
+    assert decide(agreement, config, 0) is Decision.DROPPED
+    assert decide(_agreement([0.0, 0.0], [1.0, 1.0]), config, 0) is Decision.OK
     nan = _agreement([0.0, DROPPED_BY_LOOP], [math.nan, math.nan])
-    assert decide(nan, config, 0, None) is Decision.SKIP  # a bad step stays one
+    assert decide(nan, config, 0) is Decision.SKIP  # a bad step stays one
     both = [DROPPED_WITH_SCALER, DROPPED_WITH_SCALER]
-    assert decide(_agreement(both, [math.inf, math.inf]), config, 0, None) is Decision.OVERFLOW
+    assert decide(_agreement(both, [math.inf, math.inf]), config, 0) is Decision.OVERFLOW
     one = _agreement([0.0, DROPPED_WITH_SCALER], [math.inf, math.inf])
-    assert decide(one, config, 0, None) is Decision.SKIP  # a rank stepped: not the scaler's
-    assert decide(_agreement(both, [1.0, 1.0]), config, 0, None) is Decision.DROPPED
+    assert decide(one, config, 0) is Decision.SKIP  # a rank stepped: not the scaler's
+    assert decide(_agreement(both, [1.0, 1.0]), config, 0) is Decision.DROPPED
 
 
 def test_a_world_of_one_reads_its_drop_from_its_own_row() -> None:
     report = LocalReport(torch.tensor([0.5, 0.5, 1.0, 0.0, 0.0]), dropped=DROPPED_BY_LOOP)
     agreement = Consensus(None, torch.device("cpu")).agree(report, False)
     assert agreement.dropped_ranks == [0]
-    assert decide(agreement, GuardConfig(), 0, None) is Decision.DROPPED
+    assert decide(agreement, GuardConfig(), 0) is Decision.DROPPED
 
 
 def test_the_report_counts_dropped_steps_apart() -> None:

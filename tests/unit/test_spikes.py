@@ -92,7 +92,8 @@ def test_device_detector_matches_host() -> None:
         if i == 250:
             norm = float("nan")  # neither judged nor learned, on both
         flagged = {s.metric for s in host.observe({"loss": loss, "grad_norm": norm})}
-        verdict = device.observe(torch.tensor([loss, norm], dtype=torch.float64), True).tolist()
+        values = torch.tensor([loss, norm], dtype=torch.float64)
+        verdict = device.observe(values, torch.tensor(0.0, dtype=torch.float64)).tolist()
         on_device = {
             m for m, row in zip(("loss", "grad_norm"), verdict, strict=True) if row[0] > 0.5
         }
@@ -100,6 +101,28 @@ def test_device_detector_matches_host() -> None:
     for row, metric in zip(device.stats.tolist(), ("loss", "grad_norm"), strict=True):
         stats = host.stats[metric]
         assert row == pytest.approx([stats.count, stats.mean, stats.var])
+
+
+def test_device_lr_grace_matches_host() -> None:
+    """The device rule's LR grace (fed the agreed LR) is the host's: no judging for ``grace``
+    steps after the LR jumps up, an unknown LR (0 on the device, None on the host) changes
+    nothing, a drop starts no grace."""
+    rule = SpikeRule(warmup=5, grace=3)
+    host = SpikeDetector(rule)
+    device = DeviceSpikeDetector(rule, torch.device("cpu"))
+    lrs: list[float | None] = [1.0] * 10 + [5.0] + [5.0] * 2 + [None] * 3 + [0.5, 10.0] + [10.0] * 6
+    spiking = {11, 12, 13, 14, 16, 18, 19, 21}
+    judged = []
+    for i, lr in enumerate(lrs):
+        loss = 100.0 if i in spiking else 1.0 + 0.01 * (i % 3)
+        flagged = {s.metric for s in host.observe({"loss": loss, "grad_norm": 1.0}, lr)}
+        values = torch.tensor([loss, 1.0], dtype=torch.float64)
+        agreed_lr = torch.tensor(lr or 0.0, dtype=torch.float64)
+        verdict = device.observe(values, agreed_lr).tolist()
+        assert ("loss" in flagged) == (verdict[0][0] > 0.5), i
+        judged.append("loss" in flagged)
+    assert [i for i in sorted(spiking) if judged[i]] == [13, 14, 16, 21]  # graced: 10-12, 18-20
+    assert device.grace.tolist() == [10.0, 0.0]
 
 
 def test_config_rejects_bad_spike_options() -> None:

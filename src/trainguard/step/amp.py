@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import Tensor
 
 
 def _optimizer_state(scaler: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
@@ -40,6 +41,17 @@ def mark_overflow(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
         return
     for found_inf in state.get("found_inf_per_device", {}).values():
         found_inf.fill_(1.0)
+
+
+def scale_tensor(scaler: Any) -> Tensor | None:
+    """The scaler's scale as a tensor for the step's row (its own device tensor: no host
+    read), None without an enabled scaler."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    scale = getattr(scaler, "_scale", None)  # GradScaler's, on the device once it scaled
+    if isinstance(scale, Tensor):
+        return scale
+    return torch.tensor(float(scaler.get_scale()), dtype=torch.float64)  # no scale() yet
 
 
 def current_scale(scaler: Any) -> float | None:

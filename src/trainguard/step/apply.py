@@ -34,7 +34,6 @@ from trainguard.step.evidence import StepEvidence
 from trainguard.step.inputs import InputCheck
 from trainguard.step.nonfinite import log_nonfinite, stop_error
 from trainguard.step.policy import Decision
-from trainguard.step.spikes import host_lr
 from trainguard.step.spikewatch import SpikeWatch
 from trainguard.step.state import GuardState
 
@@ -64,11 +63,13 @@ class DecisionApply:
     def __init__(self, parts: ApplyParts) -> None:
         self._parts = parts
 
-    def judge_spike(self, step: int, loss: float, grad_norm: float) -> Decision | None:
+    def judge_spike(
+        self, step: int, loss: float, grad_norm: float, lr: float | None
+    ) -> Decision | None:
         """The spike rule on a finite, agreed step (once per step, before it is recorded):
-        ``SPIKE`` (skip it), ``ESCALATE``, or None (a good step: ``apply_good``)."""
-        parts = self._parts
-        return parts.spikes.judge_values(loss, grad_norm, host_lr(parts.optimizer), step)
+        ``SPIKE`` (skip it), ``ESCALATE``, or None (a good step: ``apply_good``). Every value
+        agreed, the learning rate too (``Agreement.lr``)."""
+        return self._parts.spikes.judge_values(loss, grad_norm, lr, step)
 
     def apply(
         self,
@@ -189,9 +190,7 @@ class DecisionApply:
         """The error a stop raises; an escalation is recorded as the run's final stop."""
         parts = self._parts
         streak, config = parts.state.consecutive_nonfinite, parts.config
-        error = stop_error(
-            decision, agreement, step, bundle, config, streak, parts.scaler, parts.events
-        )
+        error = stop_error(decision, agreement, step, bundle, config, streak, parts.events)
         if decision is Decision.ESCALATE:  # the final stop: a restart into it is refused
             record_final_stop(config, parts.rank, error, parts.recovery)
         return error

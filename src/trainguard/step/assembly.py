@@ -26,6 +26,7 @@ from trainguard.events import EventLog
 from trainguard.hang.busy import BusyProbe
 from trainguard.hang.saves import SAVES, SaveMarking
 from trainguard.hang.watchdog import Watchdog, start_watchdog
+from trainguard.health.learning_rates import LrAgreement
 from trainguard.health.replicas import ReplicaWatch
 from trainguard.health.stragglers import StragglerWatch
 from trainguard.health.timing import StepTimer
@@ -33,7 +34,7 @@ from trainguard.progress import Progress
 from trainguard.recovery import TrainingObjects, build_recovery, recovery_enabled
 from trainguard.run_dirs import claim as claim_run_dir
 from trainguard.run_identity import RunIdentity, identify_run
-from trainguard.step import amp, unclosed
+from trainguard.step import unclosed
 from trainguard.step.apply import ApplyParts, DecisionApply
 from trainguard.step.capturer import Capturer
 from trainguard.step.consensus import Agreement, Consensus
@@ -139,6 +140,7 @@ class GuardAssembly:
     ) -> None:
         """The cross-rank health rules: stragglers and replica agreement."""
         self.stragglers = StragglerWatch(self.config, self.events, self.rank)
+        self._lrs = LrAgreement(self.events, self.rank)
         self.replicas = ReplicaWatch(
             model,
             optimizer,
@@ -272,6 +274,8 @@ class GuardAssembly:
             stream=lambda: self._stream,
             step_of=lambda: self.state.step,
             dropped=lambda: self._dropped,
+            optimizer=self.optimizer,
+            scaler=self.scaler,
         )
 
     def _lone_parts(self) -> LoneParts:
@@ -351,11 +355,11 @@ class GuardAssembly:
         if self.world_size == 1:
             return  # no other rank: no straggler, no replica to compare
         self.stragglers.observe(step, agreement.data_times, agreement.compute_times)
+        self._lrs.observe(step, agreement.lrs, agreement.lrs_differ)
         self.replicas.observe(step, agreement.fingerprints)
 
     def _decide(self, agreement: Agreement) -> Decision:
-        scale = amp.current_scale(self.scaler) if agreement.bad else None
-        return decide(agreement, self.config, self.state.consecutive_nonfinite, scale)
+        return decide(agreement, self.config, self.state.consecutive_nonfinite)
 
     # -- what the parts call back into (the loop's API, in ``Guard``) ----------------------
 

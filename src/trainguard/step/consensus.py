@@ -34,9 +34,12 @@ COLUMNS = (
     "data_time",
     "compute_time",
     "dropped",
+    "lr",
+    "loss_scale",
 )
 DEVICE_COLUMNS = 5
-"""The first columns come from the device (``LocalReport.values``); the rest from the host."""
+"""The first columns come from the device (``LocalReport.values``); the rest from the host,
+but for ``loss_scale``, copied on the device from the GradScaler's scale tensor."""
 _NCOL = len(COLUMNS)
 _NORM = COLUMNS.index("grad_norm")
 _INPUT = COLUMNS.index("input")
@@ -46,6 +49,8 @@ _BATCHES = COLUMNS.index("batches")
 _DATA_TIME = COLUMNS.index("data_time")
 _COMPUTE_TIME = COLUMNS.index("compute_time")
 _DROPPED = COLUMNS.index("dropped")
+_LR = COLUMNS.index("lr")
+_SCALE = COLUMNS.index("loss_scale")
 
 DROPPED_BY_LOOP = 1.0
 """``LocalReport.dropped``: the loop left the update out on this rank (``trainguard run`` saw
@@ -81,6 +86,13 @@ class LocalReport:
     dropped: float = 0.0
     """0: this rank's loop goes on to the update; ``DROPPED_BY_LOOP`` or
     ``DROPPED_WITH_SCALER``: it already left the update out."""
+    lr: float = 0.0
+    """The learning rate this rank's optimizer step is about to use (the largest of its
+    groups'; 0.0: not a finite host number). It reaches the decision agreed
+    (``Agreement.lr``), never read from the optimizer by a rule."""
+    loss_scale: Tensor | None = None
+    """This rank's GradScaler scale (a 0-d device tensor, copied into the row on the device:
+    no host sync), None without an enabled scaler."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +128,36 @@ class Agreement:
     """Per rank: the replicated weights' fingerprint (all 0 when not checked this step)."""
     drops: list[float] = field(default_factory=list)
     """Per rank: ``LocalReport.dropped`` (empty: no rank dropped the update itself)."""
+    lrs: list[float] = field(default_factory=list)
+    """Per rank: the learning rate its optimizer step is about to use (0.0: unknown)."""
+    loss_scales: list[float] = field(default_factory=list)
+    """Per rank: its GradScaler's scale (0.0: no scaler)."""
+
+    @property
+    def lr(self) -> float | None:
+        """The learning rate every rank's rules read: the smallest rank's, so a jump counts
+        only when every rank's LR jumped (a schedule's warm restart, not a one-rank fault);
+        None when some rank's is unknown."""
+        if not self.lrs or not all(lr > 0.0 for lr in self.lrs):
+            return None
+        return min(self.lrs)
+
+    @property
+    def lrs_differ(self) -> bool:
+        """The ranks' learning rates differ (beyond float rounding): replicas that should
+        step alike are about to step apart."""
+        known = [lr for lr in self.lrs if lr > 0.0]
+        if not known:
+            return False
+        low, high = min(known), max(known)
+        return len(known) != len(self.lrs) or high - low > 1e-6 * high
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The smallest GradScaler scale over the ranks (a collapse on any rank counts), None
+        without a scaler."""
+        scales = [s for s in self.loss_scales if s > 0.0]
+        return min(scales) if scales else None
 
     @property
     def dropped_ranks(self) -> list[int]:
@@ -195,6 +237,8 @@ class Consensus:
         row[:DEVICE_COLUMNS].copy_(report.values, non_blocking=True)
         for column, value in enumerate(_host_columns(report), start=DEVICE_COLUMNS):
             row[column].fill_(value)  # a scalar fill: no host-to-device copy
+        if report.loss_scale is not None:  # a device-to-device copy: no host sync
+            row[_SCALE].copy_(report.loss_scale.reshape(()), non_blocking=True)
         # not synchronous: the work is kept, so gloo's thread never releases ``buf`` (held_work)
         self.work.wait(dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
         return Reduced(buf, report, sum_grad_norms)
@@ -235,6 +279,15 @@ class Consensus:
             return norm
         return norms[0] + 0.0 * norms.sum()  # replicated_norm, on the device
 
+    def agreed_lr(self, reduced: Reduced) -> Tensor:
+        """On the device: float64 0-d, ``Agreement.lr`` (the smallest rank's learning rate,
+        0.0 when some rank's is unknown); no sync."""
+        buf = reduced.buf
+        if buf.numel() <= DEVICE_COLUMNS:  # a world of one: its own, filled (no copy)
+            return torch.full((), reduced.report.lr, dtype=torch.float64, device=buf.device)
+        lrs = buf.view(self.world_size, _NCOL)[:, _LR]
+        return torch.where((lrs > 0).all(), lrs.min(), torch.zeros_like(lrs[0]))
+
     def agreed_metrics(self, reduced: Reduced) -> Tensor:
         """On the device: float64 ``[mean loss over ranks, global grad norm]``; no sync."""
         buf = reduced.buf
@@ -262,6 +315,8 @@ class Consensus:
             compute_times=[row[_COMPUTE_TIME] for row in rows],
             fingerprints=[row[_FINGERPRINT] for row in rows],
             drops=[row[_DROPPED] for row in rows] if any(row[_DROPPED] for row in rows) else [],
+            lrs=[row[_LR] for row in rows],
+            loss_scales=[row[_SCALE] for row in rows],
         )
 
 
@@ -286,6 +341,8 @@ def _alone(values: list[float], report: LocalReport, sharded: bool) -> Agreement
         report.compute_time,
         sharded,
         report.dropped,
+        report.lr,
+        float(report.loss_scale) if report.loss_scale is not None else 0.0,
     )
 
 
@@ -297,6 +354,8 @@ def alone_agreement(
     compute_time: float,
     sharded: bool = False,
     dropped: float = 0.0,
+    lr: float = 0.0,
+    loss_scale: float = 0.0,
 ) -> Agreement:
     """A world of one's agreement: its reduced device columns ``values`` (``COLUMNS`` order)
     and its host fields (also ``step/lone.py``'s, for the usual step)."""
@@ -313,6 +372,8 @@ def alone_agreement(
         compute_times=[compute_time],
         fingerprints=[fingerprint],
         drops=[dropped] if dropped else [],
+        lrs=[lr],
+        loss_scales=[loss_scale],
     )
 
 
@@ -320,4 +381,4 @@ def _host_columns(report: LocalReport) -> list[float]:
     """The row's host part, in ``COLUMNS`` order after the device columns."""
     exhausted = 1.0 if report.exhausted else 0.0
     times = [report.data_time, report.compute_time]
-    return [exhausted, float(report.batches), *times, report.dropped]
+    return [exhausted, float(report.batches), *times, report.dropped, report.lr]

@@ -256,7 +256,9 @@ class Guard(GuardAssembly):
         decision = self._decide(agreement)
         spike = None
         if decision is Decision.OK:
-            spike = self._decision.judge_spike(step, agreement.mean_loss, agreement.grad_norm())
+            spike = self._decision.judge_spike(
+                step, agreement.mean_loss, agreement.grad_norm(), agreement.lr
+            )
         self._agreed(agreement, 0)
         self.history.record(step, agreement, spike or decision, self.optimizer, self._loss_known)
         self.state.step = step + 1

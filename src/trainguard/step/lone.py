@@ -66,6 +66,7 @@ from trainguard.step.inputs import InputCheck
 from trainguard.step.local_row import foldable_losses, reduce_row, total_norm
 from trainguard.step.losses import StepLosses
 from trainguard.step.policy import Decision
+from trainguard.step.spikes import row_lr
 from trainguard.step.start import StepStart
 from trainguard.step.state import GuardState
 
@@ -91,7 +92,7 @@ class LoneParts:
     timer: StepTimer | None
     history: StepHistory
     optimizer: torch.optim.Optimizer
-    judge_spike: Callable[[int, float, float], Decision | None]
+    judge_spike: Callable[[int, float, float, float | None], Decision | None]
     """``DecisionApply.judge_spike``: the spike rule's verdict, before the step is recorded."""
     apply_good: Callable[[int, float, float, list[Tensor]], bool]
     """``DecisionApply.apply_good``: what a good step does (counters, recovery, clipping),
@@ -191,7 +192,8 @@ class LoneStep:
         stream = self.stream
         if stream is not None:
             stream.agreed_running()
-        spike = parts.judge_spike(step, loss, norm)
+        own_lr = row_lr(parts.optimizer)  # a world of one: its row is the agreed record
+        spike = parts.judge_spike(step, loss, norm, own_lr or None)
         lr = learning_rate(parts.optimizer)
         losses = [loss] if loss_known else []
         decision = "ok" if spike is None else spike.value

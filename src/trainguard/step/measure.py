@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from trainguard.health.replicas import ReplicaWatch
 from trainguard.health.timing import StepTimer
+from trainguard.step import amp
 from trainguard.step.consensus import LocalReport
 from trainguard.step.data import BatchStream
 from trainguard.step.detect import GradStats, grad_stats, is_sharded, loss_columns
@@ -26,6 +28,7 @@ from trainguard.step.evidence import StepEvidence
 from trainguard.step.inputs import InputCheck, max_abs
 from trainguard.step.local_row import FoldedRow, fold, foldable_losses
 from trainguard.step.losses import StepLosses
+from trainguard.step.spikes import row_lr
 from trainguard.step.start import StepStart
 from trainguard.step.usage import NoGradientsCheck
 
@@ -52,6 +55,10 @@ class MeasureParts:
     dropped: Callable[[], float] = float
     """The row's ``dropped`` column (``LocalReport.dropped``): 0.0 unless the loop left this
     step's update out on this rank (``Guard._check_dropped``)."""
+    optimizer: torch.optim.Optimizer | None = None
+    """Read for the row's ``lr`` column: the rules see the LR agreed, never this rank's."""
+    scaler: Any = None
+    """Its scale goes into the row's ``loss_scale`` column (on the device)."""
 
 
 class StepMeasure:
@@ -134,4 +141,6 @@ class StepMeasure:
             compute_time=compute_time,
             layout=layout,
             dropped=self._parts.dropped(),
+            lr=row_lr(self._parts.optimizer) if self._parts.optimizer is not None else 0.0,
+            loss_scale=amp.scale_tensor(self._parts.scaler),
         )

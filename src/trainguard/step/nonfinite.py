@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 from trainguard.config import GuardConfig
 from trainguard.errors import LossScaleCollapseError, NonFiniteError
 from trainguard.events import EventLog
-from trainguard.step import amp
 from trainguard.step.consensus import Agreement
 from trainguard.step.detect import GradStats
 from trainguard.step.policy import Decision
@@ -72,7 +70,6 @@ def stop_error(
     bundle: Path | None,
     config: GuardConfig,
     consecutive: int,
-    scaler: Any,
     events: EventLog,
 ) -> NonFiniteError:
     """The error every rank raises for a ``RAISE`` or ``ESCALATE`` decision (escalations
@@ -80,8 +77,8 @@ def stop_error(
     if decision is Decision.RAISE:
         message = f"step {step}: non-finite {agreement.where} on ranks {agreement.ranks}"
         return NonFiniteError(message, step=step, ranks=agreement.ranks, bundle=bundle)
-    if not agreement.loss_ranks and scaler is not None:
-        scale = amp.current_scale(scaler)
+    scale = agreement.loss_scale  # agreed: the smallest rank's
+    if not (agreement.loss_ranks or agreement.input_ranks) and scale is not None:
         message = (
             f"step {step}: fp16 loss scale collapsed to {scale} (below min_loss_scale="
             f"{config.min_loss_scale}); gradients overflow at any scale"

@@ -33,13 +33,10 @@ class Decision(enum.Enum):
 _ACTION = {"skip": Decision.SKIP, "warn": Decision.WARN, "raise": Decision.RAISE}
 
 
-def decide(
-    agreement: Agreement,
-    config: GuardConfig,
-    consecutive_before: int,
-    scaler_scale: float | None,
-) -> Decision:
-    """Decide a step. ``scaler_scale``: the GradScaler's scale, or None without a scaler."""
+def decide(agreement: Agreement, config: GuardConfig, consecutive_before: int) -> Decision:
+    """Decide a step from the agreed record, the options and the guard's replicated count of
+    bad steps in a row (the GradScaler's scale too comes agreed: ``Agreement.loss_scale``)."""
+    scaler_scale = agreement.loss_scale
     if not agreement.bad:
         return Decision.DROPPED if agreement.drops and agreement.dropped_ranks else Decision.OK
     if agreement.scaler_dropped and not agreement.input_ranks:

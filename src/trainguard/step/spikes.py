@@ -184,35 +184,57 @@ def host_lr(optimizer: torch.optim.Optimizer) -> float | None:
     return max(numbers) if numbers else None
 
 
+def row_lr(optimizer: torch.optim.Optimizer) -> float:
+    """This rank's learning rate for the step's row: ``host_lr``, 0.0 when it is not a
+    finite, positive host number (the row must stay finite: a non-finite value there marks
+    the step bad)."""
+    lr = host_lr(optimizer)
+    return lr if lr is not None and 0.0 < lr < math.inf else 0.0
+
+
 class DeviceSpikeDetector:
     """The same rule on the device (sync-free ``guard.step()``): float64 tensors, no host read.
 
-    ``stats`` is ``[2, 3]``: per metric (loss, grad_norm) the count, mean and variance. The
-    LR grace period is decided on the host (the LR is a host number) and passed in.
+    ``stats`` is ``[2, 3]``: per metric (loss, grad_norm) the count, mean and variance.
+    ``grace`` is ``[last learning rate (0: none yet), grace steps left]``: the LR grace of
+    ``LrGrace``, on the device too, fed the agreed learning rate (``Consensus.agreed_lr``).
     """
 
     def __init__(self, rule: SpikeRule, device: torch.device) -> None:
         self.rule = rule
         self.stats = torch.zeros(len(METRICS), 3, dtype=torch.float64, device=device)
+        self.grace = torch.zeros(2, dtype=torch.float64, device=device)
 
-    def observe(self, values: Tensor, judging: bool) -> Tensor:
-        """Judge then learn ``values`` (float64 ``[loss, grad_norm]`` on the device).
+    def observe(self, values: Tensor, lr: Tensor) -> Tensor:
+        """Judge then learn ``values`` (float64 ``[loss, grad_norm]`` on the device); ``lr``:
+        the agreed learning rate (a float64 0-d device tensor, 0: unknown).
 
         Returns float64 ``[2, 4]``: per metric ``[spike, value, baseline, score]`` (spike is
         1.0 or 0.0). Non-finite or non-positive values are neither judged nor learned."""
         rule = self.rule
+        judging = self._judging(lr)
         count, mean, var = self.stats.unbind(1)
         usable = torch.isfinite(values) & (values > 0)
         x = torch.where(usable, values, torch.ones_like(values)).log()
         sigma = var.sqrt().clamp(min=SIGMA_FLOOR)
         score = (x - mean) / sigma
         ready = usable & (count >= rule.warmup)
-        spike = ready & (score > rule.z_threshold) & (x - mean > math.log(rule.ratio))
-        if not judging:
-            spike = torch.zeros_like(spike)
+        spike = ready & (score > rule.z_threshold) & (x - mean > math.log(rule.ratio)) & judging
         verdict = torch.stack([spike.double(), values, mean.exp(), score], dim=1)
         self._update(x, usable, count, mean, var, sigma)
         return verdict
+
+    def _judging(self, lr: Tensor) -> Tensor:
+        """``LrGrace.judging`` on the device: False while in the grace after an LR jump."""
+        last, left = self.grace.unbind()
+        known = lr > 0
+        jump = known & (last > 0) & (lr > last * LR_JUMP)
+        left = torch.where(jump, torch.full_like(left, float(self.rule.grace)), left)
+        judging = left <= 0
+        self.grace.copy_(
+            torch.stack([torch.where(known, lr, last), torch.where(judging, left, left - 1)])
+        )
+        return judging
 
     def _update(
         self, x: Tensor, usable: Tensor, count: Tensor, mean: Tensor, var: Tensor, sigma: Tensor

@@ -25,11 +25,9 @@ from trainguard.step.policy import Decision
 from trainguard.step.spikes import (
     METRICS,
     DeviceSpikeDetector,
-    LrGrace,
     Spike,
     SpikeDetector,
     SpikeRule,
-    host_lr,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,7 +55,9 @@ class SpikeWatch:
         self.rule = rule_of(config)
         self.detector = SpikeDetector(self.rule)
         self._device: DeviceSpikeDetector | None = None
-        self._device_grace = LrGrace(self.rule.grace)
+        self._device_grace: list[float] = [0.0, 0.0]
+        """The device rule's LR grace (``DeviceSpikeDetector.grace``) loaded before the
+        device detector exists."""
         self._stager = HostStager()
         self._events = events
         self._rank = rank
@@ -78,18 +78,17 @@ class SpikeWatch:
 
     # -- check(): host floats ------------------------------------------------------------
 
-    def judge(
-        self, agreement: Agreement, optimizer: torch.optim.Optimizer, step: int
-    ) -> Decision | None:
+    def judge(self, agreement: Agreement, step: int) -> Decision | None:
         """A finite, agreed step: None (go on), ``SPIKE`` (skip it) or ``ESCALATE``."""
-        lr = host_lr(optimizer)
-        return self.judge_values(agreement.mean_loss, agreement.grad_norm(), lr, step)
+        return self.judge_values(agreement.mean_loss, agreement.grad_norm(), agreement.lr, step)
 
     def judge_values(
         self, loss_value: float, grad_norm: float, lr: float | None, step: int
     ) -> Decision | None:
-        """``judge`` from the values themselves: the agreed mean loss and global gradient
-        norm, and ``host_lr``'s learning rate (``step/lone.py``)."""
+        """``judge`` from the agreed values themselves: the mean loss, the global gradient
+        norm and the learning rate (``Agreement.lr``; a world of one's own: ``step/lone.py``).
+        Never a rank's own learning rate: the ranks would judge apart exactly when one
+        rank's LR went wrong."""
         if not self.enabled:
             return None
         detector = self.detector
@@ -103,13 +102,7 @@ class SpikeWatch:
 
     # -- the sync-free step: device tensors ------------------------------------------------
 
-    def on_device(
-        self,
-        consensus: Consensus,
-        reduced: Reduced,
-        optimizer: torch.optim.Optimizer,
-        found_inf: Tensor,
-    ) -> Staged | None:
+    def on_device(self, consensus: Consensus, reduced: Reduced, found_inf: Tensor) -> Staged | None:
         """Judge the step on the device, fold a skipping spike into ``found_inf`` (in place)
         and start copying the verdict to the host; no host read.
 
@@ -125,8 +118,8 @@ class SpikeWatch:
             self._device = DeviceSpikeDetector(self.rule, values.device)
             if self._device_state is not None:
                 self._device.stats.copy_(torch.tensor(self._device_state, dtype=torch.float64))
-        judging = self._device_grace.judging(host_lr(optimizer))
-        verdict = self._device.observe(values, judging)
+            self._device.grace.copy_(torch.tensor(self._device_grace, dtype=torch.float64))
+        verdict = self._device.observe(values, consensus.agreed_lr(reduced))
         if self.skips_on_device:
             spike = verdict[:, 0].amax().to(found_inf.device, found_inf.dtype, non_blocking=True)
             torch.maximum(found_inf, spike, out=found_inf)
@@ -153,11 +146,13 @@ class SpikeWatch:
     def state_dict(self) -> dict[str, Any]:
         """The rule's statistics. Under the sync-free step with a device rule, this reads its
         six numbers from the device (a host sync, no collective)."""
-        device = self._device.stats.tolist() if self._device is not None else self._device_state
+        device, grace = self._device_state, self._device_grace
+        if self._device is not None:
+            device, grace = self._device.stats.tolist(), self._device.grace.tolist()
         return {
             "detector": self.detector.state_dict(),
             "device": device,
-            "device_grace": [self._device_grace.lr, self._device_grace.left],
+            "device_grace": [grace[0] or None, int(grace[1])],
             "consecutive": self.consecutive,
         }
 
@@ -167,7 +162,10 @@ class SpikeWatch:
         if self._device is not None and self._device_state is not None:
             stats = torch.tensor(self._device_state, dtype=torch.float64)
             self._device.stats.copy_(stats)
-        self._device_grace.lr, self._device_grace.left = state["device_grace"]
+        lr, left = state["device_grace"]
+        self._device_grace = [float(lr or 0.0), float(left)]
+        if self._device is not None:
+            self._device.grace.copy_(torch.tensor(self._device_grace, dtype=torch.float64))
         self.consecutive = int(state["consecutive"])
 
     # -- the policy -------------------------------------------------------------------------

@@ -91,7 +91,7 @@ class SyncFreeStep:
         stats, report, sharded = parts.measure(loss)
         reduced = parts.consensus.reduce(report, sharded)
         found_inf = self._found_inf.of(reduced.buf, self._optimizer_device(stats))
-        spike = parts.spikes.on_device(parts.consensus, reduced, parts.optimizer, found_inf)
+        spike = parts.spikes.on_device(parts.consensus, reduced, found_inf)
         if parts.config.grad_clip is not None:
             norm = parts.consensus.global_grad_norm(reduced)
             clip_on_device_(stats.grads, norm, parts.config.grad_clip)
@@ -228,7 +228,7 @@ class SyncFreeStep:
         spikes = self._parts.spikes
         if pending.spike is not None:
             return spikes.read_staged(pending.spike, pending.step)
-        spikes.judge(agreement, self._parts.optimizer, pending.step)  # "warn": events only
+        spikes.judge(agreement, pending.step)  # "warn": events only
         return None
 
     def _resolve_spike(
