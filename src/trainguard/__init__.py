@@ -1,6 +1,15 @@
-"""trainguard: keeps PyTorch training runs alive and debuggable."""
+"""trainguard: keeps PyTorch training runs alive and debuggable.
 
-from trainguard.capture import Bundle, load_bundle
+The names below are imported when first used (PEP 562): ``import trainguard`` alone imports
+no torch, so ``trainguard --version``, ``trainguard report`` and the bootstrap of
+``trainguard run`` pay only for what they use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from trainguard.config import GuardConfig
 from trainguard.errors import (
     BundleError,
@@ -20,8 +29,12 @@ from trainguard.exitcodes import (
     EXIT_PEER_FAILURE,
     EXIT_SUSPECT_HOST,
 )
-from trainguard.replay import ReplayReport, ReplaySpec, diagnose, replay, trace
-from trainguard.step import Decision, Guard
+from trainguard.replay import replay  # the function (the subpackage's own name: its docstring)
+
+if TYPE_CHECKING:
+    from trainguard.capture import Bundle, load_bundle
+    from trainguard.replay import ReplayReport, ReplaySpec, diagnose, trace
+    from trainguard.step import Decision, Guard
 
 __version__ = "0.1.0"
 
@@ -52,3 +65,28 @@ __all__ = [
     "diagnose",
     "trace",
 ]
+
+_LAZY = {
+    "Bundle": "trainguard.capture",
+    "load_bundle": "trainguard.capture",
+    "ReplayReport": "trainguard.replay",
+    "ReplaySpec": "trainguard.replay",
+    "diagnose": "trainguard.replay",
+    "trace": "trainguard.replay",
+    "Decision": "trainguard.step",
+    "Guard": "trainguard.step",
+}
+"""The public names that import torch, and where they live."""
+
+
+def __getattr__(name: str) -> Any:
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'trainguard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value  # once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

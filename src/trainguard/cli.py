@@ -397,14 +397,23 @@ def _run(args: argparse.Namespace) -> int:
     )
     finished = run_command(command, options)
     if not finished.attached:
-        print(
-            f"trainguard run: no guard events in {args.run_dir} from this run: no process "
-            "reached an optimizer step with the guard attached (it cannot attach under "
-            "python -I, -E or -S, or where PYTHONPATH is reset: docs/run.md), or each stood "
-            "aside (its line above)",
-            file=sys.stderr,
-        )
+        print(_unguarded_line(args.run_dir, finished.reasons, finished.own_guard), file=sys.stderr)
     return finished.code
+
+
+def _unguarded_line(run_dir: str, reasons: list[str], own_guard: bool) -> str:
+    """The last word of a run trainguard run did not guard: the script's own guard kept it,
+    the reasons the processes left, or, where none left one, that none installed the hooks."""
+    if own_guard:
+        return f"trainguard run: not attached: the script's own guard kept the run ({reasons[0]})"
+    if reasons:
+        return f"trainguard run: the run was not guarded: {'; '.join(reasons)}"
+    return (
+        f"trainguard run: the run was not guarded (no guard events in {run_dir}): no process "
+        "of the command imported torch with trainguard's bootstrap on its path (python -I, "
+        "-E or -S, or a launcher that resets PYTHONPATH: docs/run.md), or none ran a "
+        "training step"
+    )
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ class GuardConfig:
     """Write a replay bundle for the first bad step and on escalation."""
 
     grad_clip: float | None = None
-    """Max total gradient norm; applied in the same pass that checks the gradients."""
+    """Max total gradient norm; applied in the same pass that checks the gradients. None or
+    0.0 (the "off" of nanoGPT's and many loops' own ``grad_clip`` option): no clipping."""
 
     hang_timeout: float | None = None
     """Seconds without progress before a hang is declared; None learns it; 0 disables."""
@@ -216,8 +217,12 @@ class GuardConfig:
             raise ConfigError(
                 "max_consecutive", f"got {self.max_consecutive!r}; use an integer >= 1"
             )
+        if self.grad_clip == 0 and not isinstance(self.grad_clip, bool):
+            self.grad_clip = None  # the loops' own "off"
         if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ConfigError("grad_clip", f"got {self.grad_clip!r}; use a positive number or None")
+            raise ConfigError(
+                "grad_clip", f"got {self.grad_clip!r}; use a positive number, or None or 0 (off)"
+            )
         if self.hang_timeout is not None and self.hang_timeout < 0:
             raise ConfigError(
                 "hang_timeout", f"got {self.hang_timeout!r}; use seconds > 0, 0 to disable, or None"

@@ -30,13 +30,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
-import torch.distributed as dist
-
-from trainguard.elastic import restart_count
-from trainguard.objects import broadcast_object
+if TYPE_CHECKING:  # imported where used: ``GuardConfig`` checks ``run`` without torch
+    import torch
+    import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +104,8 @@ def continues(resume: bool, choice: str | None, env: Mapping[str, str]) -> str |
         return None
     if choice is not None and choice != CONTINUE:
         return "given"
+    from trainguard.elastic import restart_count
+
     if restart_count(env) > 0:
         return "restart"
     if resume or choice == CONTINUE:
@@ -157,6 +157,10 @@ def identify_run(
     env: Mapping[str, str] | None = None,
 ) -> RunIdentity:
     """The run on every rank: rank 0 decides, one object broadcast over the guard's group."""
+    import torch.distributed as dist
+
+    from trainguard.objects import broadcast_object
+
     env = os.environ if env is None else env
     ident = decide_run(run_dir, resume, choice, env) if group.rank == 0 else None
     if group.distributed and group.world_size > 1:

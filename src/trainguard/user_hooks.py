@@ -9,13 +9,20 @@ pickle local object '...<lambda>'"), and a deep copy duplicates the part with wh
 copy the copied module then calls at its every forward.
 (An optimizer's copies carry no hooks: its ``__getstate__`` leaves them out.)
 
-``Hook`` wraps the callback instead. Pickled or deep-copied, a ``Hook`` is inert: it calls
-nothing and holds nothing, so a copy of a guarded module is the user's module and nothing of
-the guard. The guarded module itself keeps its working hooks. The copy keeps the inert
-entries in its hook dicts (a copy cannot drop them): a no-op call per forward of the copy.
-A pickled ``Hook`` is the standard library's no-op, ``functools.partial(
-contextlib.nullcontext.__exit__, None)`` (it takes any arguments and returns None), so
-loading the pickle does not need trainguard; a deep copy is an inert ``Hook``.
+So the copies of a module leave the guard's hooks out: while a guard's hook is on some
+module, ``nn.Module.__reduce_ex__`` (what ``pickle``, ``torch.save``, ``copy.deepcopy`` and
+``copy.copy`` call on every module, whatever its ``__getstate__``: DDP's and a compiled
+wrapper's included) is the standard one followed by ``without_guard_hooks``: the state it
+returns holds the module's hook dicts without the guard's ``Hook`` entries (new dicts; the
+live module keeps its own, its working hooks and the user's). A module saved whole is the
+user's module, bit for bit what the unguarded run would pickle: ``torch.load(...,
+weights_only=True)`` takes it (a pickled hook is a global the safe loader refuses), and a
+deep copy (an EMA, a frozen reference model) runs no hook of the guard's. A module with no
+guard hook reduces exactly as before.
+
+``Hook`` wraps the callback, and stays inert wherever it is copied by other ways (a hook
+dict pickled on its own): a copy calls nothing and holds nothing; pickled, it is the
+standard library's no-op, ``functools.partial(contextlib.nullcontext.__exit__, None)``.
 
 Compiled modules. A hook runs where the module's call runs, and under ``torch.compile`` that
 can be inside a frame dynamo traces: the module inside ``torch.compile(model)``'s wrapper
@@ -46,11 +53,55 @@ import contextlib
 import functools
 import sys
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 from torch import nn
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+_FLAG_DICTS = (
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+"""A module's dicts keyed by hook id beside the hooks themselves."""
+
+
+def without_guard_hooks(state: dict[str, Any]) -> dict[str, Any]:
+    """A module's pickled state (its ``__getstate__``) without the guard's hooks: the same
+    dict when it holds none, else a copy whose hook dicts (and their flags) are new dicts
+    without the guard's entries."""
+    ours: set[int] = set()
+    for name in _HOOK_DICTS:
+        hooks = state.get(name)
+        if isinstance(hooks, dict):
+            ours.update(key for key, hook in hooks.items() if isinstance(hook, Hook))
+    if not ours:
+        return state
+    state = dict(state)  # never the live module's own dicts
+    for name in (*_HOOK_DICTS, *_FLAG_DICTS):
+        entries = state.get(name)
+        if isinstance(entries, dict):
+            state[name] = OrderedDict((k, v) for k, v in entries.items() if k not in ours)
+    return state
+
+
+def _reduce_ex(self: nn.Module, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+    """``nn.Module.__reduce_ex__`` while guard hooks may be on modules: the standard one,
+    its state without the guard's hooks (``without_guard_hooks``)."""
+    reduced = object.__reduce_ex__(self, protocol)
+    if isinstance(reduced, tuple) and len(reduced) > 2 and isinstance(reduced[2], dict):
+        return (*reduced[:2], without_guard_hooks(reduced[2]), *reduced[3:])
+    return reduced
+
+
+def keep_hooks_out_of_copies() -> None:
+    """Install ``_reduce_ex`` on ``nn.Module`` (once, process-wide; at the first guard hook,
+    not at import). A subclass's own ``__reduce_ex__`` is left alone."""
+    if nn.Module.__dict__.get("__reduce_ex__") is not _reduce_ex:
+        nn.Module.__reduce_ex__ = _reduce_ex  # type: ignore[method-assign,assignment]
 
 
 def _call(callback: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -165,6 +216,7 @@ def add_forward_hooks(
     ``inside_compiled``: ``module`` is inside a ``torch.compile`` wrapper whose own hooks
     do the work (these then do nothing in the trace). ``pre_first``: ``pre`` runs before the
     module's other pre-hooks (FSDP2's unshard among them)."""
+    keep_hooks_out_of_copies()
     compiled = getattr(module, "_compiled_call_impl", None)
     if compiled is not None:  # compiled_in_place(module)
         return _around_compiled(module, compiled, pre, post, pre_first)

@@ -263,7 +263,10 @@ def test_lightning_with_its_own_guard_stands_aside(tmp_path: Path) -> None:
         line = f"trainguard run: rank {rank}: not guarding: DistributedDataParallel("
         assert line in done.stderr
     assert "the script's own guard keeps the run" in done.stderr
-    assert not any((tmp_path / "outer").iterdir())  # made up front; the outer guard never wrote
+    outer = tmp_path / "outer"  # made up front; the outer guard never wrote, but why not
+    assert {path.name for path in outer.iterdir()} == {"attach"}
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("trainguard run: not attached: the script's own guard kept the run")
     assert list((tmp_path / "inner" / "captures").glob("step-*"))  # the callback's guard did
 
 
@@ -402,3 +405,32 @@ def test_a_script_that_clips_is_checked_before_its_clip(tmp_path: Path) -> None:
     for step in set(range(1, 8)) - {DROP}:
         assert norms[step] > 10 * CLIP
         assert abs(norms[step] - clip_norms[step]) <= 1e-5 * clip_norms[step], step
+
+
+@pytest.mark.timeout(200)
+def test_a_lightning_ddp_job_with_its_defaults_is_guarded_from_step_0(tmp_path: Path) -> None:
+    """Lightning's defaults, 2-rank DDP (its own launcher): the sanity-check validation left
+    the DDP wrapper in eval mode while the LightningModule trained, so no training forward
+    was seen ("cannot find the model": the job ran unguarded), and once attached, every
+    step after a validation recorded no batch (a bundle with nothing to replay). Now every
+    rank guards from step 0, a NaN in epoch 1 (after two validations) is skipped on both
+    ranks, and its bundle holds every rank's batch."""
+    pytest.importorskip("lightning")
+    script = SCRIPT.parent / "train_lightning_ddp.py"
+    run_dir = tmp_path / "run"
+    done = _run([*_guarded(run_dir), "--", sys.executable, str(script)], timeout=190)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"trainguard run: rank {rank}: guarding SGD over DistributedDataParallel" in (
+            done.stderr
+        )
+        assert f"rank {rank}: trained 6 steps; weights finite: True" in done.stderr
+    skips = []
+    for rank in (0, 1):
+        events = tg.read_events(run_dir, rank)
+        assert [e["step"] for e in events if e["kind"] == "start"] == [0]
+        skips.append([e["step"] for e in events if e["kind"] == "skip"])
+    assert skips[0] == skips[1] and len(skips[0]) == 1 and skips[0][0] >= 3  # epoch 1
+    bundle = tg.load_bundle(run_dir / "captures" / f"step-{skips[0][0]:08d}")
+    for rank in (0, 1):
+        assert bundle.batches(rank), rank  # the step's micro-batch, on every rank

@@ -75,3 +75,18 @@ def test_an_optimizer_that_updates_none_of_the_model_is_refused(tmp_path: object
         tg.Guard(gen, opt_d, run_dir=tmp_path, hang_timeout=0)
     both = torch.nn.Sequential(gen, disc)
     tg.Guard(both, opt_d, run_dir=tmp_path, hang_timeout=0).close()
+
+
+def test_grad_clip_zero_is_off_as_in_the_loops_own_options(tmp_path: object) -> None:
+    """nanoGPT's ``grad_clip = 0.0`` means no clipping; passed on as it is, the guard took it
+    for an error. 0 and 0.0 are "off" (None); a negative value is still refused."""
+    assert tg.GuardConfig(grad_clip=0.0).grad_clip is None
+    assert tg.GuardConfig(grad_clip=0).grad_clip is None
+    assert tg.GuardConfig(grad_clip=1.0).grad_clip == 1.0
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tg.Guard(model, opt, run_dir=f"{tmp_path}/run", grad_clip=0.0, hang_timeout=0) as guard:
+        model(torch.full((4, 2), 100.0)).sum().backward()
+        before = model.weight.grad.clone()
+        assert guard.check(model(torch.ones(1, 2)).sum().detach())
+        assert torch.equal(model.weight.grad, before)  # not clipped

@@ -5,6 +5,8 @@ inside functions included."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import trainguard
@@ -106,7 +108,20 @@ def test_replay_name_is_the_function() -> None:
     import trainguard.replay.stepper  # a submodule import must not rebind the name
 
     assert callable(trainguard.replay)
-    assert trainguard.replay.__module__ == "trainguard.replay.runner"
+    assert trainguard.replay.__name__ == "replay"  # the function (it imports the runner
+    assert trainguard.replay.__module__ == "trainguard.replay"  # when called: no torch before)
+
+
+def test_import_trainguard_imports_no_torch() -> None:
+    """``trainguard --version``, ``report`` and ``trainguard run``'s bootstrap pay for what
+    they use: the public names that need torch are imported when first used."""
+    code = (
+        "import sys, trainguard, trainguard.cli\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "assert trainguard.Guard.__name__ == 'Guard' and 'torch' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def module_name(path: Path) -> str:

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 import trainguard as tg
 from trainguard.replay.bisect import find_culprits
 from trainguard.replay.runner import KEYS, resolve_factory
+from trainguard.replay.stepper import StepRunner
 from trainguard.replay.verdicts import VERDICTS
 from trainguard.testing import Fault, FaultPlan
 
@@ -155,6 +156,30 @@ def test_culprit_in_the_second_micro_batch(tmp_path: Path) -> None:
     (bundle,) = (tmp_path / "captures").glob("step-*")
     r = tg.replay(bundle, models.forward_factory, repeats=2).to_dict()
     assert (r["phase"], r["module"]) == ("forward", "encoder.layers.0.norm")
+    assert r["culprit_samples"] == [{"micro_batch": 1, "position": 6, "index": 1030}]
+
+
+@pytest.mark.timeout(60)
+def test_a_finite_loss_with_bad_gradients_in_the_second_micro_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loss is finite, the gradients are not, with gradient accumulation: the search for
+    the micro-batch whose own gradients are bad ran each micro-batch alone, and each such run
+    searched again, without bound (297 s, Python's recursion limit, a plausible output; here
+    1704 searches and 41 s)."""
+    data = models.batches("backward", 6, bad_step=3, bad_pos=6)  # step 1 = micro 2, 3
+    loss = models.loss_of("backward")
+    models.train(models.make_model("backward"), loss, data, tmp_path, accumulation_steps=2)
+    (bundle,) = (tmp_path / "captures").glob("step-*")
+    runs = []
+    run = StepRunner.run
+    monkeypatch.setattr(
+        StepRunner, "run", lambda self, *a, **k: runs.append(1) or run(self, *a, **k)
+    )
+    r = tg.replay(bundle, models.backward_factory, repeats=2).to_dict()
+    assert len(runs) < 60  # each micro-batch searched once per full run, not recursively
+    assert (r["phase"], r["op"]) == ("backward", "aten.div")
+    assert all(v == v for v in r["replayed"]["losses"])  # the forward loss is finite
     assert r["culprit_samples"] == [{"micro_batch": 1, "position": 6, "index": 1030}]
 
 

@@ -58,6 +58,28 @@ def find_model(candidates: Sequence[nn.Module], optimizer: torch.optim.Optimizer
     )
 
 
+WRAPPER_DEPTH = 8
+"""Wrappers looked through by ``in_training`` (DDP around a compiled module, ...)."""
+
+
+def in_training(module: nn.Module) -> bool:
+    """Whether a call of ``module`` is a training call's module: it is in training mode, or a
+    wrapper (no parameters of its own, one child: DDP, a compile wrapper, a framework's own)
+    around one that is. Lightning's sanity-check validation leaves its DDP wrapper in eval
+    mode while the LightningModule inside trains again."""
+    inner: nn.Module | None = module
+    for _ in range(WRAPPER_DEPTH):
+        if inner is None:
+            return False
+        if inner.training:
+            return True
+        children = inner._modules
+        if len(children) != 1 or inner._parameters:
+            return False
+        (inner,) = children.values()
+    return False
+
+
 def existing_guard(model: nn.Module) -> str | None:
     """The name of the trainguard object already hooked into ``model`` (a ``Guard`` made by
     the script, Lightning's ``TrainGuard`` callback, the HF ``TrainGuardCallback``), if any."""

@@ -56,12 +56,14 @@ from trainguard.attach.discovery import (
     describe_module,
     existing_guard,
     find_model,
+    in_training,
     optimizer_params,
 )
 from trainguard.attach.drops import DropWatch
 from trainguard.attach.options import RunOptions
 from trainguard.attach.prestart import PreStart, batch_of
 from trainguard.attach.replace import HANDOVER, adopt_start, hand_over, made_anew
+from trainguard.attach.status import write_reason
 from trainguard.errors import ConfigError
 from trainguard.step.guard import Guard
 from trainguard.step.join import JOIN_REASON, shadowed_in_join
@@ -139,7 +141,7 @@ class Attacher:
         self.optimizer: torch.optim.Optimizer | None = None
         self.model: nn.Module | None = None
         self.aside = False
-        self._prestart = PreStart()
+        self._prestart = PreStart(on_manual_update=self._updated_by_hand)
         self._clip = ClipWatch()
         self._drops = DropWatch()
         self._handles: list[RemovableHandle | HookHandle] = []
@@ -148,6 +150,7 @@ class Attacher:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def install(self) -> None:
+        atexit.register(self._never_stepped)
         self._prestart.install()
         self._clip.install()
         self._handles = [
@@ -156,13 +159,18 @@ class Attacher:
         ]
         self._wrap_destroy()
 
-    def stand_aside(self, reason: str, then: str = "the script runs unguarded") -> None:
-        """Remove every hook, close the guard if any, and say why (one line)."""
+    def stand_aside(
+        self, reason: str, then: str = "the script runs unguarded", own_guard: bool = False
+    ) -> None:
+        """Remove every hook, close the guard if any, and say why (one line; and in the run
+        dir for the command's last word: ``status.py``). ``own_guard``: the script's own
+        guard keeps the run."""
         if self.aside:
             return
         self.aside = True
         self._remove_hooks()
         announcer().warning("trainguard run: rank %d: not guarding: %s; %s", _rank(), reason, then)
+        write_reason(self.options.run_dir, _rank(), reason, guarded=own_guard)
         if self.guard is not None:  # the run dir says so too: its report is no guarded run
             self.guard.events.write("stand_aside", self.guard.state.step, reason=reason, then=then)
         self.close()
@@ -211,6 +219,26 @@ class Attacher:
         for namespace in (dist, distributed_c10d):
             setattr(namespace, "destroy_process_group", destroy_process_group)  # noqa: B010
         self._restore_destroy = restore
+
+    def _updated_by_hand(self, module: nn.Module) -> None:
+        """The parameters changed between two training forwards with no optimizer step."""
+        self.stand_aside(
+            f"the script updates the parameters of {describe_module(module)} by hand (they "
+            "changed between two training forwards with no torch.optim optimizer step), and "
+            "trainguard run checks each step at its optimizer's step(); use a torch.optim "
+            "optimizer (torch.optim.SGD(model.parameters(), lr=LR) makes the same update as "
+            "p -= LR * p.grad)"
+        )
+
+    def _never_stepped(self) -> None:
+        """At exit: a process that trained (training forwards) and never reached an optimizer
+        step says so, as ``stand_aside`` would have."""
+        if self.optimizer is None and not self.aside and self._prestart.calls:
+            self.stand_aside(
+                "the script ran training forwards but no torch.optim optimizer step: "
+                "trainguard run checks each step at its optimizer's step()",
+                then="nothing was guarded",
+            )
 
     # -- the optimizer's hooks --------------------------------------------------------------
 
@@ -301,6 +329,7 @@ class Attacher:
                 f"{describe_module(model)} already has a trainguard guard (a {other} hook: "
                 "Lightning's TrainGuard, the HF TrainGuardCallback or a Guard in the script)",
                 then="the script's own guard keeps the run",
+                own_guard=True,
             )
             return False
         try:
@@ -361,7 +390,7 @@ class Attacher:
         guard = self.guard
         if guard is None:
             return
-        if not torch.is_grad_enabled() or not module.training:
+        if not torch.is_grad_enabled() or not in_training(module):
             return  # an evaluation: progress, counted by the guard's step-start hook
         guard.progress.enter("step")
         self._clip.forward()

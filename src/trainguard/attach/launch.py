@@ -31,6 +31,7 @@ from pathlib import Path
 from types import FrameType
 
 from trainguard.attach.options import RunOptions, child_env, launcher_of
+from trainguard.attach.status import unguarded_reasons
 from trainguard.errors import ConfigError
 from trainguard.hang.rules import own_failure
 
@@ -51,6 +52,10 @@ class Finished:
     """The exit status to return: the command's, or the guard's (the module docstring)."""
     attached: bool
     """Whether a process of the command wrote guard events during the run."""
+    reasons: list[str] = dataclasses.field(default_factory=list)
+    """Why processes were not guarded, as they said (``status.unguarded_reasons``)."""
+    own_guard: bool = False
+    """Every process that said why stood aside for the script's own guard."""
 
 
 def run_command(command: Sequence[str], options: RunOptions) -> Finished:
@@ -72,7 +77,9 @@ def run_command(command: Sequence[str], options: RunOptions) -> Finished:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return Finished(_exit_status(code, run_dir, started), attached_since(run_dir, started))
+    attached = attached_since(run_dir, started)
+    reasons, own_guard = ([], False) if attached else unguarded_reasons(run_dir, started)
+    return Finished(_exit_status(code, run_dir, started), attached, reasons, own_guard)
 
 
 def _exit_status(code: int, run_dir: Path, started: float) -> int:

@@ -3,25 +3,34 @@
 The guard is made at the first optimizer step, after that step's forward ran. So until then
 two process-wide module hooks (``register_module_forward_pre_hook`` and an ``always_call``
 forward hook) find the *outermost* module calls (depth 0, main thread, gradients on, module
-in training mode) and record, per module, what the guard's ``StepStart`` records at a step's
-first forward: the RNG states (read, not drawn), the autocast state, a copy of the buffers
-(``BufferKeeper``), and every call's arguments, positional and keyword (the
-micro-batches). At the first optimizer
-step the model's record is handed to the guard and these hooks are removed: after that no
-module call but the model's own pays anything.
+in training mode, or a wrapper around one: ``discovery.in_training``) and record, per
+module, what the guard's ``StepStart`` records at a step's first forward: the RNG states
+(read, not drawn), the autocast state, a copy of the buffers (``BufferKeeper``), and every
+call's arguments, positional and keyword (the micro-batches). At the first optimizer step
+the model's record is handed to the guard and these hooks are removed: after that no module
+call but the model's own pays anything.
+
+A script that updates its parameters by hand (``p.data.add_(p.grad, alpha=-lr)``, no
+``torch.optim`` optimizer) never reaches that first step. So each recorded module keeps a
+sample of its parameters' values from its first training call (a few values of each of its
+first parameters); when a later top-level training call finds them changed with no
+optimizer step in between, ``on_manual_update`` is told at once (``trainguard run`` then
+says so and stands aside). Gradient accumulation changes no parameter between its calls.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
+from trainguard.attach.discovery import in_training
 from trainguard.capture.rng import rng_state
 from trainguard.step.buffers import BufferKeeper
 from trainguard.step.manual import RecordedBatches
@@ -29,6 +38,34 @@ from trainguard.step.start import autocast_state
 
 MAX_CANDIDATES = 8
 """Distinct top-level modules recorded before the first step (the rest are ignored)."""
+SAMPLED_PARAMS = 16
+"""Parameters (the first ones with values) whose first values are sampled per module."""
+SAMPLED_VALUES = 8
+"""Values sampled of each."""
+
+
+def parameter_sample(module: nn.Module) -> list[Tensor]:
+    """A few values of each of the module's first parameters, copied (a manual update of
+    the parameters changes them: ``PreStart``)."""
+    sample = []
+    for param in module.parameters():
+        if param.numel() and not param.is_meta:
+            sample.append(param.detach().reshape(-1)[:SAMPLED_VALUES].clone())
+            if len(sample) == SAMPLED_PARAMS:
+                break
+    return sample
+
+
+def sample_changed(module: nn.Module, sample: list[Tensor]) -> bool:
+    """Whether the parameters' sampled values differ from ``sample`` (NaN-aware)."""
+    now = parameter_sample(module)
+    if len(now) != len(sample):
+        return True
+    return not all(_same(a, b) for a, b in zip(now, sample, strict=True))
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and bool((a.eq(b) | (a.isnan() & b.isnan())).all())
 
 
 def batch_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -51,6 +88,8 @@ class StepZero:
     buffers: BufferKeeper
     recorded: RecordedBatches = field(default_factory=RecordedBatches)
     """The step's micro-batches (a refilled input buffer detected as the guard does)."""
+    sample: list[Tensor] = field(default_factory=list)
+    """``parameter_sample`` at its first training call."""
 
     @property
     def batches(self) -> list[Any]:
@@ -60,7 +99,10 @@ class StepZero:
 class PreStart:
     """The process-wide hooks that record the first step's top-level module calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_manual_update: Callable[[nn.Module], None] | None = None) -> None:
+        self.on_manual_update = on_manual_update
+        """Told of a recorded module whose parameters changed between two training calls
+        with no optimizer step (the module docstring)."""
         self.calls: dict[int, StepZero] = {}
         self._depth = 0
         self._traced = 0
@@ -103,7 +145,7 @@ class PreStart:
         if threading.current_thread() is not self._main:
             return
         self._depth += 1
-        if self._depth != 1 or not torch.is_grad_enabled() or not module.training:
+        if self._depth != 1 or not torch.is_grad_enabled() or not in_training(module):
             return
         zero = self.calls.get(id(module))
         if zero is None:
@@ -111,6 +153,9 @@ class PreStart:
                 return
             zero = self._start(module)
             self.calls[id(module)] = zero
+        elif self.on_manual_update is not None and sample_changed(module, zero.sample):
+            self.on_manual_update(module)
+            return
         self._recording = zero  # its micro-batch: when the call ends (``_post``)
 
     def _post(
@@ -135,4 +180,6 @@ class PreStart:
         device_type = param.device.type if param is not None else "cpu"
         keeper = BufferKeeper(module)
         keeper.begin(0)
-        return StepZero(module, rng_state(), autocast_state(device_type), keeper)
+        zero = StepZero(module, rng_state(), autocast_state(device_type), keeper)
+        zero.sample = parameter_sample(module)
+        return zero

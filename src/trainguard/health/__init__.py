@@ -7,6 +7,6 @@
 - ``resync``     every replica takes one rank's weights, buffers and optimizer state
 - ``learning_rates`` every rank's LR rides the agreement: ``lr_mismatch`` when they differ
 
-Offers: ``StepTimer``, ``StragglerWatch``, ``ReplicaWatch``, ``LrAgreement``. Imports the base modules only,
-never the step path: the guard hands the agreed numbers in.
+Offers: ``StepTimer``, ``StragglerWatch``, ``ReplicaWatch``, ``LrAgreement``. Imports the
+base modules only, never the step path: the guard hands the agreed numbers in.
 """

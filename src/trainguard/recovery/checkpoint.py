@@ -29,16 +29,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.checkpoint import state_dict_saver
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from trainguard.recovery.snapshot import TrainingObjects
 
 logger = logging.getLogger(__name__)
 
-dcp_async_save: Any = getattr(state_dict_saver, "async_save", None)  # None: the save blocks
+# torch.distributed.checkpoint is imported where a checkpoint is written or read: importing
+# it costs a second or more, which every guarded process (trainguard run: every launch)
+# would pay at start-up, with or without checkpoints.
 
 MANIFEST = "manifest.json"
 GOOD = "GOOD"
@@ -69,6 +67,8 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def model_optimizer_state(objects: TrainingObjects) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model, optim = get_state_dict(objects.model, objects.optimizer)
     return {"model": model, "optim": optim}
 
@@ -136,6 +136,8 @@ def save(
 ) -> Saved:
     """Collective: every rank calls it at the same step boundary. Synchronous (finished on
     return) unless ``use_async``: then call ``finish()`` on every rank later."""
+    from torch.distributed.checkpoint import state_dict_saver
+
     start = time.perf_counter()
     final = step_dir(run_dir, step)
     tmp = final.with_name(f".tmp-{final.name}")
@@ -146,10 +148,11 @@ def save(
     torch.save({**rank_extras(objects), **extras}, tmp / f"rank-{rank}.pt")
     state = model_optimizer_state(objects)
     future = None
+    dcp_async_save = getattr(state_dict_saver, "async_save", None)  # None: the save blocks
     if use_async and dcp_async_save is not None:
         future = dcp_async_save(state, checkpoint_id=str(tmp), process_group=write_group)
     else:
-        dcp_save(state, checkpoint_id=str(tmp), process_group=group)
+        state_dict_saver.save(state, checkpoint_id=str(tmp), process_group=group)
     saved = Saved(step, final, 0.0, future, group, rank)
     if future is None:
         finish(saved)
@@ -177,6 +180,9 @@ def finish(saved: Saved) -> None:
 def load(path: Path, objects: TrainingObjects, rank: int) -> dict[str, Any]:
     """Collective: load ``path`` into the live objects; returns this rank's extras."""
     state = model_optimizer_state(objects)
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
     dcp_load(state, checkpoint_id=str(path))
     set_state_dict(
         objects.model,

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
@@ -35,6 +34,8 @@ class Resumed:
 
 
 def _try_load(path: Path, objects: TrainingObjects, rank: int) -> tuple[dict[str, Any], str]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         return ckpt.load(path, objects, rank), ""
     except (Exception, CheckpointException) as exc:  # a BaseException: caught by name

@@ -18,7 +18,8 @@
 - ``report``    ``ReplayReport`` and its ``KEYS``
 - ``render``    text for the CLI (inspect, replay, demo)
 
-Offers: ``replay``, ``ReplayReport``, ``ReplaySpec``, ``trace``, ``diagnose``. Reads bundles through
+Offers: ``replay``, ``ReplayReport``, ``ReplaySpec``, ``trace``, ``diagnose`` (imported when first
+used: no torch at import). Reads bundles through
 ``trainguard.capture``; never imports the step path or the watchdog.
 
 Note: ``trainguard.replay`` (the attribute of the top-level package) is the *function*
@@ -26,7 +27,64 @@ Note: ``trainguard.replay`` (the attribute of the top-level package) is the *fun
 (``from trainguard.replay.runner import ...``).
 """
 
-from trainguard.replay.runner import ReplayReport, ReplaySpec, replay
-from trainguard.replay.trace import Trace, diagnose, trace
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainguard.capture.bundle import Bundle
+    from trainguard.replay.factory import Factory
+    from trainguard.replay.runner import ReplayReport, ReplaySpec
+    from trainguard.replay.trace import Trace, diagnose, trace
 
 __all__ = ["ReplayReport", "ReplaySpec", "Trace", "diagnose", "replay", "trace"]
+
+
+def replay(
+    bundle: Bundle | Path | str,
+    factory: str | Factory | ReplaySpec,
+    *,
+    rank: int | None = None,
+    repeats: int = 3,
+    device: str = "cpu",
+    bisect: bool = True,
+    autocast: str | None = None,
+) -> ReplayReport:
+    """Replay a bundle's step on ``device`` and diagnose it (``runner.replay``: imported at
+    the first call, so ``import trainguard`` imports no torch).
+
+    ``rank``: whose part to replay (default: the rank where the non-finite values arose).
+    ``autocast``: ``"off"``, ``"float16"`` or ``"bfloat16"`` instead of the autocast state
+    the bundle recorded. Raises BundleError for a bad bundle, ReplayError when the factory or
+    weights do not fit."""
+    from trainguard.replay import runner
+
+    return runner.replay(
+        bundle,
+        factory,
+        rank=rank,
+        repeats=repeats,
+        device=device,
+        bisect=bisect,
+        autocast=autocast,
+    )
+
+
+_LAZY = {
+    "ReplayReport": "trainguard.replay.runner",
+    "ReplaySpec": "trainguard.replay.runner",
+    "Trace": "trainguard.replay.trace",
+    "diagnose": "trainguard.replay.trace",
+    "trace": "trainguard.replay.trace",
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'trainguard.replay' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value
+    return value

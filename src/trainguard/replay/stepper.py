@@ -165,6 +165,10 @@ class StepRunner:
                 result.first_bad_micro = m
         with _untraced(tracer):  # the replay's own reads are no hop of the step's values
             self._read_grads(result, sums, backward)
+        if result.first_bad_micro is None and not result.grads_finite:
+            # the loss was finite: which micro-batch's own gradients are bad (a run of one
+            # micro-batch is its own answer; it must not search again: no recursion)
+            result.first_bad_micro = micro if micro is not None else self._first_bad_grad_micro()
         return result
 
     def _forward_backward(
@@ -198,8 +202,6 @@ class StepRunner:
         result.grads_finite = not result.bad_params
         result.grad_norm = norm_or_inf(math.sqrt(float(sumsq)))
         result.bits = (*(_bits(s) for s in sums), _bits(sumsq))
-        if result.first_bad_micro is None and not result.grads_finite:
-            result.first_bad_micro = self._first_bad_grad_micro()
 
     def _first_bad_grad_micro(self) -> int | None:
         """With gradient accumulation: the first micro-batch whose own gradients are bad."""

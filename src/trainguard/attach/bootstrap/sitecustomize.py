@@ -12,6 +12,14 @@
    (``trainguard.attach.hooks.install``). They attach the guard at the first optimizer step,
    so DataLoader workers and helper processes that never step an optimizer never attach.
 
+However the program reaches torch: ``import torch``, ``importlib.import_module``, a library
+that looks torch up first (``importlib.util.find_spec("torch")``: ``transformers`` and
+``datasets`` do, and every look-up makes a new spec and loader), a loader of its own. The
+hook stays on ``sys.meta_path`` until torch's import has run: each spec it hands out runs the
+install once torch's module has executed, and any later import, of whatever module, finds
+torch imported and installs then (a way in that bypassed the specs). Whichever comes first
+installs, once.
+
 Only the standard library is imported here: this runs in every Python process of the job.
 """
 
@@ -62,30 +70,60 @@ def _is_torchrun_agent(options: dict[str, Any]) -> bool:
 
 
 class _AfterTorch(importlib.abc.MetaPathFinder):
-    """Calls ``install`` once ``import torch`` has finished (a post-import hook)."""
+    """Calls ``install`` once ``import torch`` has finished (a post-import hook), however the
+    program reached torch (the module docstring)."""
 
     def __init__(self, options: dict[str, Any]) -> None:
         self._options = options
+        self._looking = False
+        self._executing = False
+        """Inside torch's import by a spec of ours (its own imports are not the end of it)."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
+        if self._looking:
+            return None  # our own look-up of torch below
         if fullname != "torch":
+            if not self._executing and _imported("torch"):  # a way that bypassed our specs
+                self.done()
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("torch")
+        self._looking = True
+        try:
+            spec = importlib.util.find_spec("torch")
+        finally:
+            self._looking = False
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader
         exec_module = loader.exec_module
-        options = self._options
 
         def exec_then_install(module: ModuleType) -> None:
-            exec_module(module)
-            _install(options)
+            self._executing = True
+            try:
+                exec_module(module)
+            finally:
+                self._executing = False
+            self.done()
 
         loader.exec_module = exec_then_install  # type: ignore[method-assign]
         return spec
+
+    def done(self) -> None:
+        """Torch is imported: leave the import system and install the hooks (once)."""
+        if self not in sys.meta_path:
+            return
+        sys.meta_path.remove(self)
+        _install(self._options)
+
+
+def _imported(name: str) -> bool:
+    """``name`` is in ``sys.modules`` and its import has finished."""
+    module = sys.modules.get(name)
+    if module is None:
+        return False
+    spec = getattr(module, "__spec__", None)
+    return not getattr(spec, "_initializing", False)
 
 
 def _install(options: dict[str, Any]) -> None:

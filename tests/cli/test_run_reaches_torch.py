@@ -1,0 +1,125 @@
+"""``trainguard run`` attaches however the program reaches torch (issue 53).
+
+``import transformers`` / ``import datasets`` look torch up with
+``importlib.util.find_spec("torch")`` before importing it; the bootstrap's import hook took
+itself out at that first look-up and patched only the spec it returned, so the real import
+never installed the hooks and the script ran unguarded, saying nothing until its end.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PROBE = "import torch.optim.optimizer as oo\nprint('HOOKS', len(oo._global_optimizer_pre_hooks))\n"
+WAYS = {
+    "import": "import torch\n",
+    "find_spec_first": "import importlib.util\nimportlib.util.find_spec('torch')\nimport torch\n",
+    "find_spec_twice": (
+        "import importlib.util\n"
+        "importlib.util.find_spec('torch')\n"
+        "importlib.util.find_spec('torch')\n"
+        "import importlib\nimportlib.import_module('torch')\n"
+    ),
+    "import_module": "import importlib\nimportlib.import_module('torch.nn')\n",
+    "spec_loaded_by_hand": (
+        "import importlib.util, sys\n"
+        "spec = importlib.util.find_spec('torch')\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "sys.modules['torch'] = module\n"
+        "spec.loader.exec_module(module)\n"
+    ),
+}
+
+
+def _trainguard_run(tmp_path: Path, script: str) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    command = [sys.executable, "-m", "trainguard", "run", "--run-dir", str(tmp_path / "run")]
+    return subprocess.run(
+        [*command, "--", sys.executable, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=tmp_path,
+    )
+
+
+@pytest.mark.timeout(160)
+@pytest.mark.parametrize("way", sorted(WAYS))
+def test_the_hooks_are_installed_however_torch_is_reached(tmp_path: Path, way: str) -> None:
+    done = _trainguard_run(tmp_path, WAYS[way] + PROBE)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "HOOKS 1" in done.stdout, (way, done.stdout, done.stderr[-2000:])
+
+
+TRANSFORMERS_FIRST = """
+import transformers  # looks torch up (find_spec) before it imports it
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    x = torch.randn(8, 4)
+    if step == 1:
+        x[0, 0] = float("nan")
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+print("FINITE", bool(torch.isfinite(model.weight).all()))
+"""
+
+
+@pytest.mark.timeout(160)
+def test_a_script_reaching_torch_through_transformers_is_guarded_from_its_first_step(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("transformers")
+    done = _trainguard_run(tmp_path, TRANSFORMERS_FIRST)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "trainguard run: rank 0: guarding" in done.stderr  # said at the first step
+    assert "FINITE True" in done.stdout  # the NaN step was skipped
+    lines = (tmp_path / "run" / "events" / "rank-0.jsonl").read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    assert [e["step"] for e in events if e["kind"] == "start"] == [0]
+    assert [e["step"] for e in events if e["kind"] == "skip"] == [1]
+
+
+MANUAL_SGD = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+for step in range(6):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    model.zero_grad()
+    loss.backward()
+    for p in model.parameters():  # word-language-model's update, without an optimizer
+        p.data.add_(p.grad, alpha=-0.1)
+    print("STEP", step, flush=True)
+"""
+
+
+@pytest.mark.timeout(160)
+def test_a_script_updating_its_parameters_by_hand_is_told_it_is_unguarded(
+    tmp_path: Path,
+) -> None:
+    """No torch.optim optimizer: said at the second training forward (not at the end), one
+    line naming the cause and the fix; the command's last line repeats the reason."""
+    done = _trainguard_run(tmp_path, MANUAL_SGD)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    (told,) = [line for line in lines if "not guarding" in line]
+    assert told.startswith("trainguard run: rank 0: not guarding: the script updates the ")
+    assert "by hand" in told and "torch.optim.SGD(model.parameters(), lr=LR)" in told
+    assert "python -I" not in done.stderr
+    assert lines[-1].startswith("trainguard run: the run was not guarded: the script updates")
+    assert done.stdout.count("STEP") == 6  # the script ran as it does bare
