@@ -10,7 +10,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from trainguard.config import GuardConfig
+from trainguard.config import (
+    GuardConfig,
+    HangConfig,
+    HealthConfig,
+    HistoryConfig,
+    InputConfig,
+    RecoveryConfig,
+    RerunConfig,
+    SpikeConfig,
+)
 from trainguard.errors import (
     BundleError,
     ConfigError,
@@ -49,6 +58,13 @@ __all__ = [
     "EXIT_PEER_FAILURE",
     "Guard",
     "GuardConfig",
+    "HangConfig",
+    "HealthConfig",
+    "HistoryConfig",
+    "InputConfig",
+    "RecoveryConfig",
+    "RerunConfig",
+    "SpikeConfig",
     "LossScaleCollapseError",
     "NonFiniteError",
     "PeerFailureError",
@@ -69,10 +85,10 @@ __all__ = [
 _LAZY = {
     "Bundle": "trainguard.capture",
     "load_bundle": "trainguard.capture",
-    "ReplayReport": "trainguard.replay",
-    "ReplaySpec": "trainguard.replay",
-    "diagnose": "trainguard.replay",
-    "trace": "trainguard.replay",
+    "ReplayReport": "trainguard.replay.report",
+    "ReplaySpec": "trainguard.replay.factory",
+    "diagnose": "trainguard.replay.live",
+    "trace": "trainguard.replay.live",
     "Decision": "trainguard.step",
     "Guard": "trainguard.step",
 }

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard import __version__
-from trainguard.errors import TrainGuardError
+from trainguard.errors import ConfigError, TrainGuardError
 from trainguard.events import to_jsonable
 
 EXIT_OK = 0
@@ -370,6 +370,16 @@ def _add_run_command(commands: Any) -> None:
         "or a path as the guard's messages print it, e.g. '[1]' for the second positional "
         "argument (repeatable)",
     )
+    run.add_argument(
+        "--option",
+        "-o",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="any other Guard option by name: a keyword (replica_check_every=0), a field "
+        "(max_consecutive=10) or section.option (spikes.warmup=20, health.detect_stragglers="
+        "false); repeatable; the names: docs/guard.md",
+    )
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     run.set_defaults(handler=_run)
 
@@ -394,11 +404,43 @@ def _run(args: argparse.Namespace) -> int:
         check_inputs=args.check_inputs,
         ignore_inputs=tuple(args.ignore_inputs),
         allow_masks=args.allow_masks,
+        options=_named_options(args.option),
     )
     finished = run_command(command, options)
     if not finished.attached:
         print(_unguarded_line(args.run_dir, finished.reasons, finished.own_guard), file=sys.stderr)
     return finished.code
+
+
+def _named_options(pairs: list[str]) -> dict[str, object]:
+    """``--option NAME=VALUE`` pairs, each value parsed as its option's type (ConfigError
+    naming the option, or ``--option`` for a pair without ``=``)."""
+    from trainguard.config import flat_options, options_config
+
+    texts: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError("--option", f"got {pair!r}; use NAME=VALUE, e.g. spikes.warmup=20")
+        texts[name.strip()] = value
+    parsed = options_config(texts, text=True)
+    values = flat_options(parsed)
+    return {name: _plain(values[_where(name)]) for name in texts}
+
+
+def _where(name: str) -> str:
+    """The ``flat_options`` name of a name ``options_config`` takes (a keyword's section)."""
+    from trainguard.config import KEYWORDS
+
+    if name in KEYWORDS:
+        section, key = KEYWORDS[name]
+        return f"{section}.{key}"
+    return name
+
+
+def _plain(value: object) -> object:
+    """A parsed option as JSON carries it to the job's processes (``TRAINGUARD_RUN``)."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _unguarded_line(run_dir: str, reasons: list[str], own_guard: bool) -> str:

@@ -62,5 +62,5 @@ def test_with_no_allow_masks_the_guard_stops_the_script_naming_the_flag(
 def test_the_input_options_reach_the_workers_as_json() -> None:
     options = RunOptions(check_inputs=False, ignore_inputs=("mask", "[1]"), allow_masks=False)
     assert RunOptions.from_mapping(json.loads(options.to_json())) == options
-    with pytest.raises(ConfigError, match="ignore_inputs"):
+    with pytest.raises(ConfigError, match=r"inputs\.ignore"):
         RunOptions(ignore_inputs="mask")  # type: ignore[arg-type]

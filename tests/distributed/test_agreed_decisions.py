@@ -73,12 +73,12 @@ def _train(rank: int, world: int, run_dir: Path, case: tuple[str, bool, bool]) -
     config = tg.GuardConfig(
         run_dir=run_dir,
         on_spike=on_spike,  # type: ignore[arg-type]
-        spike_warmup=12,
         on_escalation="rollback" if on_spike == "rollback" else "raise",
-        snapshot_every=4,
         hang_timeout=0,
         replica_check_every=0,
-        straggler_warmup=4,
+        spikes=tg.SpikeConfig(warmup=12),
+        recovery=tg.RecoveryConfig(snapshot_every=4),
+        health=tg.HealthConfig(straggler_warmup=4),
     )
     guard = tg.Guard(model, opt, scaler=scaler, config=config)
     torch.manual_seed(100 + rank)  # each rank's own RNG stream (dropout)

@@ -29,7 +29,9 @@ def _train(
     model = DDP(TinyNet())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=sync_free)
     ignore = ("mask",) if mask and named else ()
-    guard = tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0, ignore_inputs=ignore)
+    guard = tg.Guard(
+        model, opt, run_dir=run_dir, hang_timeout=0, inputs=tg.InputConfig(ignore=ignore)
+    )
     gen = torch.Generator().manual_seed(rank)
     batches = [
         {

@@ -88,11 +88,10 @@ def _schedule_after_rollback(rank: int, run_dir: Path) -> list[tuple[int, float,
         hang_timeout=0,
         on_escalation="rollback",
         max_consecutive=1,
-        snapshot_every=2,
-        good_after=1,
-        lr_backoff=0.5,
-        lr_backoff_steps=50,
         on_spike="off",
+        recovery=tg.RecoveryConfig(
+            snapshot_every=2, good_after=1, lr_backoff=0.5, lr_backoff_steps=50
+        ),
     )
     guard = tg.Guard(model, opt, config=config)
     used: list[float] = []  # registered after the guard's hooks: sees the LR the update uses

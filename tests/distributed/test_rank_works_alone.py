@@ -31,7 +31,9 @@ def rank0_works_alone(
     ema = copy.deepcopy(net)
     model = torch.nn.parallel.DistributedDataParallel(net)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    config = tg.GuardConfig(run_dir=run_dir, hang_timeout=timeout, mark_saves=mark_saves)
+    config = tg.GuardConfig(
+        run_dir=run_dir, hang_timeout=timeout, hang=tg.HangConfig(mark_saves=mark_saves)
+    )
     with tg.Guard(model, optimizer, config=config) as guard:
         for batch in guard.watch(make_batches(8, seed=rank)):
             loss = loss_fn(model, batch)

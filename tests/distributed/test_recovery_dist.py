@@ -39,14 +39,14 @@ def _prefetch_job(rank: int, world: int, root: str) -> dict[str, Any]:
     config: dict[str, Any] = {
         "on_escalation": "rollback",
         "max_consecutive": 3,
-        "snapshot_every": 2,
-        "good_after": 2,
+        "recovery.snapshot_every": 2,
+        "recovery.good_after": 2,
         "hang_timeout": 0,
     }
     runs = {}
     for name, prefetch in (("plain", False), ("prefetch", True)):
         run_dir = Path(root) / name
-        cfg = tg.GuardConfig(run_dir=run_dir, **config)
+        cfg = tg.GuardConfig.from_options({"run_dir": run_dir, **config})
         runs[name] = train(rank, "ddp", run_dir, BATCHES, POISON, config=cfg, prefetch=prefetch)
     return runs
 

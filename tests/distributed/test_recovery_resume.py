@@ -67,7 +67,12 @@ def _damaged_job(rank: int, world: int, root: str) -> dict[str, Any]:
     import trainguard as tg
 
     run_dir = Path(root) / "run"
-    config = tg.GuardConfig(run_dir=run_dir, checkpoint_every=2, good_after=1, hang_timeout=0)
+    config = tg.GuardConfig(
+        run_dir=run_dir,
+        checkpoint_every=2,
+        hang_timeout=0,
+        recovery=tg.RecoveryConfig(good_after=1),
+    )
     train(rank, "ddp", run_dir, 9, {}, config=config)
     good = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
     if rank == 0:  # damage the newest: truncate its data files

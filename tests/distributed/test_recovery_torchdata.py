@@ -61,7 +61,9 @@ def _train(
     torch.manual_seed(0)
     model = DDP(TinyNet())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    config = tg.GuardConfig(run_dir=run_dir, hang_timeout=0, good_after=1, **options)
+    config = tg.GuardConfig.from_options(
+        {"run_dir": run_dir, "hang_timeout": 0, "recovery.good_after": 1, **options}
+    )
     guard = tg.Guard(model, opt, config=config)
     loader = _loader(rank)
     seen: list[list[int]] = []
@@ -135,7 +137,7 @@ def _rollback_job(rank: int, world: int, root: str) -> dict[str, Any]:
     poison = frozenset(_batch_at(rank, 1, 3))  # step 11: epoch 1, batch 3
     options: dict[str, Any] = {
         "checkpoint_every": 6,
-        "snapshot_every": 2,
+        "recovery.snapshot_every": 2,
         "on_escalation": "rollback",
         "max_consecutive": 2,
         "poison": poison,

@@ -114,7 +114,7 @@ def _job(rank: int, world_size: int, root: str) -> dict[str, Any]:
             nan_calls=(10, 11),
             on_divergence="resync",
             on_escalation="rollback",
-            snapshot_every=2,
+            recovery=tg.RecoveryConfig(snapshot_every=2),
             max_consecutive=2,
         ),
     }

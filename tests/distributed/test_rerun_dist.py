@@ -12,6 +12,7 @@ import torch
 from tg_dist import run_ranks, values
 from tg_rerun import train
 
+import trainguard as tg
 from trainguard.exitcodes import EXIT_SUSPECT_HOST
 from trainguard.report.summary import summarize
 from trainguard.report.text import report_text
@@ -51,7 +52,13 @@ def test_a_transient_fault_costs_nothing_a_persistent_one_is_skipped(tmp_path: P
 
 def _suspect(rank: int, world_size: int, tmp: str) -> int:
     try:
-        train(rank, Path(tmp), "transient", fault_steps=(1, 3, 5), suspect_host_after=3)
+        train(
+            rank,
+            Path(tmp),
+            "transient",
+            fault_steps=(1, 3, 5),
+            rerun=tg.RerunConfig(suspect_host_after=3),
+        )
     except SystemExit as exc:
         return int(exc.code or 0)
     return 0
@@ -75,7 +82,13 @@ def test_a_host_that_keeps_faulting_is_named_and_every_rank_exits(tmp_path: Path
 
 def _spread(rank: int, world_size: int, tmp: str) -> int:
     try:
-        train(rank, Path(tmp), "transient_grad", fault_steps=(1, 3, 5), suspect_host_after=3)
+        train(
+            rank,
+            Path(tmp),
+            "transient_grad",
+            fault_steps=(1, 3, 5),
+            rerun=tg.RerunConfig(suspect_host_after=3),
+        )
     except SystemExit as exc:
         return int(exc.code or 0)
     return 0

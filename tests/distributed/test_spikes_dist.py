@@ -39,7 +39,9 @@ def _train(rank: int, mode: str, run_dir: Path, sync_free: bool) -> dict[str, An
     torch.manual_seed(0)
     model = _wrap(TinyNet(), mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=sync_free)
-    config = tg.GuardConfig(run_dir=run_dir, on_spike="skip", spike_warmup=20, hang_timeout=0)
+    config = tg.GuardConfig(
+        run_dir=run_dir, on_spike="skip", hang_timeout=0, spikes=tg.SpikeConfig(warmup=20)
+    )
     guard = tg.Guard(model, opt, config=config)
     gen = torch.Generator().manual_seed(rank)
     data = [torch.randn(6, 8, generator=gen) for _ in range(STEPS)]

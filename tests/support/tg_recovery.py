@@ -22,15 +22,15 @@ W_TRUE = torch.Generator().manual_seed(7)
 def rollback_config(run_dir: Path, **changes: Any) -> tg.GuardConfig:
     """The recovery tests' rollback set-up: escalate after 3 bad steps, a snapshot every 2
     steps, good after 2 healthy ones, no watchdog."""
-    options: dict[str, Any] = dict(
-        run_dir=run_dir,
-        on_escalation="rollback",
-        max_consecutive=3,
-        snapshot_every=2,
-        good_after=2,
-        hang_timeout=0,
-    )
-    return tg.GuardConfig(**{**options, **changes})
+    options: dict[str, Any] = {
+        "run_dir": run_dir,
+        "on_escalation": "rollback",
+        "max_consecutive": 3,
+        "recovery.snapshot_every": 2,
+        "recovery.good_after": 2,
+        "hang_timeout": 0,
+    }
+    return tg.GuardConfig.from_options({**options, **changes})
 
 
 def make_data(rank: int, n: int, poison: dict[int, float]) -> list[tuple[Tensor, Tensor, float]]:

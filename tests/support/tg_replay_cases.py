@@ -317,8 +317,7 @@ def train_with_bias(
         optimizer,
         run_dir=run_dir,
         hang_timeout=0,
-        check_inputs=check_inputs,
-        allow_masks=allow_masks,
+        inputs=tg.InputConfig(check=check_inputs, allow_masks=allow_masks),
     ) as guard:
         for batch in guard.watch(batches):
             loss = bias_loss(model, batch)

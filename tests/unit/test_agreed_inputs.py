@@ -82,14 +82,20 @@ def test_a_rule_is_handed_agreed_data_only(rule: Callable[..., Any]) -> None:
 
 
 def test_the_agreement_and_the_options_hold_plain_values() -> None:
-    """What the rules read holds no object of a rank's: lists of numbers, numbers, names."""
-    for record in (Agreement, GuardConfig):
+    """What the rules read holds no object of a rank's: lists of numbers, numbers, names
+    (the options' sections alike)."""
+    records: list[type] = [Agreement, GuardConfig]
+    while records:
+        record = records.pop()
         hints = typing.get_type_hints(record)
         for field in dataclasses.fields(record):
             for leaf in _leaves(hints[field.name]):
+                if dataclasses.is_dataclass(leaf) and record is GuardConfig:
+                    records.append(leaf)  # a section
+                    continue
                 allowed = (list, tuple, dict, int, float, bool, str, Path, object, type(None))
                 assert leaf in allowed, (record, field.name, leaf)
-                if leaf is object:  # GuardConfig.extra: the integrations' own options
+                if leaf is object:  # GuardConfig.extra: the start event's metadata
                     assert field.name == "extra"
         names = {field.name for field in dataclasses.fields(record)}
         assert not names & PER_RANK_NAMES, record

@@ -255,10 +255,15 @@ def test_run_options_make_the_attached_guards_config() -> None:
     options = RunOptions(
         run_dir="r", on_nonfinite="warn", hang_timeout=5.0, capture=False, check_inputs=False,
         ignore_inputs=("[1]",), allow_masks=False, launcher="torchrun",
+        options={"replica_check_every": 0, "spikes.warmup": 7, "history.steps": 9},
     )  # fmt: skip
     config = options.guard_config("abc", {"handover": "optimizer_replaced"})
     assert (config.run_dir, config.on_nonfinite, config.hang_timeout) == (Path("r"), "warn", 5.0)
-    assert (config.capture, config.check_inputs, config.allow_masks) == (False, False, False)
-    assert config.ignore_inputs == ("[1]",) and config.run == "abc"
+    assert (config.capture, config.inputs.check, config.inputs.allow_masks) == (False,) * 3
+    assert config.inputs.ignore == ("[1]",) and config.run == "abc"
     assert config.extra == {"handover": "optimizer_replaced"}
+    assert config.health.replica_check_every == 0 and config.spikes.warmup == 7
+    assert config.history.steps == 9
     assert options.guard_config().run is None and options.guard_config().extra == {}
+    with pytest.raises(ConfigError, match=r"did you mean spikes\.warmup"):
+        RunOptions(options={"spikes.warmpu": 7})  # refused before the command starts

@@ -15,12 +15,18 @@ import trainguard as tg
         ("hang_timeout", -5),
         ("accumulation_steps", 0),
         ("min_loss_scale", 0.0),
-        ("metrics_lines_per_second", 0.0),
+        ("history.metrics_lines_per_second", 0.0),
+        ("spikes.warmup", -1),
+        ("recovery.lr_backoff", 2.0),
+        ("inputs.ignore", "mask"),
+        ("health.straggler_slowdown", 1.0),
+        ("rerun.suspect_host_after", -1),
+        ("hang.mark_saves", "yes"),
     ],
 )
 def test_invalid_option_names_the_option(option: str, value: object) -> None:
     with pytest.raises(tg.ConfigError) as info:
-        tg.GuardConfig(**{option: value})  # type: ignore[arg-type]
+        tg.GuardConfig.from_options({option: value})
     assert info.value.option == option
     assert option in str(info.value)
 
@@ -47,22 +53,33 @@ def test_keywords_beside_a_config_are_refused_not_dropped(tmp_path: object) -> N
         assert str(guard.config.run_dir).endswith("cfg")
 
 
-def test_every_guardconfig_option_goes_in_as_a_keyword(tmp_path: object) -> None:
-    """The README: the options go in as keywords or in one config. Those not in Guard's own
-    signature (good_after, spike_z, check_inputs...) did raise TypeError."""
+def test_every_option_goes_in_by_name_or_in_its_section(tmp_path: object) -> None:
+    """The options go in as keywords, sections or ``section.option`` names, or in one config;
+    a name that is none of them is refused naming the closest, an option of the flat config
+    of before names its section."""
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    options = {"good_after": 7, "spike_z": 5.0, "check_inputs": False, "snapshot_every": 3}
-    with tg.Guard(model, opt, run_dir=f"{tmp_path}/kw", hang_timeout=0, **options) as guard:
-        assert {name: getattr(guard.config, name) for name in options} == options
-    with pytest.raises(tg.ConfigError, match="did you mean good_after=") as info:
-        tg.Guard(model, opt, run_dir=f"{tmp_path}/typo", good_afer=7)
-    assert info.value.option == "good_afer"
+    options = {"recovery.good_after": 7, "spikes.z": 5.0, "inputs.check": False}
+    recovery = tg.RecoveryConfig(snapshot_every=3, good_after=7)
+    run_dir = f"{tmp_path}/kw"
+    with tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0, recovery=recovery) as guard:
+        assert (guard.config.recovery.snapshot_every, guard.config.recovery.good_after) == (3, 7)
+    with tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0, **options) as guard:
+        config = guard.config
+        assert (config.recovery.good_after, config.spikes.z, config.inputs.check) == (7, 5.0, False)
+    with pytest.raises(tg.ConfigError, match=r"did you mean recovery\.good_after\?") as info:
+        tg.Guard(model, opt, run_dir=f"{tmp_path}/typo", **{"recovery.good_afer": 7})
+    assert info.value.option == "recovery.good_afer"
+    with pytest.raises(tg.ConfigError, match=r"this option is recovery\.good_after now") as info:
+        tg.Guard(model, opt, run_dir=f"{tmp_path}/old", good_after=7)
+    assert info.value.option == "good_after"
+    with pytest.raises(tg.ConfigError, match="no longer an option: the spike rule's LR grace"):
+        tg.GuardConfig.from_options({"spike_grace": 10})
     with pytest.raises(tg.ConfigError, match=r"pass it as config=GuardConfig\(\.\.\., extra="):
         tg.Guard(model, opt, run_dir=f"{tmp_path}/extra", extra={"sha": "abc"})  # not "extra=?"
     config = tg.GuardConfig(run_dir=f"{tmp_path}/cfg", hang_timeout=0)
-    with pytest.raises(tg.ConfigError, match="move spike_z into the GuardConfig"):
-        tg.Guard(model, opt, spike_z=5.0, config=config)
+    with pytest.raises(tg.ConfigError, match="move spikes into the GuardConfig"):
+        tg.Guard(model, opt, config=config, spikes=tg.SpikeConfig(z=5.0))
 
 
 def test_an_optimizer_that_updates_none_of_the_model_is_refused(tmp_path: object) -> None:

@@ -254,7 +254,11 @@ def test_sync_free_step_with_every_feature_reports_no_sync(tmp_path: Path) -> No
     model = bufmodels.BufferNet().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     config = tg.GuardConfig(
-        run_dir=tmp_path, hang_timeout=0, on_spike="skip", spike_warmup=2, grad_clip=1.0
+        run_dir=tmp_path,
+        hang_timeout=0,
+        on_spike="skip",
+        grad_clip=1.0,
+        spikes=tg.SpikeConfig(warmup=2),
     )
     guard = tg.Guard(model, opt, config=config)
     assert guard._deferred
@@ -287,10 +291,9 @@ def test_rollback_on_cuda_restores_the_snapshot(tmp_path: Path) -> None:
         run_dir=tmp_path,
         hang_timeout=0,
         on_escalation="rollback",
-        snapshot_every=2,
-        good_after=1,
         max_consecutive=2,
         capture=False,
+        recovery=tg.RecoveryConfig(snapshot_every=2, good_after=1),
     )
     data = _batches(12)
     data[5] = data[5] * float("nan")

@@ -96,9 +96,9 @@ def test_a_spike_counts_and_is_a_skip_when_skipped(
     config = tg.GuardConfig(
         run_dir=tmp_path,
         on_spike=on_spike,  # type: ignore[arg-type]
-        spike_warmup=30,
         hang_timeout=0,
         capture=False,
+        spikes=tg.SpikeConfig(warmup=30),
     )
     torch.manual_seed(0)
     model = TinyNet()
@@ -132,12 +132,11 @@ def test_a_rollback_counts_and_the_backoff_factor_shows(tmp_path: Path) -> None:
         run_dir=tmp_path,
         on_escalation="rollback",
         max_consecutive=3,
-        snapshot_every=2,
-        good_after=2,
-        lr_backoff=0.5,
-        lr_backoff_steps=100,
         hang_timeout=0,
         capture=False,
+        recovery=tg.RecoveryConfig(
+            snapshot_every=2, good_after=2, lr_backoff=0.5, lr_backoff_steps=100
+        ),
     )
     torch.manual_seed(0)
     model = TinyNet()

@@ -33,7 +33,7 @@ def _run(tmp_path: Path, plan: FaultPlan, n: int, fused: bool = False, **kw: Any
     torch.manual_seed(0)
     model = TinyNet()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused or None)
-    config = tg.GuardConfig(run_dir=tmp_path, **kw)
+    config = tg.GuardConfig.from_options({"run_dir": tmp_path, **kw})
     with tg.Guard(model, opt, config=config) as guard:
         for batch in guard.watch(make_batches(n, seed=1)):
             step = guard.state.step
@@ -63,8 +63,8 @@ def test_ring_keeps_the_last_records_in_order() -> None:
 
 
 def test_history_steps_is_validated() -> None:
-    with pytest.raises(tg.ConfigError, match="history_steps"):
-        tg.GuardConfig(history_steps=0)
+    with pytest.raises(tg.ConfigError, match=r"history\.steps"):
+        tg.GuardConfig(history=tg.HistoryConfig(steps=0))
 
 
 def test_learning_rate_of_a_device_tensor_is_not_read() -> None:
@@ -109,7 +109,7 @@ def test_sync_free_step_records_every_step_when_read(tmp_path: Path) -> None:
 
 def test_bundle_history_ends_with_the_bad_step(tmp_path: Path) -> None:
     plan = FaultPlan([Fault(step=5)])
-    _run(tmp_path, plan, 7, history_steps=4)
+    _run(tmp_path, plan, 7, **{"history.steps": 4})
     bundle = tg.load_bundle(tmp_path / "captures" / "step-00000005")
     assert "history.json" in bundle.files  # listed with its checksum, verified on load
     history = json.loads((bundle.path / "history.json").read_text(encoding="utf-8"))
@@ -221,7 +221,7 @@ def test_the_guard_thins_its_metrics_log_by_the_option(
     of 2 to 200 for any step from 20 ms down to 100 us), every step with math.inf; the bad
     step is written either way, and the ring keeps every step."""
     plan = FaultPlan([Fault(step=1250)])
-    guard = _run(tmp_path, plan, 1300, metrics_lines_per_second=lines_per_second)
+    guard = _run(tmp_path, plan, 1300, **{"history.metrics_lines_per_second": lines_per_second})
     steps = [line["step"] for line in _metrics(tmp_path)]
     assert steps[:1000] == list(range(1000)) and 1250 in steps
     assert [r.step for r in guard.history.records()][-256:] == list(range(1044, 1300))

@@ -61,7 +61,7 @@ def _run(
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     config = tg.GuardConfig(
-        run_dir=run_dir, check_inputs=check_inputs, hang_timeout=0, ignore_inputs=ignore
+        run_dir=run_dir, hang_timeout=0, inputs=tg.InputConfig(check=check_inputs, ignore=ignore)
     )
     guard = tg.Guard(model, opt, config=config)
     batches = [{"x": torch.randn(4, 8), "aux": torch.zeros(4, 2)} for _ in range(4)]
@@ -97,7 +97,7 @@ def test_an_input_only_skip_names_the_option_for_inputs_meant_so(
     with caplog.at_level(logging.WARNING, logger="trainguard"):
         _run(tmp_path, check_inputs=True)
     [line] = [r.getMessage() for r in caplog.records if "non-finite input on" in r.getMessage()]
-    assert "check_inputs=False" in line and "-inf attention mask" in line
+    assert "InputConfig(check=False)" in line and "-inf attention mask" in line
 
 
 @pytest.mark.parametrize("record", [False, True], ids=["watch", "record_batch"])
@@ -136,21 +136,21 @@ def test_ignore_inputs_matches_keys_and_attributes_anywhere_in_the_batch() -> No
 
 
 def test_the_mask_note_names_the_entry_to_ignore() -> None:
-    assert "ignore_inputs=('attention_mask',)" in mask_note("[0]['attention_mask']")
-    assert "ignore_inputs=('[1]',)" in mask_note("[1]")
-    assert "ignore_inputs=(\"['args'][1]\",)" in mask_note("['args'][1]")  # not all args
-    assert "check_inputs=False" in mask_note("")  # the batch is the mask itself
+    assert "InputConfig(ignore=('attention_mask',))" in mask_note("[0]['attention_mask']")
+    assert "InputConfig(ignore=('[1]',))" in mask_note("[1]")
+    assert "InputConfig(ignore=(\"['args'][1]\",))" in mask_note("['args'][1]")  # not all
+    assert "InputConfig(check=False)" in mask_note("")  # the batch is the mask itself
 
 
 @pytest.mark.parametrize(
     ("value", "says"),
-    [("attention_mask", r"ignore_inputs=\('attention_mask',\)"), (("",), "tuple of batch keys")],
+    [("attention_mask", r"inputs.ignore=\('attention_mask',\)"), (("",), "tuple of batch keys")],
 )
 def test_ignore_inputs_must_be_a_tuple_of_names(value: Any, says: str) -> None:
     with pytest.raises(tg.ConfigError, match=says) as info:
-        tg.GuardConfig(ignore_inputs=value)
-    assert info.value.option == "ignore_inputs"
-    assert tg.GuardConfig(ignore_inputs=["mask"]).ignore_inputs == ("mask",)
+        tg.GuardConfig(inputs=tg.InputConfig(ignore=value))
+    assert info.value.option == "inputs.ignore"
+    assert tg.GuardConfig(inputs=tg.InputConfig(ignore=["mask"])).inputs.ignore == ("mask",)
 
 
 def test_check_inputs_off(tmp_path: Path) -> None:
@@ -270,7 +270,9 @@ def _mask_loop(run_dir: Path, allow_masks: bool, faults: dict[int, str]) -> list
             batch["mask"][0, 1] = 0.5
         batches.append(batch)
     oks = []
-    with tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0, allow_masks=allow_masks) as guard:
+    with tg.Guard(
+        model, opt, run_dir=run_dir, hang_timeout=0, inputs=tg.InputConfig(allow_masks=allow_masks)
+    ) as guard:
         for batch in guard.watch(batches):
             loss = model(batch["x"]).pow(2).mean()
             loss.backward()
@@ -289,7 +291,7 @@ def test_a_mask_at_a_finite_step_is_found_once_and_left_out(
     assert [(e["step"], e["paths"]) for e in _events(tmp_path, "input_mask")] == [(0, ["['mask']"])]
     assert [e["step"] for e in _events(tmp_path, "bad_input")] == [3]
     assert sum("taken for an additive mask" in r.getMessage() for r in caplog.records) == 1
-    assert "ignore_inputs=('mask',)" in caplog.text and "--ignore-inputs mask" in caplog.text
+    assert "InputConfig(ignore=('mask',))" in caplog.text and "--ignore-inputs mask" in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -138,9 +138,13 @@ def test_importing_the_module_imports_no_tensorboard() -> None:
 def _rolling_back_guard(tmp_path: Path) -> tuple[nn.Module, torch.optim.Optimizer, tg.Guard]:
     """A small model whose guard rolls back after two bad steps in a row."""
     config = tg.GuardConfig(
-        run_dir=tmp_path, on_escalation="rollback", max_consecutive=2, snapshot_every=2,
-        good_after=2, hang_timeout=0, capture=False,
-    )  # fmt: skip
+        run_dir=tmp_path,
+        on_escalation="rollback",
+        max_consecutive=2,
+        hang_timeout=0,
+        capture=False,
+        recovery=tg.RecoveryConfig(snapshot_every=2, good_after=2),
+    )
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -65,9 +65,9 @@ def _run(run_dir: Path, lone: bool, shape: str = "plain", **options: Any) -> dic
         hang_timeout=0,
         grad_clip=1.0,
         on_spike="skip",
-        spike_warmup=5,
         accumulation_steps=k,
         **options,
+        spikes=tg.SpikeConfig(warmup=5),
     )
     guard = tg.Guard(model, opt, config=config)
     if not lone:
@@ -336,7 +336,9 @@ def test_a_skipped_spike_on_the_lone_path_is_not_checked_again(tmp_path: Path) -
         opt.step()
         opt.zero_grad()
 
-    config = tg.GuardConfig(run_dir=tmp_path, hang_timeout=0, on_spike="skip", spike_warmup=3)
+    config = tg.GuardConfig(
+        run_dir=tmp_path, hang_timeout=0, on_spike="skip", spikes=tg.SpikeConfig(warmup=3)
+    )
     guard, full = _loop(tmp_path, 10, body, config=config)
     assert full == [9]  # the spike took the lone path; the last step the full one
     assert answers == [True] * 8 + [False, True]
@@ -351,7 +353,9 @@ def test_a_tensor_learning_rate_is_judged_as_on_the_full_path(tmp_path: Path) ->
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
         opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.01))
-        config = tg.GuardConfig(run_dir=tmp_path / str(lone), hang_timeout=0, spike_warmup=2)
+        config = tg.GuardConfig(
+            run_dir=tmp_path / str(lone), hang_timeout=0, spikes=tg.SpikeConfig(warmup=2)
+        )
         guard = tg.Guard(model, opt, config=config)
         if not lone:
             guard._lone = None

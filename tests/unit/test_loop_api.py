@@ -275,11 +275,10 @@ def _rollback_run(run_dir: Path, poison: set[int], n: int = 30) -> dict[str, Any
         hang_timeout=0,
         on_escalation="rollback",
         max_consecutive=1,
-        snapshot_every=2,
-        good_after=1,
-        lr_backoff=0.5,
-        lr_backoff_steps=50,
         on_spike="off",
+        recovery=tg.RecoveryConfig(
+            snapshot_every=2, good_after=1, lr_backoff=0.5, lr_backoff_steps=50
+        ),
     )
     guard = tg.Guard(model, opt, config=config)
     rows: list[tuple[int, float, float]] = []
@@ -376,7 +375,7 @@ def _fresh(run_dir: Path) -> tg.Guard:
     torch.manual_seed(123)  # other initial weights: the checkpoint must bring them back
     model = TinyNet()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    config = tg.GuardConfig(run_dir=run_dir, hang_timeout=0, spike_warmup=2)
+    config = tg.GuardConfig(run_dir=run_dir, hang_timeout=0, spikes=tg.SpikeConfig(warmup=2))
     return tg.Guard(model, opt, config=config)
 
 
@@ -434,7 +433,10 @@ def test_state_dict_carries_the_lr_backoff(tmp_path: Path) -> None:
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     config = tg.GuardConfig(
-        run_dir=tmp_path / "b", hang_timeout=0, on_escalation="rollback", snapshot_every=2
+        run_dir=tmp_path / "b",
+        hang_timeout=0,
+        on_escalation="rollback",
+        recovery=tg.RecoveryConfig(snapshot_every=2),
     )
     fresh = tg.Guard(model, opt, config=config)
     assert fresh.lr_factor == 1.0

@@ -27,8 +27,14 @@ def _train(run_dir: Path, bad: set[int], calls: int = 24, **options: Any) -> tg.
     data = [
         (torch.randn(2, 4, generator=gen), torch.randn(2, 1, generator=gen)) for _ in range(calls)
     ]
-    config = tg.GuardConfig(
-        run_dir=run_dir, hang_timeout=0, on_escalation="rollback", max_consecutive=2, **options
+    config = tg.GuardConfig.from_options(
+        {
+            "run_dir": run_dir,
+            "hang_timeout": 0,
+            "on_escalation": "rollback",
+            "max_consecutive": 2,
+            **options,
+        }
     )
     with tg.Guard(model, opt, config=config) as guard, warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -50,7 +56,7 @@ def _kinds(run_dir: Path, kind: str) -> list[dict[str, Any]]:
 def test_snapshots_every_step_still_become_good_and_a_rollback_finds_one(tmp_path: Path) -> None:
     # good_after=2 (the default) and a snapshot due at every step: each replaced the last
     # before it was judged, none became good, and the rollback was refused
-    _train(tmp_path, bad={9, 10}, snapshot_every=1)
+    _train(tmp_path, bad={9, 10}, **{"recovery.snapshot_every": 1})
     assert not _kinds(tmp_path, "rollback_refused")
     (rollback,) = _kinds(tmp_path, "rollback")
     assert rollback["step"] == 10 and rollback["restored_step"] <= 9
@@ -70,7 +76,7 @@ def test_a_discarded_checkpoint_step_is_saved_again_when_the_run_comes_back_to_i
     # checkpoints at 3 and 6 (good_after=3); step 6's is still being judged when step 7 goes
     # bad: discarded. The escalation at 8 rolls back to step 3's (disk), and step 6 comes
     # round again: it was never written again (the step had been "saved already")
-    _train(tmp_path, bad={7, 8}, checkpoint_every=3, good_after=3)
+    _train(tmp_path, bad={7, 8}, checkpoint_every=3, **{"recovery.good_after": 3})
     (rollback,) = _kinds(tmp_path, "rollback")
     assert (rollback["restored_step"], rollback["source"]) == (3, "disk")
     saved = [(e["step"], e["time"] > rollback["time"]) for e in _kinds(tmp_path, "checkpoint")]
@@ -94,8 +100,10 @@ def test_disk_checkpoints_of_a_zero_optimizer_are_refused_when_the_guard_is_buil
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
         with pytest.raises(tg.ConfigError, match="checkpoint_every: a ZeroRedundancyOptimizer"):
             tg.Guard(model, opt, run_dir=tmp_path / "a", hang_timeout=0, checkpoint_every=2)
-        config = {"on_escalation": "rollback", "snapshot_every": 2}
-        with tg.Guard(model, opt, run_dir=tmp_path / "b", hang_timeout=0, **config) as guard:
+        recovery = tg.RecoveryConfig(on_escalation="rollback", snapshot_every=2)
+        with tg.Guard(
+            model, opt, run_dir=tmp_path / "b", hang_timeout=0, recovery=recovery
+        ) as guard:
             assert guard.recovery is not None
     finally:
         dist.destroy_process_group()

@@ -55,7 +55,7 @@ def _run(run_dir: Path, batches: list[torch.Tensor], **options: object) -> tg.Gu
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    config = tg.GuardConfig(run_dir=run_dir, hang_timeout=0, **options)  # type: ignore[arg-type]
+    config = tg.GuardConfig.from_options({"run_dir": run_dir, "hang_timeout": 0, **options})
     guard = tg.Guard(model, opt, scheduler=sched, config=config)
     with guard, warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -75,7 +75,7 @@ def test_guard_marks_good_after_healthy_steps_and_resume_continues(tmp_path: Pat
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randn(3, 4, generator=gen) for _ in range(10)]
     batches[7] = batches[7] * float("nan")  # the checkpoint of step 6 never becomes good
-    _run(tmp_path, batches, checkpoint_every=2, good_after=2, keep_checkpoints=2)
+    _run(tmp_path, batches, checkpoint_every=2, keep_checkpoints=2, **{"recovery.good_after": 2})
     kinds = [(e["kind"], e["step"]) for e in read_events(tmp_path, 0)]
     assert ("checkpoint_good", 4) in kinds and ("checkpoint_good", 6) not in kinds
     assert [ckpt.step_of(p) for p in ckpt.good_checkpoints(tmp_path)] == [8, 4]
@@ -93,7 +93,7 @@ def test_a_checkpoint_of_another_world_size_is_refused_before_anything_loads(
     fix, and the model untouched (no half-resumed fresh start)."""
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randn(3, 4, generator=gen) for _ in range(6)]
-    _run(tmp_path, batches, checkpoint_every=2, good_after=1)
+    _run(tmp_path, batches, checkpoint_every=2, **{"recovery.good_after": 1})
     [newest, *_] = ckpt.good_checkpoints(tmp_path)
     manifest = newest / ckpt.MANIFEST
     manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "world_size": 2}))
@@ -114,13 +114,15 @@ def _rollback_run(run_dir: Path, batches: int, **options: object) -> dict[str, A
     steps in a row escalate) to the good state of step 4."""
     from tg_recovery import train
 
-    config = tg.GuardConfig(
-        run_dir=run_dir,
-        on_escalation="rollback",
-        good_after=1,
-        max_consecutive=3,
-        hang_timeout=0,
-        **options,  # type: ignore[arg-type]
+    config = tg.GuardConfig.from_options(
+        {
+            "run_dir": run_dir,
+            "on_escalation": "rollback",
+            "max_consecutive": 3,
+            "hang_timeout": 0,
+            "recovery.good_after": 1,
+            **options,
+        }
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -128,7 +130,7 @@ def _rollback_run(run_dir: Path, batches: int, **options: object) -> dict[str, A
 
 
 def test_rollback_to_a_good_checkpoint_on_disk_without_snapshots(tmp_path: Path) -> None:
-    run = _rollback_run(tmp_path, 20, snapshot_every=0, checkpoint_every=2)
+    run = _rollback_run(tmp_path, 20, checkpoint_every=2, **{"recovery.snapshot_every": 0})
     rollbacks = [e for e in run["events"] if e["kind"] == "rollback"]
     assert [(e["step"], e["restored_step"], e["source"]) for e in rollbacks] == [(8, 4, "disk")]
     assert rollbacks[0]["batches_skipped"] == [4, 5, 6, 7, 8]
@@ -161,7 +163,7 @@ def _crashing_run(
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    config = tg.GuardConfig(run_dir=run_dir, hang_timeout=0, **options)  # type: ignore[arg-type]
+    config = tg.GuardConfig.from_options({"run_dir": run_dir, "hang_timeout": 0, **options})
     with warnings.catch_warnings(), tg.Guard(model, opt, config=config) as guard:
         warnings.simplefilter("ignore")
         for fetched, x in enumerate(guard.watch(batches), start=1):
@@ -185,10 +187,13 @@ def test_resume_compares_the_first_loss_only_when_the_batch_is_the_checkpoints(
     batches = [10 * torch.randn(3, 4, generator=gen) for _ in range(12)]
     batches[4] = batches[4] / 1000  # the checkpoint's first loss: tiny
     batches[5] = batches[5] * float("nan")
-    options: dict[str, object] = dict(
-        checkpoint_every=4, good_after=1, snapshot_every=0, on_escalation="rollback",
-        max_consecutive=1,
-    )  # fmt: skip
+    options: dict[str, object] = {
+        "checkpoint_every": 4,
+        "recovery.good_after": 1,
+        "recovery.snapshot_every": 0,
+        "on_escalation": "rollback",
+        "max_consecutive": 1,
+    }
     skipped_run = tmp_path / "skipped"
     with pytest.raises(_Crash):
         _crashing_run(skipped_run, batches, crash_at=9, **options)
@@ -220,7 +225,9 @@ def test_skip_margin_skips_further_batches_of_the_same_pass(
     """A rollback at step 8 to the snapshot of step 4 skips batches 4-8 and, with
     ``skip_margin=3``, batches 9-11; at the end of the pass the margin stops (batch 9 is the
     last of 10)."""
-    run = _rollback_run(tmp_path, batches, snapshot_every=2, skip_margin=3)
+    run = _rollback_run(
+        tmp_path, batches, **{"recovery.snapshot_every": 2, "recovery.skip_margin": 3}
+    )
     [rollback] = [e for e in run["events"] if e["kind"] == "rollback"]
     assert (rollback["step"], rollback["restored_step"]) == (8, 4)
     assert rollback["batches_skipped"] == skipped
@@ -237,10 +244,14 @@ def test_a_rollback_after_a_resume_records_only_batches_the_ledger_did_not_drop(
     batches = [torch.randn(3, 4, generator=gen) for _ in range(16)]
     for bad in (7, 8, 11, 12):
         batches[bad] = batches[bad] * float("nan")
-    options: dict[str, object] = dict(
-        checkpoint_every=4, good_after=1, snapshot_every=0, on_escalation="rollback",
-        max_consecutive=2, capture=False,
-    )  # fmt: skip
+    options: dict[str, object] = {
+        "checkpoint_every": 4,
+        "recovery.good_after": 1,
+        "recovery.snapshot_every": 0,
+        "on_escalation": "rollback",
+        "max_consecutive": 2,
+        "capture": False,
+    }
     with pytest.raises(_Crash):
         _crashing_run(tmp_path, batches, crash_at=10, **options)
     with pytest.raises(_Crash):

@@ -43,7 +43,7 @@ def _run(run_dir: Path, steps: int, **options: Any) -> tuple[dict[int, torch.Ten
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ema, counter = _ema(model), Counter()
-    config = tg.GuardConfig(run_dir=run_dir, hang_timeout=0, **options)
+    config = tg.GuardConfig.from_options({"run_dir": run_dir, "hang_timeout": 0, **options})
     guard = tg.Guard(model, opt, extra_state={"ema": ema, "counter": counter}, config=config)
     gen = torch.Generator().manual_seed(1)
     starts: dict[int, torch.Tensor] = {}
@@ -72,7 +72,7 @@ def test_a_rollback_restores_the_loops_ema_with_the_weights(tmp_path: Path) -> N
 
 
 def test_a_resume_loads_the_extra_state_of_the_checkpoint(tmp_path: Path) -> None:
-    options = dict(on_escalation="rollback", checkpoint_every=2, good_after=2)
+    options = {"on_escalation": "rollback", "checkpoint_every": 2, "recovery.good_after": 2}
     starts, counter = _run(tmp_path, 6, **options)  # checkpoints of steps 2 and 4 good
     assert counter.applied == 6
     torch.manual_seed(5)
@@ -80,7 +80,9 @@ def test_a_resume_loads_the_extra_state_of_the_checkpoint(tmp_path: Path) -> Non
     fresh_ema, fresh_counter = _ema(model), Counter()
     extra = {"ema": fresh_ema, "counter": fresh_counter}
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    config = tg.GuardConfig(run_dir=tmp_path, hang_timeout=0, resume=True, **options)
+    config = tg.GuardConfig.from_options(
+        {"run_dir": tmp_path, "hang_timeout": 0, "resume": True, **options}
+    )
     with tg.Guard(model, opt, extra_state=extra, config=config) as resumed:
         step = resumed.global_step
     assert step == 4  # the newest good checkpoint (step 6's is not judged yet)
@@ -94,13 +96,15 @@ def test_a_resume_loads_the_extra_state_of_the_checkpoint(tmp_path: Path) -> Non
 def test_a_checkpoint_without_a_name_leaves_that_object_and_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    options = dict(on_escalation="rollback", checkpoint_every=2, good_after=2)
+    options = {"on_escalation": "rollback", "checkpoint_every": 2, "recovery.good_after": 2}
     _run(tmp_path, 6, **options)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     late = Counter()
     late.applied = -1
-    config = tg.GuardConfig(run_dir=tmp_path, hang_timeout=0, resume=True, **options)
+    config = tg.GuardConfig.from_options(
+        {"run_dir": tmp_path, "hang_timeout": 0, "resume": True, **options}
+    )
     with caplog.at_level(logging.WARNING, logger="trainguard"):
         tg.Guard(model, opt, extra_state={"late": late}, config=config).close()
     assert late.applied == -1

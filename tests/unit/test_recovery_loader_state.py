@@ -59,7 +59,8 @@ def _train(run_dir: Path, loader: Any, crash_at: int | None, **options: Any) -> 
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    config = tg.GuardConfig(run_dir=run_dir, hang_timeout=0, good_after=1, **options)
+    recovery = tg.RecoveryConfig(good_after=1)
+    config = tg.GuardConfig(run_dir=run_dir, hang_timeout=0, recovery=recovery, **options)
     guard = tg.Guard(model, opt, config=config)
     seen: list[list[int]] = []
     with guard, warnings.catch_warnings():

@@ -39,7 +39,9 @@ def _prefetching(
 ) -> dict[str, Any]:
     """The loop fetches the next batch right after the forward, before backward and update."""
     model, opt = _model()
-    config = tg.GuardConfig(run_dir=run_dir, hang_timeout=0, capture=False, **options)
+    config = tg.GuardConfig.from_options(
+        {"run_dir": run_dir, "hang_timeout": 0, "capture": False, **options}
+    )
     trained: list[tuple[int, int]] = []  # (guard step, batch index)
     at_start: dict[int, Tensor] = {}
     restored: list[bool] = []
@@ -80,9 +82,8 @@ def test_rollback_in_a_prefetching_loop_skips_the_bad_steps_batches_only(tmp_pat
         tmp_path,
         _data(bad=(7, 8)),
         on_escalation="rollback",
-        snapshot_every=2,
-        good_after=1,
         max_consecutive=2,
+        **{"recovery.snapshot_every": 2, "recovery.good_after": 1},
     )
     [event] = [e for e in read_events(tmp_path, 0) if e["kind"] == "rollback"]
     assert (event["step"], event["restored_step"]) == (8, 6)
@@ -95,11 +96,12 @@ def test_rollback_in_a_prefetching_loop_skips_the_bad_steps_batches_only(tmp_pat
 
 
 def test_resume_in_a_prefetching_loop_continues_at_the_checkpoints_batch(tmp_path: Path) -> None:
-    whole = _prefetching(tmp_path / "whole", _data(), checkpoint_every=3, good_after=1)
+    good = {"recovery.good_after": 1}
+    whole = _prefetching(tmp_path / "whole", _data(), checkpoint_every=3, **good)
     run_dir = tmp_path / "crashed"
-    first = _prefetching(run_dir, _data(), crash_at=8, checkpoint_every=3, good_after=1)
+    first = _prefetching(run_dir, _data(), crash_at=8, checkpoint_every=3, **good)
     assert first["trained"] == whole["trained"][:8]
-    again = _prefetching(run_dir, _data(), checkpoint_every=3, good_after=1, resume=True)
+    again = _prefetching(run_dir, _data(), checkpoint_every=3, resume=True, **good)
     [event] = [e for e in read_events(run_dir, 0) if e["kind"] == "resume"]
     assert (event["from_step"], event["position"]) == (6, 6)
     assert again["trained"] == whole["trained"][6:]  # steps 6.. again: none lost or repeated
@@ -111,7 +113,12 @@ def test_a_new_run_in_the_same_run_dir_feeds_the_batches_an_earlier_run_skipped(
 ) -> None:
     """The skip ledger is read back only by a resume of its own run: a re-run of the script
     (a new run) in the same ``run_dir`` trains on every batch of its data."""
-    rollback = dict(on_escalation="rollback", snapshot_every=2, good_after=1, max_consecutive=2)
+    rollback = {
+        "on_escalation": "rollback",
+        "recovery.snapshot_every": 2,
+        "recovery.good_after": 1,
+        "max_consecutive": 2,
+    }
     _prefetching(tmp_path, _data(bad=(7, 8)), **rollback)
     [event] = [e for e in read_events(tmp_path, 0) if e["kind"] == "rollback"]
     assert event["batches_skipped"] == [6, 7, 8]
@@ -131,13 +138,13 @@ def test_a_new_run_in_the_same_run_dir_feeds_the_batches_an_earlier_run_skipped(
         # rollback drops batch 10 (never handed out); the second's span from the held batch 9
         # covers it again
         (
-            {"snapshot_every": 2, "skip_margin": 1, "prefetch": True},
+            {"recovery.snapshot_every": 2, "recovery.skip_margin": 1, "prefetch": True},
             [[6, 7, 8, 10], [9, 11, 13]],
         ),
         # a checkpoint on disk, older than the first rollback: the second rollback to it
         # spans the batches the first one skipped
         (
-            {"snapshot_every": 0, "checkpoint_every": 4},
+            {"recovery.snapshot_every": 0, "checkpoint_every": 4},
             [[4, 5, 6, 7, 8], [9, 10, 11, 12]],
         ),
     ],
@@ -151,15 +158,17 @@ def test_consecutive_rollbacks_record_each_skipped_batch_once(
     from tg_recovery import train
 
     prefetch = options.pop("prefetch", False)
-    config = tg.GuardConfig(
-        run_dir=tmp_path,
-        on_escalation="rollback",
-        good_after=1,
-        max_consecutive=2,
-        max_rollbacks=5,
-        capture=False,
-        hang_timeout=0,
-        **options,
+    config = tg.GuardConfig.from_options(
+        {
+            "run_dir": tmp_path,
+            "on_escalation": "rollback",
+            "max_consecutive": 2,
+            "capture": False,
+            "hang_timeout": 0,
+            "recovery.good_after": 1,
+            "recovery.max_rollbacks": 5,
+            **options,
+        }
     )
     bad = range(7, 14) if prefetch else (7, 8, 11, 12)
     poison = {i: float("nan") for i in bad}

@@ -219,7 +219,9 @@ def _spike_run(run_dir: Path, spike_step: int = 12, steps: int = 14) -> Path:
     torch.manual_seed(0)
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    config = tg.GuardConfig(run_dir=run_dir, on_spike="skip", spike_warmup=10, hang_timeout=0)
+    config = tg.GuardConfig(
+        run_dir=run_dir, on_spike="skip", hang_timeout=0, spikes=tg.SpikeConfig(warmup=10)
+    )
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randn(6, 8, generator=gen), torch.ones(6, 4)) for _ in range(steps)]
     with tg.Guard(model, opt, config=config) as guard:

@@ -426,11 +426,11 @@ def test_a_deliberate_mask_in_the_batch_is_input_mask_not_bad_data(tmp_path: Pat
         "The batch's non-finite values are an additive mask: ['bias'] (micro-batch 0"
     )
     assert "suspect that GPU" not in r["summary"] and "does not read" not in r["summary"]
-    assert "ignore_inputs=('attention_mask',)" in r["advice"]
+    assert "inputs=InputConfig(ignore=('attention_mask',))" in r["advice"]
     text = report_text(summarize(tmp_path))
     assert (
         "non-finite input on ranks [0] (['bias']: only 0 and -inf, an additive mask: "
-        "ignore_inputs=('bias',) if deliberate)" in text
+        "inputs.ignore=('bias',) if deliberate)" in text
     )
 
 

@@ -47,8 +47,14 @@ def _train(
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    config = tg.GuardConfig(
-        run_dir=run_dir, on_escalation="rollback", good_after=2, max_consecutive=5, **options
+    config = tg.GuardConfig.from_options(
+        {
+            "run_dir": run_dir,
+            "on_escalation": "rollback",
+            "max_consecutive": 5,
+            "recovery.good_after": 2,
+            **options,
+        }
     )
     fed: dict[tuple[int, int], list[int]] = {}
     calls = 0
@@ -87,7 +93,7 @@ def test_a_rollback_into_the_last_epoch_skips_the_rest_of_it_too(
 ) -> None:
     # steps 6..10 are bad: the escalation at step 10 (epoch 1, batch 2) goes back to step 4
     # (epoch 0, batch 4): epoch 0's batches 4..7 and epoch 1's 0..2 are undone
-    options = {"snapshot_every": 4} if source == "memory" else {"checkpoint_every": 4}
+    options = {"recovery.snapshot_every": 4} if source == "memory" else {"checkpoint_every": 4}
     loader = DataLoader(Indexed(), batch_size=BATCH)  # sequential
     fed = _train(tmp_path, loader, range(6, 11), **options)
     event = _rollback(tmp_path)
@@ -103,7 +109,7 @@ def test_a_rollback_into_the_last_epoch_skips_the_rest_of_it_too(
 def test_the_indices_of_a_shuffled_earlier_epoch_are_the_ones_it_fed(tmp_path: Path) -> None:
     sampler = DistributedSampler(Indexed(), num_replicas=1, rank=0, shuffle=True, seed=3)
     loader = DataLoader(Indexed(), batch_size=BATCH, sampler=sampler)
-    fed = _train(tmp_path, loader, range(6, 11), snapshot_every=4)
+    fed = _train(tmp_path, loader, range(6, 11), **{"recovery.snapshot_every": 4})
     entries = _ledger(tmp_path)
     assert [(e["epoch"], e["batch"]) for e in entries][:4] == [(0, 4), (0, 5), (0, 6), (0, 7)]
     assert [e["samples"] for e in entries] == [fed[(e["epoch"], e["batch"])] for e in entries]
@@ -119,7 +125,10 @@ def test_the_warning_names_how_far_an_unknown_scheduler_runs_ahead(
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     config = tg.GuardConfig(
-        run_dir=tmp_path, on_escalation="rollback", snapshot_every=10, max_consecutive=5
+        run_dir=tmp_path,
+        on_escalation="rollback",
+        max_consecutive=5,
+        recovery=tg.RecoveryConfig(snapshot_every=10),
     )
     data = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(40)]
     leads = []

@@ -112,7 +112,7 @@ def test_a_single_process_guard_leaves_torch_save_alone(tmp_path: Path) -> None:
 
 def test_mark_saves_must_be_a_bool(tmp_path: Path) -> None:
     with pytest.raises(tg.ConfigError, match="mark_saves"):
-        tg.GuardConfig(run_dir=tmp_path, mark_saves="yes")  # type: ignore[arg-type]
+        tg.GuardConfig(run_dir=tmp_path, hang=tg.HangConfig(mark_saves="yes"))  # type: ignore[arg-type]
 
 
 def test_someone_elses_wrapper_made_before_is_kept_inside(marks: SaveMarks) -> None:

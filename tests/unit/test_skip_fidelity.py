@@ -164,7 +164,11 @@ def test_a_spike_skip_puts_the_buffers_back_too(tmp_path: Path) -> None:
     x, y = data[20]
     data[20] = (x * 50, y * 1e4)  # a finite loss far above the baseline: a spike
     config = tg.GuardConfig(
-        run_dir=tmp_path, hang_timeout=0, capture=False, on_spike="skip", spike_warmup=10
+        run_dir=tmp_path,
+        hang_timeout=0,
+        capture=False,
+        on_spike="skip",
+        spikes=tg.SpikeConfig(warmup=10),
     )
     with tg.Guard(model, opt, config=config) as guard:
         train_guarded(guard, model, opt, data, fused=False)

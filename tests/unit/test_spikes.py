@@ -126,9 +126,9 @@ def test_device_lr_grace_matches_host() -> None:
 
 
 def test_config_rejects_bad_spike_options() -> None:
-    for option, value in [("on_spike", "explode"), ("spike_z", 0.0), ("spike_beta", 1.0)]:
+    for option, value in [("on_spike", "explode"), ("spikes.z", 0.0), ("spikes.beta", 1.0)]:
         with pytest.raises(tg.ConfigError) as info:
-            tg.GuardConfig(**{option: value})  # type: ignore[arg-type]
+            tg.GuardConfig.from_options({option: value})
         assert info.value.option == option
 
 
@@ -150,7 +150,7 @@ def _run(
     torch.manual_seed(0)
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    config = tg.GuardConfig(run_dir=tmp_path, on_spike=on_spike, spike_warmup=100)  # type: ignore[arg-type]
+    config = tg.GuardConfig(run_dir=tmp_path, on_spike=on_spike, spikes=tg.SpikeConfig(warmup=100))  # type: ignore[arg-type]
     guard = tg.Guard(model, opt, config=config)
     gen = torch.Generator().manual_seed(1)
     results: dict[str, Any] = {"ok": [], "params": {}, "last_good": []}

@@ -59,12 +59,12 @@ def _config(run_dir: Path, **overrides: Any) -> tg.GuardConfig:
         "hang_timeout": 0,
         "max_consecutive": 2,
         "on_escalation": "rollback",
-        "snapshot_every": 2,
-        "good_after": 1,
+        "recovery.snapshot_every": 2,
+        "recovery.good_after": 1,
         "checkpoint_every": 2,
         "resume": True,
     }
-    return tg.GuardConfig(**{**fields, **overrides})
+    return tg.GuardConfig.from_options({**fields, **overrides})
 
 
 def _loader(n: int = 16) -> DataLoader[Any]:
@@ -97,7 +97,7 @@ def test_fingerprint_follows_the_training_not_the_bookkeeping(tmp_path: Path) ->
             hang_timeout=30,
             keep_checkpoints=9,
             capture=False,
-            metrics_lines_per_second=5.0,
+            **{"history.metrics_lines_per_second": 5.0},
         ),
         "checkpoints/step-00000004",
         data,
@@ -105,7 +105,11 @@ def test_fingerprint_follows_the_training_not_the_bookkeeping(tmp_path: Path) ->
     assert stop.fingerprint(base) == stop.fingerprint(same)
     assert stop.changed_inputs(base, same) == []
     cases = {
-        "config.max_rollbacks": (_config(tmp_path, max_rollbacks=5), base["checkpoint"], data),
+        "config.recovery.max_rollbacks": (
+            _config(tmp_path, **{"recovery.max_rollbacks": 5}),
+            base["checkpoint"],
+            data,
+        ),
         "config.extra": (_config(tmp_path, extra={"data": "v2"}), base["checkpoint"], data),
         "checkpoint": (_config(tmp_path), "checkpoints/step-00000002", data),
         "data": (_config(tmp_path), base["checkpoint"], stop.data_identity(_loader(20))),

@@ -32,8 +32,7 @@ Times = Callable[[int, int], float]
 
 
 def _watch(tmp_path: Path, rank: int = 0, **overrides: Any) -> StragglerWatch:
-    config = tg.GuardConfig(run_dir=tmp_path, **overrides)
-    return StragglerWatch(config, EventLog(tmp_path, rank), rank)
+    return StragglerWatch(tg.HealthConfig(**overrides), EventLog(tmp_path, rank), rank)
 
 
 def _run(
@@ -316,7 +315,9 @@ def test_report_lists_stragglers_and_the_timing_table(tmp_path: Path) -> None:
 def test_detect_stragglers_off_takes_the_timer_out(tmp_path: Path, on: bool) -> None:
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    config = tg.GuardConfig(run_dir=tmp_path, hang_timeout=0, detect_stragglers=on)
+    config = tg.GuardConfig(
+        run_dir=tmp_path, hang_timeout=0, health=tg.HealthConfig(detect_stragglers=on)
+    )
     with tg.Guard(model, opt, config=config) as guard:
         assert (guard._timer is not None) is on
         assert not model._forward_hooks  # one process: the timer sets no module hook

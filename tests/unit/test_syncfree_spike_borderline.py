@@ -111,12 +111,9 @@ def _train(
     config = tg.GuardConfig(
         run_dir=run_dir,
         on_spike="skip",
-        spike_warmup=WARMUP,
-        spike_z=z_threshold,
-        spike_ratio=RATIO,
-        spike_beta=BETA,
         capture=False,
         hang_timeout=0,
+        spikes=tg.SpikeConfig(warmup=WARMUP, z=z_threshold, ratio=RATIO, beta=BETA),
     )
     guard = tg.Guard(model, opt, config=config)
     unmoved = []

@@ -399,7 +399,7 @@ class Attacher:
 
     def _announce(self, guard: Guard, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
         world = guard.world_size
-        timeout = self.options.hang_timeout
+        timeout = guard.config.hang.timeout
         if guard._watchdog is None:
             watchdog = "watchdog off" + (" (single process)" if world == 1 else "")
         else:
@@ -412,7 +412,7 @@ class Attacher:
             world,
             "" if world == 1 else "s",
             watchdog,
-            self.options.on_nonfinite,
+            guard.config.on_nonfinite,
             guard.run_dir,
             UNSEEN,
         )

@@ -9,15 +9,16 @@ had there.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from trainguard.config import GuardConfig, NonFiniteAction, check_ignore_inputs
+from trainguard.config import GuardConfig, NonFiniteAction, options_config
 from trainguard.errors import ConfigError
 
 ENV_VAR = "TRAINGUARD_RUN"
@@ -48,14 +49,14 @@ class RunOptions:
     for an additive mask (``--no-allow-masks``: a bad step, as any non-finite input)."""
     launcher: Launcher = "plain"
     """``torchrun``: the command launches workers; its own process (the agent) never attaches."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Any other ``Guard`` option by name (``trainguard run --option NAME=VALUE``: a keyword
+    such as ``replica_check_every``, a core field, or ``section.field``), values parsed."""
 
     def __post_init__(self) -> None:
-        if self.on_nonfinite not in ("skip", "warn", "raise"):
-            raise ConfigError("on_nonfinite", f"got {self.on_nonfinite!r}; use skip, warn or raise")
-        if self.hang_timeout is not None and self.hang_timeout < 0:
-            raise ConfigError("hang_timeout", f"got {self.hang_timeout}; use seconds >= 0")
-        check_ignore_inputs(self.ignore_inputs)
-        object.__setattr__(self, "ignore_inputs", tuple(self.ignore_inputs))  # JSON: a list
+        if isinstance(self.ignore_inputs, list):  # JSON: a list
+            object.__setattr__(self, "ignore_inputs", tuple(self.ignore_inputs))
+        self.guard_config()  # every option checked here, before the command starts
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -65,8 +66,17 @@ class RunOptions:
     ) -> GuardConfig:
         """The attached guard's configuration: these options (``launcher`` is the run's own),
         the run it writes (None: as ``GuardConfig.run``) and its start event's ``extra``."""
-        options = {k: v for k, v in asdict(self).items() if k != "launcher"}
-        return GuardConfig(**options, run=run, extra=dict(extra or {}))
+        named = {
+            "run_dir": self.run_dir,
+            "on_nonfinite": self.on_nonfinite,
+            "hang_timeout": self.hang_timeout,
+            "capture": self.capture,
+            "inputs.check": self.check_inputs,
+            "inputs.ignore": self.ignore_inputs,
+            "inputs.allow_masks": self.allow_masks,
+        }
+        config = options_config({**named, **self.options})
+        return dataclasses.replace(config, run=run, extra={**config.extra, **(extra or {})})
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> RunOptions:

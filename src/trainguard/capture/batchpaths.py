@@ -1,5 +1,5 @@
 """Paths in a batch, as ``batchtree.leaves`` writes them (``[0]['mask'].x``), and the walk
-that leaves named entries out (``GuardConfig.ignore_inputs``)."""
+that leaves named entries out (``InputConfig.ignore``)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def path_prefixes(path: str) -> list[str]:
 
 
 def ignore_name(path: str) -> str:
-    """What ``GuardConfig.ignore_inputs`` takes for ``path``: its key or attribute name when
+    """What ``InputConfig.ignore`` takes for ``path``: its key or attribute name when
     it ends in one, else the whole path (``"['args'][1]"``: the name ``args`` would leave out
     every positional argument)."""
     segments = _SEGMENT.findall(path)
@@ -63,7 +63,7 @@ def is_ignored(path: str, ignore: frozenset[str]) -> bool:
 def tensors_outside(obj: Any, ignore: frozenset[str], path: str = "") -> list[Tensor]:
     """The tensor leaves of ``obj`` outside the entries ``ignore`` names: an entry whose key
     or attribute name, or whose whole path, is in ``ignore`` is left out with everything in
-    it (``GuardConfig.ignore_inputs``)."""
+    it (``InputConfig.ignore``)."""
     found: list[Tensor] = []
     _collect_outside(obj, ignore, path, found)
     return found

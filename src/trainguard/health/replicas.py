@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from trainguard.config import GuardConfig
+from trainguard.config import HealthConfig
 from trainguard.errors import ReplicaDivergenceError
 from trainguard.events import EventLog
 from trainguard.health.resync import broadcast_state, user_module
@@ -113,7 +113,7 @@ class ReplicaWatch:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        config: GuardConfig,
+        config: HealthConfig,
         events: EventLog,
         rank: int,
         world_size: int,
@@ -264,7 +264,7 @@ class ReplicaWatch:
         }[action]
         hint = (
             "; if this model is not replicated across ranks (pipeline or tensor parallel), "
-            "set replica_check_every=0"
+            "set replica_check_every=0 (trainguard run: -o replica_check_every=0)"
             if first
             else ""
         )

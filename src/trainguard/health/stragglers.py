@@ -46,12 +46,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from trainguard.config import GuardConfig
+from trainguard.config import HealthConfig
 from trainguard.events import EventLog
 
 logger = logging.getLogger(__name__)
 
 PHASES = ("data", "compute")
+WINDOW = 40
+"""Steps over which a rank must be slow, in 3/4 of them, before it is named (40: a busy
+machine's scheduling noise stays under the floors; docs/health.md)."""
+MIN_LOST = 0.01
+"""Seconds a step the job must wait for a rank before it is named a straggler."""
 _WHAT = {"data": "waiting for its data", "compute": "in its own compute (forward)"}
 HYSTERESIS = 0.5
 """A named rank stays named while it is this fraction of the way above both floors."""
@@ -200,13 +205,13 @@ class PhaseState:
 class StragglerWatch:
     """Fed each decided step's per-rank data and compute seconds (identical on every rank)."""
 
-    def __init__(self, config: GuardConfig, events: EventLog, rank: int) -> None:
+    def __init__(self, config: HealthConfig, events: EventLog, rank: int) -> None:
         self._config = config
         self._events = events
         self._rank = rank
         self._enabled = config.detect_stragglers
         self._seen = 0
-        self._phases = {phase: PhaseState(PhaseWindow(config.straggler_window)) for phase in PHASES}
+        self._phases = {phase: PhaseState(PhaseWindow(WINDOW)) for phase in PHASES}
 
     @property
     def current(self) -> dict[str, list[int]]:
@@ -236,11 +241,11 @@ class StragglerWatch:
         if host is not None and not state.named:  # small worlds: the usual step, no tensor
             medians_now, lows_now = host
             reference = sorted(medians_now)[(len(medians_now) - 1) // 2]  # as Tensor.median
-            slowdown, min_lost = config.straggler_slowdown, config.straggler_min_lost
+            slowdown, min_lost = config.straggler_slowdown, MIN_LOST
             if quiet(reference, max(lows_now), slowdown, min_lost):
                 return
         medians, lows = state.window.stats()
-        slowdown, min_lost = config.straggler_slowdown, config.straggler_min_lost
+        slowdown, min_lost = config.straggler_slowdown, MIN_LOST
         verdict = judge(medians, slowdown, min_lost, state.named, lows)
         named = frozenset(verdict.ranks)
         if named != state.named:
@@ -269,12 +274,12 @@ class StragglerWatch:
             slowdown=slowdown,
             lost_per_step=lost,
             reference_seconds=verdict.reference,
-            window=self._config.straggler_window,
+            window=WINDOW,
             per_rank=per_rank,
             recovered=sorted(previous - set(verdict.ranks)),
         )
         if self._rank == 0:
-            window = self._config.straggler_window
+            window = WINDOW
             logger.warning("%s", _message(step, phase, verdict, previous, window, lost))
 
 

@@ -1,11 +1,13 @@
-"""The Guard's options as an integration takes them: every ``GuardConfig`` field by name."""
+"""The Guard's options as an integration takes them: by name, through the one path every
+way in uses (``config.options_config``: ``Guard`` keywords, core fields, ``section.field``
+as ``**{"spikes.warmup": 20}``, or a whole section: ``spikes=SpikeConfig(...)``)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from trainguard.config import GuardConfig
+from trainguard.config import GuardConfig, options_config
 from trainguard.errors import ConfigError
 from trainguard.recovery import recovery_enabled
 
@@ -14,14 +16,14 @@ OWNED_BY_FRAMEWORK = ("accumulation_steps",)
 
 
 def guard_config(options: dict[str, Any], where: str) -> GuardConfig:
-    """A validated GuardConfig from keyword options (ConfigError for an unknown one)."""
-    known = {f.name for f in dataclasses.fields(GuardConfig)} - set(OWNED_BY_FRAMEWORK)
-    unknown = sorted(set(options) - known)
-    if unknown:
+    """A validated GuardConfig from keyword options (ConfigError for an unknown one, naming
+    the closest known option)."""
+    owned = sorted(set(options) & set(OWNED_BY_FRAMEWORK))
+    if owned:
         raise ConfigError(
-            unknown[0], f"{where} got an unknown option; use one of {', '.join(sorted(known))}"
+            owned[0], f"{where} takes it from the framework (its own gradient accumulation)"
         )
-    config = GuardConfig(**options)
+    config = options_config(options)
     if recovery_enabled(config):
         raise ConfigError(
             "on_escalation/checkpoint_every/resume",

@@ -41,7 +41,7 @@ def record_final_stop(
 
 
 def recovery_enabled(config: GuardConfig) -> bool:
-    return config.on_escalation == "rollback" or config.checkpoint_every > 0 or config.resume
+    return config.recovery.enabled
 
 
 def build_recovery(
@@ -56,11 +56,11 @@ def build_recovery(
     """The guard's recovery part, or None when no recovery option is on."""
     if not recovery_enabled(config):
         return None
-    if config.checkpoint_every > 0 and is_zero(objects.optimizer):
+    if config.recovery.checkpoint_every > 0 and is_zero(objects.optimizer):
         raise ConfigError(
             "checkpoint_every",
             "a ZeroRedundancyOptimizer's state is sharded over the ranks and the checkpoints "
-            "on disk (torch.distributed.checkpoint) cannot gather it; use snapshot_every "
+            "on disk (torch.distributed.checkpoint) cannot gather it; use recovery.snapshot_every "
             "(in-memory rollbacks keep each rank's shard) and your own checkpoints "
             "(consolidate_state_dict), or checkpoint_every=0",
         )
@@ -71,6 +71,6 @@ def build_recovery(
             "rollbacks, checkpoints and resume will not restore its schedule; pass it as "
             "Guard(..., scheduler=...)"
         )
-    if config.resume:
+    if config.recovery.resume:
         recovery.resume()
     return recovery

@@ -55,6 +55,12 @@ from trainguard.recovery.undone import (
 
 logger = logging.getLogger(__name__)
 
+ZERO_LR_STEPS = 5
+"""Steps at LR 0 after the optimizer moments are reset (the ladder's last rung)."""
+LOSS_TOLERANCE = 0.5
+"""Relative difference between the first loss after a rollback or resume and the one recorded
+with the snapshot above which a ``loss_mismatch`` event is written."""
+
 _CUMULATIVE = (
     "total_nonfinite",
     "nonfinite_steps",
@@ -83,7 +89,8 @@ class Recovery:
         self.device = device
         self.rank = rank
         self.state = RecoveryState()
-        self.snapshots = snap.SnapshotKeeper(config.snapshot_every, config.good_after)
+        options = config.recovery
+        self.snapshots = snap.SnapshotKeeper(options.snapshot_every, options.good_after)
         self.lr = LrFactor(objects.optimizer)
         self.ledger = SkipLedger(Path(config.run_dir), rank)
         self.stream: Stream | None = None
@@ -101,7 +108,7 @@ class Recovery:
         """Optimizer steps taken in this process, rolled back or not (``state.applied``
         counts those the weights hold): a scheduler the guard does not know follows it."""
         self._loader: LoaderStates | None = None  # for the stream ``watch()`` starts next
-        self.first_loss = FirstLossCheck(events, config.loss_tolerance)
+        self.first_loss = FirstLossCheck(events, LOSS_TOLERANCE)
         self.resume_point: DataPoint | None = None
         """Where a resumed run's data continues (set by ``resume()``)."""
         self.resumed_from: str | None = None
@@ -119,14 +126,14 @@ class Recovery:
         self._saving: ckpt.Saved | None = None
         # async_save writes over a group of its own; new_group needs every rank of the
         # default group, so a guard on a sub-group saves synchronously instead.
-        self._async = config.checkpoint_every > 0 and group is None
+        self._async = config.recovery.checkpoint_every > 0 and group is None
         self._write_group = ckpt.async_group() if self._async else None
 
     # -- hooks the guard calls ---------------------------------------------------------------
 
     def stream_start(self, iterable: Any, epoch: int | None) -> StreamStart:
         self.watched = iterable
-        if self.config.resume and not self._restart_checked:
+        if self.config.recovery.resume and not self._restart_checked:
             self._restart_checked = True  # collective: every rank's first watch() is here
             self._check_restart(iterable)
         epoch = epoch_of(iterable, epoch, self._streams)
@@ -139,7 +146,7 @@ class Recovery:
             if point.loader_state is not None and is_stateful(iterable):
                 iterable.load_state_dict(point.loader_state)  # it continues at ``start`` itself
                 first = start
-        stateful = self.config.checkpoint_every > 0 and is_stateful(source)
+        stateful = self.config.recovery.checkpoint_every > 0 and is_stateful(source)
         self._loader = LoaderStates(source) if stateful else None
         skip = self._ledger_positions(epoch) if point is not None else frozenset()
         self._dropped_at_start = skip
@@ -232,7 +239,7 @@ class Recovery:
             self.state.applied += 1
         self.first_loss.good_step(step, loss)
         failed_at = self.state.failed_at
-        if failed_at is not None and step >= failed_at + self.config.good_after:
+        if failed_at is not None and step >= failed_at + self.config.recovery.good_after:
             self.state.attempts = 0  # progress: past the last failure, healthy
             self.state.failed_at = None
 
@@ -247,7 +254,7 @@ class Recovery:
         good (a rollback back to it), and no checkpoint waiting for its verdict (a newer one
         would leave it on disk unjudged, and with ``checkpoint_every < good_after`` none
         would ever become good)."""
-        every = self.config.checkpoint_every
+        every = self.config.recovery.checkpoint_every
         due = every > 0 and step > 0 and step % every == 0 and step != self._last_saved
         return due and self._pending_ckpt is None and step not in self._good_steps
 
@@ -299,12 +306,13 @@ class Recovery:
         if step == pending[0]:
             pending[2] = loss
         pending[1] += 1
-        if pending[1] >= self.config.good_after:
+        if pending[1] >= self.config.recovery.good_after:
             self._finish_save()
             self._pending_ckpt = None
             self._good_steps.add(pending[0])
             if self.rank == 0:
-                ckpt.mark_good(run_dir, pending[0], pending[2], self.config.keep_checkpoints)
+                keep = self.config.recovery.keep_checkpoints
+                ckpt.mark_good(run_dir, pending[0], pending[2], keep)
             self.events.write("checkpoint_good", pending[0], healthy_steps=pending[1])
 
     def _finish_save(self) -> None:
@@ -354,7 +362,7 @@ class Recovery:
     def rollback(self, step: int, consecutive: int) -> bool:
         """On escalation at ``step``: restore, skip, back off. False: give up (raise)."""
         attempt = self.state.attempts + 1
-        rung = rung_for(attempt, self.config.max_rollbacks)
+        rung = rung_for(attempt, self.config.recovery.max_rollbacks)
         target = self._target(step - consecutive + 1)
         key = -1 if target is None else 2 * target.step + targets.from_disk(target)
         agreed = same_on_every_rank(key, self.group, self.device)
@@ -397,7 +405,7 @@ class Recovery:
 
     def _target(self, first_bad: int) -> snap.Snapshot | None:
         memory = self.snapshots.target(first_bad)
-        if self.config.checkpoint_every == 0:
+        if self.config.recovery.checkpoint_every == 0:
             return memory
         stream = self.stream
         epoch, ident = (stream.epoch, stream.ident) if stream is not None else (-1, -1)
@@ -419,9 +427,9 @@ class Recovery:
         self.state.failed_at = step
         self.state.rollbacks += 1
         if rung in (Rung.BACKOFF, Rung.RESET_MOMENTS):
-            zero = self.config.zero_lr_steps if rung is Rung.RESET_MOMENTS else 0
-            factor = self.config.lr_backoff ** (attempt - 1)
-            ramp = self.config.lr_backoff_steps
+            zero = ZERO_LR_STEPS if rung is Rung.RESET_MOMENTS else 0
+            factor = self.config.recovery.lr_backoff ** (attempt - 1)
+            ramp = self.config.recovery.lr_backoff_steps
             self.state.backoff = Backoff(target.step, factor, ramp, zero)
         if rung is Rung.RESET_MOMENTS:
             clear_optimizer_state(self.objects.optimizer)
@@ -433,7 +441,7 @@ class Recovery:
         if stream is None:
             return []
         run = self.events.run.id if self.events.run is not None else None
-        margin = self.config.skip_margin
+        margin = self.config.recovery.skip_margin
         entries = rollback_entries(stream, self._ended, self._skipped, target, step, run, margin)
         self.ledger.append(entries)
         return entries

@@ -10,8 +10,9 @@ by choice) is not such a stop and writes nothing.
 
 The fingerprint hashes (``inputs``, kept in the record so a person can see what counted):
 
-- ``config``: every ``GuardConfig`` field (``extra`` included) except those in
-  ``NOT_FINGERPRINTED``, which change what is observed or recorded, not the training;
+- ``config``: every ``GuardConfig`` option (``extra`` included; ``config.flat_options``)
+  except those in ``NOT_FINGERPRINTED``, which change what is observed or recorded, not the
+  training;
 - ``checkpoint``: the newest good checkpoint, relative to ``run_dir`` (None: a fresh start);
 - ``data``: the watched iterable's type and ``len``, its dataset's type and ``len``, its
   ``batch_size`` (what is cheap and the same on every rank); None when nothing was watched;
@@ -21,7 +22,6 @@ The fingerprint hashes (``inputs``, kept in the record so a person can see what 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.config import GuardConfig
+from trainguard.config import GuardConfig, flat_options
 from trainguard.errors import LossScaleCollapseError, NonFiniteError
 from trainguard.events import to_jsonable
 from trainguard.recovery import checkpoint as ckpt
@@ -47,20 +47,17 @@ FORMAT = 1
 NOT_FINGERPRINTED = frozenset(
     {
         "run_dir",
-        "resume",
         "run",
         "capture",
-        "hang_timeout",
-        "max_recorded_steps",
-        "history_steps",
-        "metrics_lines_per_second",
-        "keep_checkpoints",
-        "loss_tolerance",
-        "detect_stragglers",
-        "straggler_window",
-        "straggler_warmup",
-        "straggler_slowdown",
-        "straggler_min_lost",
+        "recovery.resume",
+        "recovery.keep_checkpoints",
+        "hang.timeout",
+        "hang.mark_saves",
+        "history.steps",
+        "history.metrics_lines_per_second",
+        "health.detect_stragglers",
+        "health.straggler_warmup",
+        "health.straggler_slowdown",
     }
 )
 """Config fields that change what is observed or kept, not what a restart would train."""
@@ -100,9 +97,7 @@ def cause_of(error: NonFiniteError, cause: str | None = None) -> str:
 def config_inputs(config: GuardConfig) -> dict[str, Any]:
     """The config fields a restart's training depends on, as JSON values."""
     values = {
-        f.name: getattr(config, f.name)
-        for f in dataclasses.fields(config)
-        if f.name not in NOT_FINGERPRINTED
+        name: value for name, value in flat_options(config).items() if name not in NOT_FINGERPRINTED
     }
     jsonable: dict[str, Any] = to_jsonable(values)
     return jsonable

@@ -6,7 +6,7 @@
 - ``autocast``  the autocast state the step ran under, re-entered on the replay's device
 - ``replicas``  replicated parameters that differ across the bundle's ranks
 - ``explain``   what a multi-rank or finite replay says beyond the diagnosis
-- ``trace``     ``trace()`` / ``diagnose()``: the same diagnosis on live objects
+- ``live``      ``trace()`` / ``diagnose()``: the same diagnosis on live objects
 - ``engine``    runs -> report, shared by both
 - ``stepper``   one forward/loss/backward of the captured micro-batches
 - ``localize``  the tracer: root op, NaN-maker, the hops between them and the loss
@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trainguard.capture.bundle import Bundle
-    from trainguard.replay.factory import Factory
-    from trainguard.replay.runner import ReplayReport, ReplaySpec
-    from trainguard.replay.trace import Trace, diagnose, trace
+    from trainguard.replay.factory import Factory, ReplaySpec
+    from trainguard.replay.live import Trace, diagnose, trace
+    from trainguard.replay.report import ReplayReport
 
 __all__ = ["ReplayReport", "ReplaySpec", "Trace", "diagnose", "replay", "trace"]
 
@@ -73,11 +73,11 @@ def replay(
 
 
 _LAZY = {
-    "ReplayReport": "trainguard.replay.runner",
-    "ReplaySpec": "trainguard.replay.runner",
-    "Trace": "trainguard.replay.trace",
-    "diagnose": "trainguard.replay.trace",
-    "trace": "trainguard.replay.trace",
+    "ReplayReport": "trainguard.replay.report",
+    "ReplaySpec": "trainguard.replay.factory",
+    "Trace": "trainguard.replay.live",
+    "diagnose": "trainguard.replay.live",
+    "trace": "trainguard.replay.live",
 }
 
 

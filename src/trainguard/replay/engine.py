@@ -1,4 +1,4 @@
-"""The diagnosis engine shared by the bundle replay (runner.py) and the live trace (trace.py).
+"""The diagnosis engine shared by the bundle replay (runner.py) and the live trace (live.py).
 
 From the runs of a step to a :class:`ReplayReport`: is it reproduced and deterministic, the
 traced finding (phase, root op, NaN-maker, path, roots), the culprit samples by bisection,

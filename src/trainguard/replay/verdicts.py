@@ -76,10 +76,10 @@ ADVICE = {
     "bad_input": "Fix or filter the data: check the sample named above at its source, and "
     "validate batches before the forward pass.",
     "input_mask": "If the mask's -inf are deliberate, name the mask in the Guard's "
-    "ignore_inputs (e.g. ignore_inputs=('attention_mask',): the rest of the batch, the loss "
-    "and the gradients stay checked at every step), or carry the mask as booleans and build "
-    "the -inf in the model (masked_fill): then the input check reads no -inf. If they are not "
-    "deliberate, find where they are written.",
+    "inputs.ignore (e.g. inputs=InputConfig(ignore=('attention_mask',)): the rest of the "
+    "batch, the loss and the gradients stay checked at every step), or carry the mask as "
+    "booleans and build the -inf in the model (masked_fill): then the input check reads no "
+    "-inf. If they are not deliberate, find where they are written.",
     "input_handled": "The batch's non-finite values made the recorded step non-finite, and "
     "the factory's loss_fn handles them: if that loss_fn is your fix (nan_to_num, a mask, "
     "dropping the samples), it works on this step (the replay exits 0); still find where the "

@@ -194,7 +194,7 @@ def _bad_input(e: dict[str, Any]) -> str:
     if tensors and all(t.get("additive_mask") for t in tensors):
         found = sorted({str(t.get("path")) for t in tensors})
         names = tuple(dict.fromkeys(batchpaths.ignore_name(path) for path in found))
-        leave_out = f"ignore_inputs={names!r}" if all(names) else "check_inputs=False"
+        leave_out = f"inputs.ignore={names!r}" if all(names) else "inputs.check=False"
         line += (
             f" ({', '.join(found)}: only 0 and -inf, an additive mask: {leave_out} if deliberate)"
         )

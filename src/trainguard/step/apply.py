@@ -169,7 +169,7 @@ class DecisionApply:
     def _rolled_back(self, step: int, consecutive: int | None = None) -> bool:
         """On escalation with ``on_escalation="rollback"``: restore, skip data, go on."""
         parts = self._parts
-        if parts.recovery is None or parts.config.on_escalation != "rollback":
+        if parts.recovery is None or parts.config.recovery.on_escalation != "rollback":
             return False
         parts.drop(step)
         streak = parts.state.consecutive_nonfinite if consecutive is None else consecutive

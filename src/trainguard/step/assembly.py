@@ -56,7 +56,7 @@ from trainguard.step.rerun import LossFn, StepRerun
 from trainguard.step.sampler import SamplerEpochs
 from trainguard.step.spikewatch import SpikeWatch
 from trainguard.step.start import StepStart
-from trainguard.step.state import GuardState
+from trainguard.step.state import RECORDED_STEPS, GuardState
 from trainguard.step.syncfree import SyncFreeParts, SyncFreeStep
 from trainguard.step.transient import RerunParts, TransientFaults
 from trainguard.step.unclosed import UnclosedParts
@@ -81,14 +81,15 @@ class GuardAssembly:
         self.world_size = self._consensus.world_size
         self.run_dir = Path(self.config.run_dir)
         agree_attempt(self._consensus.group, self._consensus.device)  # torchrun counts per node
-        identity = identify_run(self.run_dir, self.config.resume, self.config.run, self._consensus)
+        resume = self.config.recovery.resume
+        identity = identify_run(self.run_dir, resume, self.config.run, self._consensus)
         self.events = EventLog(self.run_dir, self.rank, identity)  # every event names its run
         self._run_dir_claim = claim_run_dir(self, self.run_dir, identity.id)  # run_dirs.py
         return identity
 
     def _build_step_path(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """State, progress and the per-step parts: step start, losses, inputs, spikes, history."""
-        self.state = GuardState(nonfinite_steps=deque(maxlen=self.config.max_recorded_steps))
+        self.state = GuardState(nonfinite_steps=deque(maxlen=RECORDED_STEPS))
         self.progress = Progress()
         self._stream: BatchStream | None = None
         # record_batch(): loops without watch() (a refilled input buffer: step/manual.py)
@@ -106,29 +107,29 @@ class GuardAssembly:
             optimizer, self._params, self._start, self.events, self.rank
         )  # a step not applied: gradients cleared, buffers put back (step/drop.py)
         self._capturer = Capturer(self.run_dir, self._consensus, self.events)
-        self.spikes = SpikeWatch(self.config, self.events, self.rank)
+        self.spikes = SpikeWatch(self.config.spikes, self.events, self.rank)
         self.state.spikes = self.spikes  # saved and restored with the counters
         self._inputs = InputCheck(
-            self.config.check_inputs,
+            self.config.inputs.check,
             self.events,
             self.rank,
-            self.config.ignore_inputs,
-            allow_masks=self.config.allow_masks,
+            self.config.inputs.ignore,
+            allow_masks=self.config.inputs.allow_masks,
         )
         self._sampler_epochs = SamplerEpochs(self.events, self.rank)
         metrics = (
             MetricsLog(
                 metrics_path(self.run_dir),
-                max_lines_per_second=self.config.metrics_lines_per_second,
+                max_lines_per_second=self.config.history.metrics_lines_per_second,
             )
             if self.rank == 0
             else None
         )
-        self.history = StepHistory(self.config.history_steps, metrics)
+        self.history = StepHistory(self.config.history.steps, metrics)
         self._dashboard = Dashboard(self)  # metrics(): reads the parts when called
         self._timer = (
             StepTimer(eager_module(model), forward_hooks=self.world_size > 1)
-            if self.config.detect_stragglers
+            if self.config.health.detect_stragglers
             else None
         )
 
@@ -139,12 +140,12 @@ class GuardAssembly:
         process_group: dist.ProcessGroup | None,
     ) -> None:
         """The cross-rank health rules: stragglers and replica agreement."""
-        self.stragglers = StragglerWatch(self.config, self.events, self.rank)
+        self.stragglers = StragglerWatch(self.config.health, self.events, self.rank)
         self._lrs = LrAgreement(self.events, self.rank)
         self.replicas = ReplicaWatch(
             model,
             optimizer,
-            self.config,
+            self.config.health,
             self.events,
             self.rank,
             self.world_size,
@@ -191,12 +192,12 @@ class GuardAssembly:
         fields = self.config.start_fields() | {"torch": torch.__version__} | identity.start_fields()
         self.events.write("start", self.state.step, world_size=self.world_size, **fields)
         self._watchdog: Watchdog | None = start_watchdog(
-            self.progress, self.events, self.config.hang_timeout, self.run_dir, process_group
+            self.progress, self.events, self.config.hang.timeout, self.run_dir, process_group
         )
         if self._watchdog is not None:  # a hang exits with os._exit: keep the metrics
             self._watchdog.before_exit(self.history.flush)
         self._saves: SaveMarking | None = None  # torch.save here: a "save" phase (saves.py)
-        if self._watchdog is not None and self.config.mark_saves:
+        if self._watchdog is not None and self.config.hang.mark_saves:
             self._saves = SAVES.watch(self.progress)
         self._busy: BusyProbe | None = None  # another module's forwards: progress (busy.py)
         if self._watchdog is not None:

@@ -30,7 +30,6 @@ from trainguard.config import (
     NonFiniteAction,
     SpikeAction,
     config_of,
-    more_options,
 )
 from trainguard.errors import ConfigError
 from trainguard.recovery.snapshot import TrainingObjects, stateful_objects
@@ -112,7 +111,7 @@ class Guard(GuardAssembly):
                 replica_check_every=replica_check_every,
                 on_divergence=on_divergence,
                 run=run,
-                **more_options(options),  # the other GuardConfig options, by keyword too
+                **_more_options(options),  # sections and any option by name (config.py)
             ),
             _KEYWORD_DEFAULTS,
         )
@@ -436,6 +435,19 @@ class Guard(GuardAssembly):
         if exc is not None and self._watchdog is not None:
             self._watchdog.publish_failure(exc)  # tell the other ranks (not NonFiniteError)
         self._close(raise_errors=exc is None, ended_by=exc)
+
+
+def _more_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``Guard``'s keywords beyond its own parameters: a section (``spikes=SpikeConfig(...)``)
+    or any option by name (``options_config`` checks them). ``extra`` is refused here:
+    ``extra_state`` is the loop's stateful objects, ``extra`` the start event's metadata."""
+    if "extra" in options:
+        raise ConfigError(
+            "extra",
+            "pass it as config=GuardConfig(..., extra={...}) (the start event's metadata); "
+            "extra_state= is for the loop's own stateful objects",
+        )
+    return options
 
 
 _KEYWORD_DEFAULTS: dict[str, object] = {

@@ -38,9 +38,10 @@ def mask_note(path: str) -> str:
     mask: how to leave it out of the check."""
     name = batchpaths.ignore_name(path)
     leave_out = (
-        f"ignore_inputs=({name!r},) (trainguard run: --ignore-inputs {shlex.quote(name)})"
+        f"inputs=InputConfig(ignore=({name!r},)) (trainguard run: --ignore-inputs "
+        f"{shlex.quote(name)})"
         if name
-        else "check_inputs=False (trainguard run: --no-check-inputs)"
+        else "inputs=InputConfig(check=False) (trainguard run: --no-check-inputs)"
     )
     return (
         f"; it holds only 0 and -inf: an additive mask? If deliberate, pass {leave_out} (the "
@@ -204,8 +205,9 @@ class InputCheck:
                 "trainguard: step %d rank %d: the input at %s holds only 0 and -inf, and the "
                 "step's loss and gradients are finite on every rank: taken for an additive "
                 "mask, not skipped, and left out of the input check from now on (to say so: "
-                "ignore_inputs=%r, trainguard run: %s; allow_masks=False, trainguard run: "
-                "--no-allow-masks, makes such a step bad)",
+                "inputs=InputConfig(ignore=%r), trainguard run: %s; "
+                "InputConfig(allow_masks=False), trainguard run: --no-allow-masks, makes such "
+                "a step bad)",
                 step,
                 self._rank,
                 ", ".join(paths),

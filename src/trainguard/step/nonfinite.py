@@ -56,9 +56,9 @@ def log_nonfinite(
 
 INPUTS_ON_PURPOSE = (
     " (the batch holds NaN/Inf while the loss and gradients are finite; if it does on purpose,"
-    " as an additive -inf attention mask does, name it in ignore_inputs, e.g."
-    " ignore_inputs=('attention_mask',) (trainguard run: --ignore-inputs NAME), or pass"
-    " check_inputs=False (--no-check-inputs))"
+    " as an additive -inf attention mask does, name it in inputs.ignore, e.g."
+    " inputs=InputConfig(ignore=('attention_mask',)) (trainguard run: --ignore-inputs NAME),"
+    " or pass inputs=InputConfig(check=False) (--no-check-inputs))"
 )
 """Said where the input check alone stopped a step: the fix for inputs meant to be so."""
 

@@ -49,7 +49,7 @@ METRICS = ("loss", "grad_norm")
 
 @dataclass(frozen=True)
 class SpikeRule:
-    """The knobs (``GuardConfig.spike_*``)."""
+    """The knobs (``GuardConfig.spikes``; ``grace``: fixed)."""
 
     z_threshold: float = 6.0
     ratio: float = 2.0

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainguard.config import GuardConfig
+from trainguard.config import SpikeConfig
 from trainguard.errors import SpikeError
 from trainguard.events import EventLog
 from trainguard.step.consensus import Agreement, Consensus, Reduced
@@ -36,22 +36,18 @@ Staged = tuple[Tensor, "torch.cuda.Event | None"]
 """A verdict copied (or being copied) to the host, and the event that says it is there."""
 
 
-def rule_of(config: GuardConfig) -> SpikeRule:
+def rule_of(config: SpikeConfig) -> SpikeRule:
     return SpikeRule(
-        z_threshold=config.spike_z,
-        ratio=config.spike_ratio,
-        beta=config.spike_beta,
-        warmup=config.spike_warmup,
-        grace=config.spike_grace,
+        z_threshold=config.z, ratio=config.ratio, beta=config.beta, warmup=config.warmup
     )
 
 
 class SpikeWatch:
     """Judges spikes for one Guard; the same verdicts on every rank (agreed values only)."""
 
-    def __init__(self, config: GuardConfig, events: EventLog, rank: int) -> None:
-        self.action = config.on_spike
-        self.max_consecutive = config.spike_max_consecutive
+    def __init__(self, config: SpikeConfig, events: EventLog, rank: int) -> None:
+        self.action = config.action
+        self.max_consecutive = config.max_consecutive
         self.rule = rule_of(config)
         self.detector = SpikeDetector(self.rule)
         self._device: DeviceSpikeDetector | None = None
@@ -210,7 +206,7 @@ class SpikeWatch:
         """The error of an escalation (on every rank)."""
         message = (
             f"step {step}: {self.consecutive} loss/gradient-norm spike(s) in a row "
-            f"(on_spike={self.action!r}, spike_max_consecutive={self.max_consecutive})"
+            f"(on_spike={self.action!r}, spikes.max_consecutive={self.max_consecutive})"
         )
         self._events.write("escalate", step, reason="spike", consecutive=self.consecutive)
         return SpikeError(message, step=step, ranks=[], bundle=bundle)

@@ -17,6 +17,10 @@ class Part(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+RECORDED_STEPS = 100
+"""How many bad step numbers ``GuardState.nonfinite_steps`` keeps (the most recent)."""
+
+
 @dataclass
 class GuardState:
     """Where the guarded run stands. Identical on every rank (it is built from agreed data)."""

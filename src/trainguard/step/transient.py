@@ -32,6 +32,9 @@ from trainguard.step.rerun import StepRerun, SuspectHosts
 
 logger = logging.getLogger(__name__)
 
+SUSPECT_WINDOW = 1000
+"""Steps over which ``rerun.suspect_host_after`` counts a host's transient faults."""
+
 Measure = Callable[[Tensor], tuple[GradStats, LocalReport, bool]]
 
 
@@ -74,9 +77,7 @@ class TransientFaults:
         self._hosts: list[str] | None = None
         self.verdict: str | None = None
         """The last rerun's verdict: "transient", "persistent" or None (not rerun)."""
-        self.suspect_hosts = SuspectHosts(
-            parts.config.suspect_host_after, parts.config.suspect_host_window
-        )
+        self.suspect_hosts = SuspectHosts(parts.config.rerun.suspect_host_after, SUSPECT_WINDOW)
 
     def rerun(
         self, step: int, first: Agreement, first_stats: GradStats
@@ -146,7 +147,7 @@ class TransientFaults:
             return
         parts = self._parts
         counts = self.suspect_hosts.counts()
-        window = parts.config.suspect_host_window
+        window = SUSPECT_WINDOW
         parts.events.write(
             "suspect_host",
             step,

@@ -55,11 +55,10 @@ def main() -> None:
         hang_timeout=0,
         max_consecutive=2,
         on_escalation="rollback",
-        snapshot_every=2,
-        good_after=1,
         checkpoint_every=2,
         keep_checkpoints=2,
         resume=True,
+        recovery=tg.RecoveryConfig(snapshot_every=2, good_after=1),
     )
     with tg.Guard(model, opt, config=config) as guard:
         for xb, yb in guard.watch(loader, epoch=0):
