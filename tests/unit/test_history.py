@@ -59,6 +59,7 @@ def test_ring_keeps_the_last_records_in_order() -> None:
         "grad_norm": 1.0,
         "decision": "ok",
         "lr": 0.5,
+        "lrs": [0.5],  # every param group's (one here)
     }
 
 
@@ -117,7 +118,7 @@ def test_bundle_history_ends_with_the_bad_step(tmp_path: Path) -> None:
     assert [r["step"] for r in history["records"]] == [2, 3, 4, 5]
     last = history["records"][-1]
     assert last["losses"] == ["nan"] and last["decision"] == "skip"
-    assert set(last) == {"step", "losses", "grad_norm", "decision", "lr"}
+    assert set(last) == {"step", "losses", "grad_norm", "decision", "lr", "lrs"}
 
 
 @dataclass
@@ -280,6 +281,9 @@ def test_log_fields_are_bundle_fields_then_timing_in_order() -> None:
 
     def expected(rec: StepRecord) -> dict[str, Any]:
         fields = {**rec.bundle_fields(), "step_seconds": rec.step_seconds, "time": rec.time}
+        lrs = fields.pop("lrs")  # in the metrics line with several groups only, at the end
+        if rec.lrs is not None:
+            fields["lrs"] = lrs
         if len(rec.losses) > LOGGED_RANKS:
             fields["losses"] = None
             fields["loss_summary"] = loss_summary(rec.losses)
@@ -294,10 +298,11 @@ def test_log_fields_are_bundle_fields_then_timing_in_order() -> None:
         (many, [1e-6] * len(many), [2e-6] * len(many)),
         (many, [], []),
     ):
-        rec = StepRecord(3, losses, 1.5, "ok", 0.1, None, 17.0, data, compute)
-        found = rec.log_fields()
-        assert list(found) == list(expected(rec))
-        assert json.dumps(found) == json.dumps(expected(rec))
+        for lrs in (None, [0.1, 0.2]):
+            rec = StepRecord(3, losses, 1.5, "ok", 0.1, None, 17.0, data, compute, lrs)
+            found = rec.log_fields()
+            assert list(found) == list(expected(rec))
+            assert json.dumps(found) == json.dumps(expected(rec))
         if found["losses"] is not None:
             assert found["losses"] is not rec.losses  # a copy, as bundle_fields gives
 

@@ -31,6 +31,7 @@ from trainguard.step.consensus import Agreement
 from trainguard.step.detect import GradStats, clip_
 from trainguard.step.drop import UpdateDrop
 from trainguard.step.evidence import StepEvidence
+from trainguard.step.hyperparams import nonfinite_hyperparameters
 from trainguard.step.inputs import InputCheck
 from trainguard.step.nonfinite import log_nonfinite, stop_error
 from trainguard.step.policy import Decision
@@ -182,7 +183,10 @@ class DecisionApply:
         parts = self._parts
         parts.inputs.report(agreement, step)
         consecutive = parts.state.consecutive_nonfinite
-        log_nonfinite(parts.events, parts.rank, decision, agreement, stats, step, consecutive)
+        found = nonfinite_hyperparameters(parts.optimizer) if agreement.hyper_ranks else None
+        log_nonfinite(
+            parts.events, parts.rank, decision, agreement, stats, step, consecutive, found
+        )
 
     def stop_error(
         self, decision: Decision, agreement: Agreement, step: int, bundle: Path | None = None

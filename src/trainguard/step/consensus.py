@@ -88,8 +88,9 @@ class LocalReport:
     ``DROPPED_WITH_SCALER``: it already left the update out."""
     lr: float = 0.0
     """The learning rate this rank's optimizer step is about to use (the largest of its
-    groups'; 0.0: not a finite host number). It reaches the decision agreed
-    (``Agreement.lr``), never read from the optimizer by a rule."""
+    groups'; 0.0: not a host number; NaN: some scalar hyper-parameter of some group is not
+    finite, ``hyperparams.row_lr``). It reaches the decision agreed (``Agreement.lr``,
+    ``Agreement.hyper_ranks``), never read from the optimizer by a rule."""
     loss_scale: Tensor | None = None
     """This rank's GradScaler scale (a 0-d device tensor, copied into the row on the device:
     no host sync), None without an enabled scaler."""
@@ -129,28 +130,36 @@ class Agreement:
     drops: list[float] = field(default_factory=list)
     """Per rank: ``LocalReport.dropped`` (empty: no rank dropped the update itself)."""
     lrs: list[float] = field(default_factory=list)
-    """Per rank: the learning rate its optimizer step is about to use (0.0: unknown)."""
+    """Per rank: the learning rate its optimizer step is about to use (0.0: unknown; NaN: a
+    hyper-parameter of that rank's optimizer is not finite)."""
     loss_scales: list[float] = field(default_factory=list)
     """Per rank: its GradScaler's scale (0.0: no scaler)."""
+
+    @property
+    def hyper_ranks(self) -> list[int]:
+        """Ranks with a non-finite scalar hyper-parameter (an LR, a weight decay...): the
+        update would write it into the weights."""
+        return [rank for rank, lr in enumerate(self.lrs) if not math.isfinite(lr)]
 
     @property
     def lr(self) -> float | None:
         """The learning rate every rank's rules read: the smallest rank's, so a jump counts
         only when every rank's LR jumped (a schedule's warm restart, not a one-rank fault);
         None when some rank's is unknown."""
-        if not self.lrs or not all(lr > 0.0 for lr in self.lrs):
-            return None
+        if not self.lrs or not all(0.0 < lr < math.inf for lr in self.lrs):
+            return None  # NaN fails the comparison too
         return min(self.lrs)
 
     @property
     def lrs_differ(self) -> bool:
         """The ranks' learning rates differ (beyond float rounding): replicas that should
         step alike are about to step apart."""
-        known = [lr for lr in self.lrs if lr > 0.0]
+        finite = [lr for lr in self.lrs if math.isfinite(lr)]  # a NaN is a finding of its own
+        known = [lr for lr in finite if lr > 0.0]
         if not known:
             return False
         low, high = min(known), max(known)
-        return len(known) != len(self.lrs) or high - low > 1e-6 * high
+        return len(known) != len(finite) or high - low > 1e-6 * high
 
     @property
     def loss_scale(self) -> float | None:
@@ -172,19 +181,22 @@ class Agreement:
 
     @property
     def bad(self) -> bool:
-        return bool(self.loss_ranks or self.grad_ranks or self.input_ranks)
+        return bool(self.loss_ranks or self.grad_ranks or self.input_ranks or self.hyper_ranks)
 
     @property
     def ranks(self) -> list[int]:
         """Ranks where the step went non-finite: the loss ranks when any, else the grad
-        ranks, else the ranks with a non-finite input."""
-        return self.loss_ranks or self.grad_ranks or self.input_ranks
+        ranks, else the ranks with a non-finite input, else those with a non-finite
+        hyper-parameter."""
+        return self.loss_ranks or self.grad_ranks or self.input_ranks or self.hyper_ranks
 
     @property
     def where(self) -> str:
         if self.loss_ranks:
             return "loss"
-        return "grad" if self.grad_ranks else "input"
+        if self.grad_ranks:
+            return "grad"
+        return "input" if self.input_ranks else "hyperparameter"
 
     @property
     def mean_loss(self) -> float:

@@ -31,6 +31,7 @@ from trainguard.step.data import BatchStream
 from trainguard.step.deferred import PendingStep
 from trainguard.step.detect import GradStats
 from trainguard.step.history import StepHistory
+from trainguard.step.hyperparams import nonfinite_hyperparameters
 from trainguard.step.losses import StepLosses
 from trainguard.step.manual import RecordedBatches
 from trainguard.step.policy import Decision
@@ -143,6 +144,8 @@ class StepEvidence:
             evidence.extra.update(loss=None, loss_finite=None, micro_losses=[])
         if self.loss_source is not None:
             evidence.extra["loss_source"] = self.loss_source
+        if agreement.hyper_ranks:  # this rank's non-finite hyper-parameters, if any
+            evidence.extra["hyperparameters"] = nonfinite_hyperparameters(parts.optimizer)
         if forward is not None:
             evidence.extra["forward_inputs"] = forward
             warn_made_in_loop(forward, step, parts.capturer.rank)

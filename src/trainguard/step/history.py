@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from trainguard.step.consensus import Agreement
+from trainguard.step.hyperparams import group_lrs
 from trainguard.step.metrics import MetricsLog
 from trainguard.step.policy import Decision
 
@@ -56,6 +57,9 @@ class StepRecord:
     """Every rank's seconds waiting for its data in the step (empty: not timed)."""
     compute_times: list[float] = field(default_factory=list)
     """Every rank's seconds of its own compute (forward) in the step (empty: not timed)."""
+    lrs: list[float | None] | None = None
+    """Every param group's learning rate (``hyperparams.group_lrs``); None with one group
+    (``lr`` is it)."""
 
     def bundle_fields(self) -> dict[str, Any]:
         return {
@@ -64,6 +68,7 @@ class StepRecord:
             "grad_norm": self.grad_norm,
             "decision": self.decision,
             "lr": self.lr,
+            "lrs": list(self.lrs) if self.lrs is not None else [self.lr],
         }
 
     def log_line(self) -> str | None:
@@ -75,7 +80,7 @@ class StepRecord:
         decision = self.decision
         if len(losses) > 1 or not (decision.isascii() and decision.isalpha()):
             return None
-        if type(self.step) is not int:  # a bool or an int subclass: the encoder's way
+        if type(self.step) is not int or self.lrs is not None:  # the encoder's way
             return None
         numbers: tuple[Any, ...] = (*losses, self.grad_norm, self.lr, self.step_seconds, self.time)
         if set(map(type, numbers)) != {float} or not math.isfinite(sum(numbers)):
@@ -102,6 +107,8 @@ class StepRecord:
             "step_seconds": self.step_seconds,
             "time": self.time,
         }
+        if self.lrs is not None:
+            fields["lrs"] = list(self.lrs)
         if many:
             fields["loss_summary"] = loss_summary(self.losses)
         if any(self.data_times) or any(self.compute_times):  # timed: timing_fields
@@ -208,6 +215,7 @@ class StepHistory:
             learning_rate(optimizer),
             agreement.data_times,
             agreement.compute_times,
+            group_lrs(optimizer),
         )
 
     def add(
@@ -219,6 +227,7 @@ class StepHistory:
         lr: float | None,
         data_times: list[float],
         compute_times: list[float],
+        lrs: list[float | None] | None = None,
     ) -> StepRecord:
         """``record`` from the values themselves (``step/lone.py``: a world of one's usual
         step builds no ``Agreement``); a decision other than ``"ok"`` is written out at once."""
@@ -227,6 +236,8 @@ class StepHistory:
         factor = self.lr_factor
         if factor is not None and lr is not None:
             lr *= factor(step)
+            if lrs is not None:
+                lrs = [None if x is None else x * factor(step) for x in lrs]
         rec = StepRecord(
             step,
             losses,
@@ -237,6 +248,7 @@ class StepHistory:
             time.time(),
             data_times,
             compute_times,
+            lrs,
         )
         self._ring.append(rec)
         metrics = self._metrics

@@ -62,11 +62,11 @@ from trainguard.step.data import BatchStream
 from trainguard.step.detect import GradStats, is_sharded, local_grads
 from trainguard.step.evidence import StepEvidence
 from trainguard.step.history import StepHistory, learning_rate
+from trainguard.step.hyperparams import group_lrs, row_lr
 from trainguard.step.inputs import InputCheck
 from trainguard.step.local_row import foldable_losses, reduce_row, total_norm
 from trainguard.step.losses import StepLosses
 from trainguard.step.policy import Decision
-from trainguard.step.spikes import row_lr
 from trainguard.step.start import StepStart
 from trainguard.step.state import GuardState
 
@@ -143,11 +143,14 @@ class LoneStep:
         read = self._read(losses, grads, inputs)
         if read is None or not math.isfinite(sum(read[0])):  # NaN/Inf anywhere, or overflow
             return None
+        lr = row_lr(parts.optimizer)  # a world of one: its row is the agreed record
+        if lr != lr:  # a hyper-parameter is not finite: the full path decides it
+            return None
         values, norms = read
         count, cut = len(losses), len(losses) + len(grads)
         norm = total_norm(values[count:cut])
         reported = values[0] if count == 1 else sum(values[:count]) / count  # the mean
-        return self._commit(step, reported, norm, loss_known, (values, norms, grads))
+        return self._commit(step, reported, norm, loss_known, lr, (values, norms, grads))
 
     def _first_gradients_plain(self) -> bool:
         """False (for good) when the gradients are FSDP2 shards: looked up once, at the first
@@ -182,22 +185,23 @@ class LoneStep:
         loss: float,
         norm: float,
         loss_known: bool,
+        own_lr: float,
         measured: tuple[list[float], list[Tensor], list[Tensor]],
     ) -> bool:
         """The usual step is good: what ``check()`` does after the full path's measure and
-        agreement, for a good step, in the same order."""
+        agreement, for a good step, in the same order (``own_lr``: the row's learning rate,
+        ``hyperparams.row_lr``)."""
         parts = self._parts
         parts.start.buffers.learn(step)
         data_time, compute_time = parts.timer.take() if parts.timer is not None else (0.0, 0.0)
         stream = self.stream
         if stream is not None:
             stream.agreed_running()
-        own_lr = row_lr(parts.optimizer)  # a world of one: its row is the agreed record
         spike = parts.judge_spike(step, loss, norm, own_lr or None)
-        lr = learning_rate(parts.optimizer)
+        lr, lrs = learning_rate(parts.optimizer), group_lrs(parts.optimizer)
         losses = [loss] if loss_known else []
         decision = "ok" if spike is None else spike.value
-        parts.history.add(step, losses, norm, decision, lr, [data_time], [compute_time])
+        parts.history.add(step, losses, norm, decision, lr, [data_time], [compute_time], lrs)
         parts.state.step = step + 1
         try:
             if spike is not None:

@@ -25,10 +25,10 @@ from trainguard.step.consensus import LocalReport
 from trainguard.step.data import BatchStream
 from trainguard.step.detect import GradStats, grad_stats, is_sharded, loss_columns
 from trainguard.step.evidence import StepEvidence
+from trainguard.step.hyperparams import row_lr
 from trainguard.step.inputs import InputCheck, max_abs
 from trainguard.step.local_row import FoldedRow, fold, foldable_losses
 from trainguard.step.losses import StepLosses
-from trainguard.step.spikes import row_lr
 from trainguard.step.start import StepStart
 from trainguard.step.usage import NoGradientsCheck
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from trainguard.config import GuardConfig
 from trainguard.errors import LossScaleCollapseError, NonFiniteError
 from trainguard.events import EventLog
 from trainguard.step.consensus import Agreement
 from trainguard.step.detect import GradStats
+from trainguard.step.hyperparams import describe
 from trainguard.step.policy import Decision
 
 logger = logging.getLogger(__name__)
@@ -27,9 +29,11 @@ def log_nonfinite(
     stats: GradStats,
     step: int,
     consecutive: int,
+    hyperparameters: list[dict[str, Any]] | None = None,
 ) -> None:
-    """The ``nonfinite`` event (which ranks, loss or gradients, which parameters here) and a
-    warning on rank 0."""
+    """The ``nonfinite`` event (which ranks, loss or gradients, which parameters here; with a
+    non-finite hyper-parameter, which ones here) and a warning on rank 0."""
+    found = {"hyperparameters": hyperparameters} if hyperparameters else {}
     events.write(
         "nonfinite",
         step,
@@ -41,8 +45,12 @@ def log_nonfinite(
         loss=agreement.losses[rank],
         action=decision.value,
         consecutive=consecutive,
+        **found,
     )
     log = logger.warning if rank == 0 else logger.debug
+    detail = INPUTS_ON_PURPOSE if agreement.where == "input" else ""
+    if hyperparameters:
+        detail = f" ({describe(hyperparameters)}: the update would write it into the weights)"
     log(
         "trainguard: step %d non-finite %s on ranks %s (%d in a row): %s%s",
         step,
@@ -50,7 +58,7 @@ def log_nonfinite(
         agreement.ranks,
         consecutive,
         decision.value,
-        INPUTS_ON_PURPOSE if agreement.where == "input" else "",
+        detail,
     )
 
 
@@ -78,7 +86,8 @@ def stop_error(
         message = f"step {step}: non-finite {agreement.where} on ranks {agreement.ranks}"
         return NonFiniteError(message, step=step, ranks=agreement.ranks, bundle=bundle)
     scale = agreement.loss_scale  # agreed: the smallest rank's
-    if not (agreement.loss_ranks or agreement.input_ranks) and scale is not None:
+    other = agreement.loss_ranks or agreement.input_ranks or agreement.hyper_ranks
+    if not other and scale is not None:
         message = (
             f"step {step}: fp16 loss scale collapsed to {scale} (below min_loss_scale="
             f"{config.min_loss_scale}); gradients overflow at any scale"

@@ -39,9 +39,10 @@ def decide(agreement: Agreement, config: GuardConfig, consecutive_before: int) -
     scaler_scale = agreement.loss_scale
     if not agreement.bad:
         return Decision.DROPPED if agreement.drops and agreement.dropped_ranks else Decision.OK
-    if agreement.scaler_dropped and not agreement.input_ranks:
+    if agreement.scaler_dropped and not (agreement.input_ranks or agreement.hyper_ranks):
         return Decision.OVERFLOW  # every rank's scaler left out a step whose gradients overflowed
-    if scaler_scale is not None and not (agreement.loss_ranks or agreement.input_ranks):
+    other = agreement.loss_ranks or agreement.input_ranks or agreement.hyper_ranks
+    if scaler_scale is not None and not other:
         # Gradients overflowed while the loss is finite: the scaler's business, unless the
         # scale has collapsed (then no scale makes the gradients fit).
         if scaler_scale < config.min_loss_scale:

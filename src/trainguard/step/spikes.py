@@ -174,24 +174,6 @@ class SpikeDetector:
         self.grace.left = int(state["grace_left"])
 
 
-def host_lr(optimizer: torch.optim.Optimizer) -> float | None:
-    """The largest learning rate of the optimizer's groups, when it is a host number."""
-    groups = optimizer.param_groups
-    if len(groups) == 1:  # the usual case
-        lr = groups[0].get("lr")
-        return float(lr) if isinstance(lr, (int, float)) else None
-    numbers = [float(r) for g in groups if isinstance(r := g.get("lr"), (int, float))]
-    return max(numbers) if numbers else None
-
-
-def row_lr(optimizer: torch.optim.Optimizer) -> float:
-    """This rank's learning rate for the step's row: ``host_lr``, 0.0 when it is not a
-    finite, positive host number (the row must stay finite: a non-finite value there marks
-    the step bad)."""
-    lr = host_lr(optimizer)
-    return lr if lr is not None and 0.0 < lr < math.inf else 0.0
-
-
 class DeviceSpikeDetector:
     """The same rule on the device (sync-free ``guard.step()``): float64 tensors, no host read.
 

@@ -91,6 +91,8 @@ class SyncFreeStep:
         stats, report, sharded = parts.measure(loss)
         reduced = parts.consensus.reduce(report, sharded)
         found_inf = self._found_inf.of(reduced.buf, self._optimizer_device(stats))
+        if report.lr != report.lr:  # a hyper-parameter is not finite (a world of one's row
+            found_inf.fill_(1.0)  # holds no host column): skipped on the device, no sync
         spike = parts.spikes.on_device(parts.consensus, reduced, found_inf)
         if parts.config.grad_clip is not None:
             norm = parts.consensus.global_grad_norm(reduced)

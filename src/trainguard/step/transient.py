@@ -47,6 +47,8 @@ def origin_ranks(first: Agreement, world_size: int) -> list[int]:
         return list(first.loss_ranks)
     if first.input_ranks:
         return list(first.input_ranks)
+    if first.hyper_ranks and not first.grad_ranks:
+        return list(first.hyper_ranks)
     if world_size > 1 and len(first.grad_ranks) == world_size:
         return []
     return list(first.grad_ranks)

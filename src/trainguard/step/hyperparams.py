@@ -1,0 +1,80 @@
+"""The optimizer's scalar hyper-parameters, read on the host before the update: this rank's
+learning rate for the step's row, and any hyper-parameter that is not finite.
+
+A scheduler that yields a NaN or inf learning rate for one param group at one step (a
+warm-up divided by zero), a weight decay or an epsilon turned NaN: the update that reads it
+writes NaN into that group's weights, and only the next step's forward fails, far from the
+cause. So the step's row carries it (``LocalReport.lr``): NaN when any scalar
+hyper-parameter of any group (a float, or a float in a tuple: Adam's betas) is not finite,
+else the largest finite learning rate of the groups (0.0: not a host number, e.g. a device
+tensor of a capturable optimizer, which is not read: that would sync). A NaN there makes
+the step bad on every rank before the optimizer step (``Agreement.hyper_ranks``, where
+``"hyperparameter"``), and ``nonfinite_hyperparameters`` names the group and the option for
+the event and the bundle. Plain dict reads, no device work; a few microseconds a step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def row_lr(optimizer: torch.optim.Optimizer) -> float:
+    """This rank's learning rate for the step's row (the module docstring): NaN when a
+    scalar hyper-parameter is not finite, else the largest positive finite LR, 0.0 when none
+    is a host number."""
+    top = 0.0
+    for group in optimizer.param_groups:
+        for value in group.values():
+            kind = type(value)
+            if kind is float:
+                if value - value != 0.0:  # NaN or +-inf
+                    return math.nan
+            elif kind is tuple and not _finite_items(value):
+                return math.nan
+        lr = group.get("lr")
+        if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > top:
+            top = float(lr)
+    return top
+
+
+def _finite_items(values: tuple[Any, ...]) -> bool:
+    floats = [item for item in values if type(item) is float]
+    return math.isfinite(sum(floats)) or all(map(math.isfinite, floats))  # or sum overflowed
+
+
+def nonfinite_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Every scalar hyper-parameter of this rank's optimizer that is not finite:
+    ``{"group": index, "name": "lr", "value": nan}`` (an item of a tuple: ``"betas[1]"``)."""
+    found: list[dict[str, Any]] = []
+    for index, group in enumerate(optimizer.param_groups):
+        for name, value in group.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                found.append({"group": index, "name": name, "value": value})
+            elif isinstance(value, tuple):
+                for i, item in enumerate(value):
+                    if isinstance(item, float) and not math.isfinite(item):
+                        found.append({"group": index, "name": f"{name}[{i}]", "value": item})
+    return found
+
+
+def group_lrs(optimizer: torch.optim.Optimizer) -> list[float | None] | None:
+    """Every param group's learning rate as a host number (None where it is not one), or
+    None with a single group (the record's ``lr`` says it)."""
+    groups = optimizer.param_groups
+    if len(groups) < 2:
+        return None
+    return [_host_number(group.get("lr")) for group in groups]
+
+
+def _host_number(value: object) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def describe(found: list[dict[str, Any]]) -> str:
+    """``param group 1's lr is nan`` (joined by "; ")."""
+    return "; ".join(f"param group {h['group']}'s {h['name']} is {h['value']}" for h in found)
