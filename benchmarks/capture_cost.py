@@ -1,63 +1,73 @@
-"""What a capture costs on a bad step, and how long a replay takes.
+"""What does a capture cost on the bad step, and how long do loading and replaying it take?
 
-A small MLP (``--width`` x ``--layers``, Adam) hits one bad step (an all-zero sample whose
-row norm is 0 in ``blocks.0.norm``). Timed, each ``--runs`` times, in one process:
+A small MLP (``--width`` x ``--layers``, Adam) meets one bad step: its batch holds an
+all-zero sample, whose row norm is 0 in the first block, so the loss is NaN. The guarded
+loop (``tg.Guard(capture=True)``, ``watch()`` + ``check()``) writes the replay bundle of that
+step inside the bad step's ``check()``. Compared in interleaved rounds (every write once a
+round, in a shuffled order), each to a new file or run folder:
 
-- ``torch.save(model.state_dict())``: the floor: plain weights, one file;
-- ``torch.save(model + optimizer + batch)``: the same content as a bundle, one file, no
-  fsync, no checksum;
-- ``capture``: trainguard's bundle (5 files a rank, checksums, manifest, atomic rename): the
-  time the training thread is blocked; the flush to disk runs in a background thread after
-  that (joined outside the timing, so runs do not overlap);
-- ``capture + fsync`` against ``torch.save(...) + fsync``: the same, durable on disk;
-- ``load_bundle`` (every checksum verified);
-- ``replay``: 3 repeats, the traced run and the bisection.
+- ``torch.save(model.state_dict())``: the floor, plain weights in one file;
+- ``torch.save(model + optimizer + batch)``: what the naive capture writes (one file, no
+  checksum, no fsync), and the same ``+ fsync``;
+- ``capture``: the bad step's ``guard.check(loss)``: the time the training thread is blocked
+  (the bundle's files, checksums, manifest, atomic rename; the flush to disk runs in a
+  background thread after that, joined outside the timing);
+- ``capture + fsync``: the same, with the background flush joined: durable on disk;
+- ``good check()``: a good step's ``check()`` of the same guards, for scale.
 
-    python benchmarks/capture_cost.py                # default sizes
-    python benchmarks/capture_cost.py --quick        # tiny sizes (smoke test)
+Then ``tg.load_bundle`` (every checksum verified) and ``tg.replay`` (3 repeats, the traced
+run, the bisection for the culprit sample), ``--runs`` times each.
+
+    python benchmarks/capture_cost.py                 # default sizes, 10 rounds
+    python benchmarks/capture_cost.py --device cuda   # the model and optimizer on the GPU
+    python benchmarks/capture_cost.py --quick         # tiny sizes: a smoke run
 """
 
 from __future__ import annotations
 
-import argparse
+import copy
 import itertools
 import os
-import random
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
-    machine_info,
+    finish,
+    finish_args,
+    header,
+    interleave,
+    interval,
     markdown_table,
     median,
-    now_iso,
+    paired,
+    parser,
     quartiles,
-    replace_block,
-    write_json,
+    synchronize,
 )
 
 import trainguard as tg
-from trainguard.capture.rng import rng_state
-from trainguard.events import EventLog
-from trainguard.step.capturer import Capturer, StepEvidence, step_evidence
-from trainguard.step.consensus import Agreement, Consensus
-from trainguard.step.detect import grad_stats
-from trainguard.step.policy import Decision
 
+NAME = "capture_cost"
 SIZES = {"width": 512, "layers": 4, "batch": 64}
+PAIRS = {
+    "capture / torch.save of the same objects": ("capture", "torch.save(model+optimizer+batch)"),
+    "capture + fsync / torch.save + fsync": (
+        "capture + fsync",
+        "torch.save(model+optimizer+batch) + fsync",
+    ),
+}
 
-Timings = dict[str, list[float]]
-"""Seconds per run, by what was timed."""
+Batch = dict[str, Tensor]
 
 
 class RowNorm(nn.Module):
@@ -87,9 +97,104 @@ class Net(nn.Module):
         return x
 
 
-def loss_fn(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+def loss_fn(model: nn.Module, batch: Batch) -> Tensor:
     loss: Tensor = model(batch["x"]).pow(2).mean()
     return loss
+
+
+class Bench:
+    """The trained model and its optimizer (Adam moments present), a good and a bad batch,
+    and the writes compared, each to a new file or run folder under ``root``."""
+
+    def __init__(self, width: int, layers: int, batch: int, device: str, root: Path) -> None:
+        self.width, self.layers, self.device, self.root = width, layers, device, root
+        torch.manual_seed(0)
+        self.model = Net(width, layers).to(device)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(1)
+        loss_fn(self.model, {"x": torch.randn(batch, width, generator=gen).to(device)}).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.good = {"x": torch.randn(batch, width, generator=gen), "index": torch.arange(batch)}
+        self.bad = {"x": torch.randn(batch, width, generator=gen), "index": torch.arange(batch)}
+        self.bad["x"][3] = 0.0  # row norm 0: NaN in the first block
+        self.good = {k: v.to(device) for k, v in self.good.items()}
+        self.bad = {k: v.to(device) for k, v in self.bad.items()}
+        self.counter = itertools.count()
+        self.good_checks: list[float] = []
+        self.bundle: Path | None = None
+
+    def factory(self) -> tuple[nn.Module, Any]:
+        """What replay rebuilds the model from."""
+        return Net(self.width, self.layers), loss_fn
+
+    def writes(self) -> dict[str, Callable[[], float]]:
+        return {
+            "torch.save(model.state_dict())": self.plain_weights,
+            "torch.save(model+optimizer+batch)": lambda: self.plain_all(fsync=False),
+            "torch.save(model+optimizer+batch) + fsync": lambda: self.plain_all(fsync=True),
+            "capture": lambda: self.capture(durable=False),
+            "capture + fsync": lambda: self.capture(durable=True),
+        }
+
+    def plain_weights(self) -> float:
+        start = time.perf_counter()
+        torch.save(self.model.state_dict(), self.root / f"w-{next(self.counter)}.pt")
+        return time.perf_counter() - start
+
+    def plain_all(self, fsync: bool) -> float:
+        path = self.root / f"all-{next(self.counter)}.pt"
+        start = time.perf_counter()
+        content = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "batch": self.bad,
+        }
+        with path.open("wb") as fh:
+            torch.save(content, fh)
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+        return time.perf_counter() - start
+
+    def capture(self, durable: bool) -> float:
+        """A fresh guarded copy of the model takes one good step, then the bad one: the bad
+        step's ``check()`` is timed (and, when ``durable``, the bundle's flush joined)."""
+        model = copy.deepcopy(self.model)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        optimizer.load_state_dict(self.optimizer.state_dict())
+        run_dir = self.root / f"run-{next(self.counter)}"
+        guard = tg.Guard(model, optimizer, run_dir=run_dir, hang_timeout=0)
+        elapsed = 0.0
+        for index, batch in enumerate(guard.watch([self.good, self.bad])):
+            loss = loss_fn(model, batch)
+            loss.backward()  # type: ignore[no-untyped-call]
+            synchronize(self.device)
+            start = time.perf_counter()
+            ok = guard.check(loss)
+            if index == 1 and durable:
+                _join_bundle_flush()
+            elapsed = time.perf_counter() - start
+            if index == 0:
+                self.good_checks.append(elapsed)
+            assert ok == (index == 0), "the bad step must be the second"
+            if ok:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        _join_bundle_flush()  # untimed: runs do not overlap
+        guard.close()
+        bundles = sorted((run_dir / "captures").glob("step-*"))
+        assert len(bundles) == 1, f"expected one bundle in {run_dir}"
+        self.bundle = bundles[0]
+        return elapsed
+
+
+def _join_bundle_flush() -> None:
+    """Wait for the background flush of the bundle just written (its thread's name is
+    ``trainguard-bundle-sync``)."""
+    for thread in threading.enumerate():
+        if thread.name.startswith("trainguard-bundle-sync"):
+            thread.join()
 
 
 def _time(fn: Callable[[], Any], runs: int) -> list[float]:
@@ -101,239 +206,67 @@ def _time(fn: Callable[[], Any], runs: int) -> list[float]:
     return out
 
 
-def interleaved(
-    fns: dict[str, Callable[[], Any]],
-    runs: int,
-    after_each: Callable[[], None],
-    sync_first: bool,
-) -> dict[str, list[float]]:
-    """Each round runs every write once, in a shuffled order, so the page cache's writeback
-    hits every kind of write alike; ``after_each`` (untimed) joins background work. With
-    ``sync_first`` the page cache is flushed (``os.sync``, untimed) before each write: every
-    write then starts from a clean cache (slower on every row, see docs/capture.md)."""
-    rng = random.Random(0)
-    out: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(runs):
-        names = list(fns)
-        rng.shuffle(names)
-        for name in names:
-            if sync_first:
-                os.sync()
-            start = time.perf_counter()
-            fns[name]()
-            out[name].append(time.perf_counter() - start)
-            after_each()
-    return out
-
-
-PAIRS = {
-    "capture / torch.save of the same objects": (
-        "capture (bundle), training thread blocked",
-        "torch.save(model + optimizer + batch)",
-    ),
-    "capture + fsync / torch.save + fsync": (
-        "capture (bundle) + background fsync joined",
-        "torch.save(model + optimizer + batch) + fsync",
-    ),
-}
-
-
-def paired_ratios(timings: dict[str, list[float]]) -> list[list[object]]:
-    """Per round ``a / b`` of two interleaved writes, then median and quartiles."""
-    rows: list[list[object]] = []
-    for label, (a, b) in PAIRS.items():
-        per_round = [x / y for x, y in zip(timings[a], timings[b], strict=True)]
-        q1, q3 = quartiles(per_round)
-        rows.append([label, median(per_round), q1, q3, "<= 1.5"])
-    return rows
-
-
-HEADERS = ["what", "runs", "median ms", "q1 ms", "q3 ms"]
-RATIO_HEADERS = ["ratio (same round)", "median", "q1", "q3", "target"]
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=SIZES["width"])
-    parser.add_argument("--layers", type=int, default=SIZES["layers"])
-    parser.add_argument("--batch", type=int, default=SIZES["batch"])
-    parser.add_argument("--runs", type=int, default=10)
-    parser.add_argument("--update-docs", type=Path, metavar="PAGE", help="e.g. docs/capture.md")
-    parser.add_argument("--sync-first", action="store_true", help="os.sync() before each write")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 runs")
-    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
-    args = parser.parse_args()
-    if args.quick:
-        args.width, args.layers, args.batch, args.runs = 32, 2, 8, 2
-    return args
-
-
-@dataclass
-class BadStep:
-    """A model, its optimizer (Adam moments present) and the evidence of one bad step."""
-
-    model: Net
-    optimizer: torch.optim.Optimizer
-    batch: dict[str, Tensor]
-    evidence: StepEvidence
-    width: int
-    layers: int
-
-    def factory(self) -> tuple[nn.Module, Any]:
-        """What replay rebuilds the model from."""
-        return Net(self.width, self.layers), loss_fn
-
-
-def bad_step(width: int, layers: int, batch_size: int) -> BadStep:
-    """One step whose batch holds an all-zero sample, after one good step."""
-    torch.manual_seed(0)
-    model = Net(width, layers)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    loss_fn(model, {"x": torch.randn(batch_size, width)}).backward()
-    optimizer.step()  # Adam moments exist, as in a real run
-    optimizer.zero_grad()
-    batch = {"x": torch.randn(batch_size, width), "index": torch.arange(batch_size)}
-    batch["x"][3] = 0.0
-    rng = rng_state()
-    loss = loss_fn(model, batch)
-    loss.backward()
-    stats = grad_stats(list(model.named_parameters()), torch.device("cpu"))
-    agreement = Agreement([0], [0], [], [1], [float("nan")], float("nan"))
-    evidence = step_evidence(0, Decision.SKIP, agreement, stats, [batch], rng, [loss.detach()])
-    return BadStep(model, optimizer, batch, evidence, width, layers)
-
-
-class Writes:
-    """The writes compared, each to a new file or run folder under ``root``."""
-
-    def __init__(self, step: BadStep, root: Path) -> None:
-        self.step = step
-        self.root = root
-        self.pending: list[Capturer] = []
-        self._counter = itertools.count()
-
-    def by_name(self) -> dict[str, Callable[[], Any]]:
-        return {
-            "torch.save(model.state_dict())": self.plain_weights,
-            "torch.save(model + optimizer + batch)": self.plain_all,
-            "capture (bundle), training thread blocked": self.capture_blocking,
-            "torch.save(model + optimizer + batch) + fsync": self.plain_all_fsync,
-            "capture (bundle) + background fsync joined": self.capture_durable,
-        }
-
-    def plain_weights(self) -> None:
-        torch.save(self.step.model.state_dict(), self.root / f"w-{next(self._counter)}.pt")
-
-    def plain_all(self) -> None:
-        torch.save(self._content(), self.root / f"all-{next(self._counter)}.pt")
-
-    def plain_all_fsync(self) -> None:
-        path = self.root / f"all-{next(self._counter)}.pt"
-        with path.open("wb") as fh:
-            torch.save(self._content(), fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-
-    def capture_blocking(self) -> None:
-        """The time capture() blocks the caller; its background flush is joined untimed."""
-        capturer = self._capturer()
-        capturer.capture(self.step.model, self.step.optimizer, self.step.evidence)
-        self.pending.append(capturer)
-
-    def join_pending(self) -> None:
-        while self.pending:
-            syncing = self.pending.pop().syncing
-            if syncing is not None:
-                syncing.join()
-
-    def capture_durable(self) -> Path | None:
-        capturer = self._capturer()
-        path = capturer.capture(self.step.model, self.step.optimizer, self.step.evidence)
-        if capturer.syncing is not None:
-            capturer.syncing.join()
-        return path
-
-    def _content(self) -> dict[str, Any]:
-        step = self.step
-        return {
-            "model": step.model.state_dict(),
-            "optim": step.optimizer.state_dict(),
-            "batch": step.batch,
-        }
-
-    def _capturer(self) -> Capturer:
-        run_dir = self.root / f"run-{next(self._counter)}"
-        return Capturer(run_dir, Consensus(), EventLog(run_dir, 0))
-
-
-def measure(writes: Writes, bundle: Path, args: argparse.Namespace) -> Timings:
-    """Every write interleaved, then loading and replaying ``bundle``."""
-    timings = interleaved(writes.by_name(), args.runs, writes.join_pending, args.sync_first)
-    timings |= {
-        "load_bundle (verify checksums)": _time(lambda: tg.load_bundle(bundle), args.runs),
-        "replay (3 repeats + trace + bisection)": _time(
-            lambda: tg.replay(bundle, writes.step.factory), max(2, args.runs // 2)
-        ),
-    }
-    return timings
-
-
-def timing_rows(timings: Timings) -> list[list[object]]:
-    rows: list[list[object]] = []
-    for name, values in timings.items():
-        q1, q3 = quartiles(values)
-        rows.append([name, len(values), median(values) * 1e3, q1 * 1e3, q3 * 1e3])
-    return rows
-
-
-def headline(args: argparse.Namespace, n_params: int, size: int, report: dict[str, Any]) -> str:
-    return (
-        f"capture cost: MLP {args.layers} x {args.width} ({n_params / 1e6:.2f}M params, Adam), "
-        f"batch {args.batch}; bundle {size / 1e6:.1f} MB; replay: {report['phase']} / "
-        f"{report['op']} / {report['module']} / culprits {report['culprit_samples']}"
-    )
-
-
-def results_json(
-    n_params: int, size: int, timings: Timings, ratios: list[list[object]], report: dict[str, Any]
-) -> dict[str, Any]:
-    return {
-        "time": now_iso(),
-        "machine": machine_info(),
-        "params": n_params,
-        "bundle_bytes": size,
-        "timings_s": timings,
-        "ratios": {r[0]: r[1] for r in ratios},
-        "report": {k: report[k] for k in ("phase", "op", "module", "culprit_samples")},
-    }
-
-
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__, rounds=10, quick_rounds=2, warmup=1)
+    p.add_argument("--width", type=int)
+    p.add_argument("--layers", type=int)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--runs", type=int, help="load_bundle and replay runs (default: rounds)")
+    args = p.parse_args(argv)
+    finish_args(p, args, NAME)
+    quick = {"width": 32, "layers": 2, "batch": 8}
+    sizes = {k: getattr(args, k) or (quick if args.quick else SIZES)[k] for k in SIZES}
+    runs = args.runs or args.rounds
     torch.set_num_threads(1)
-    step = bad_step(args.width, args.layers, args.batch)
-    root = Path(tempfile.mkdtemp(prefix="tg-capture-bench-"))
-    writes = Writes(step, root)
-    bundle = writes.capture_durable()
-    assert bundle is not None
-    timings = measure(writes, bundle, args)
-    report = tg.replay(bundle, step.factory).to_dict()
-    size = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
-    n_params = sum(p.numel() for p in step.model.parameters())
-    table = markdown_table(HEADERS, timing_rows(timings))
-    ratios = paired_ratios(timings)
-    ratio_table = markdown_table(RATIO_HEADERS, ratios)
-    print(headline(args, n_params, size, report))
-    print(table)
+    report = header(
+        NAME, argv, {**sizes, "rounds": args.rounds, "runs": runs, "device": args.device}
+    )
+    root = Path(tempfile.mkdtemp(prefix="tg-capture-cost-"))
+    try:
+        bench = Bench(sizes["width"], sizes["layers"], sizes["batch"], args.device, root)
+        writes = bench.writes()
+        seconds = interleave(list(writes), lambda name: writes[name](), args.rounds, args.warmup)
+        bundle = bench.bundle
+        assert bundle is not None
+        seconds["good check()"] = bench.good_checks[-args.rounds :]
+        seconds["tg.load_bundle (verify checksums)"] = _time(lambda: tg.load_bundle(bundle), runs)
+        replay_runs = max(1, runs // 2)
+        replays = _time(lambda: tg.replay(bundle, bench.factory, device=args.device), replay_runs)
+        seconds["tg.replay (3 repeats + trace + bisection)"] = replays
+        found = tg.replay(bundle, bench.factory, device=args.device).to_dict()
+        size = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
+        params = sum(t.numel() for t in bench.model.parameters())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    timings = {name: [round(s * 1e3, 4) for s in values] for name, values in seconds.items()}
+    rows = []
+    for name, ms in timings.items():
+        q1, q3 = quartiles(ms)
+        rows.append([name, len(ms), median(ms), q1, q3])
+    ratios = {label: paired(timings[a], timings[b]) for label, (a, b) in PAIRS.items()}
+    print(
+        f"MLP {sizes['layers']} x {sizes['width']} ({params / 1e6:.2f}M parameters, Adam), batch "
+        f"{sizes['batch']}, {args.device}; bundle {size / 1e6:.2f} MB; replay found "
+        f"{found['phase']} / {found['op']} / {found['module']} / samples {found['culprit_samples']}"
+    )
+    print(markdown_table(["what", "runs", "median ms", "q1 ms", "q3 ms"], rows))
+    ratio_rows = [
+        [label, r["ratio"], interval(r["ratio_ci95"]), r["ratio_p25"], r["ratio_p75"]]
+        for label, r in ratios.items()
+    ]
     print()
-    print(ratio_table)
-    if args.update_docs is not None:
-        replace_block(args.update_docs, "capture-cost", f"{table}\n\n{ratio_table}")
-        print(f"updated {args.update_docs}", file=sys.stderr)
-    if args.out is not None:
-        write_json(args.out, results_json(n_params, size, timings, ratios, report))
-    shutil.rmtree(root, ignore_errors=True)
+    print(markdown_table(["ratio (same round)", "median", "95% CI", "p25", "p75"], ratio_rows))
+    report.update(
+        parameters=params,
+        bundle_bytes=size,
+        timings_ms=timings,
+        median_ms={name: median(ms) for name, ms in timings.items()},
+        ratios=ratios,
+        replay={k: found[k] for k in ("phase", "op", "module", "culprit_samples")},
+    )
+    finish(report, args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,24 +1,27 @@
-"""Hang and dead-rank latency: from the fault to every rank having exited.
+"""How long from a hung or dead rank to every rank having exited, with a report?
 
-Four ranks run a small guarded training loop, each as its own process (as on separate
-hosts: ``init_process_group("gloo")`` through ``env://``, rank 0's process serves the
-TCPStore). Two faults, for each ``hang_timeout``:
+``--world`` ranks (default 4) each run a small guarded training loop as a process of its
+own (as on separate hosts: ``init_process_group("gloo")`` through ``env://``, rank 0's
+process serves the TCPStore). Two faults, for each ``hang_timeout``:
 
-* ``stall``: rank 2 blocks forever inside its data loader (it notes the time first);
+* ``stall``: the last rank blocks forever inside its data loader (it notes the time first);
 * ``kill``: the benchmark SIGKILLs rank 1 once it has reached the fault step.
 
 Per run: ``detect`` = the first ``hang`` / ``peer_failure`` event of any rank minus the
-fault time; ``all_exited`` = the last rank's exit (polled every 20 ms) minus the fault time;
-``after_detect`` = their difference (dumping stacks, the report, the exit); ``over_timeout``
-= ``all_exited - hang_timeout``. All times are unix times of one host, so they compare.
+fault time; ``all exited`` = the last surviving rank's exit (polled every 20 ms) minus the
+fault time; ``exit after detect`` their difference (stack dumps, the report, the exit);
+``over timeout`` = ``all exited - hang_timeout``. A run is ``ok`` when every survivor exited
+with the documented code (``tg.EXIT_HANG`` 91, ``tg.EXIT_PEER_FAILURE`` 92) and one hang
+report was written. The naive approach, the collective's own timeout, waits 30 minutes
+(gloo) or 10 (NCCL) and names no rank. All on one host and its clock; the device does not
+matter here (the watchdog runs on the host, over the job's c10d store).
 
-    python benchmarks/hang_latency.py                       # timeouts 2, 5, 10 s; 3 runs each
-    python benchmarks/hang_latency.py --timeouts 3 --runs 1
-    python benchmarks/hang_latency.py --quick               # one 2 s run of each fault
-    python benchmarks/hang_latency.py --update-docs docs/hangs.md
+    python benchmarks/hang_latency.py                     # timeouts 2, 5, 10 s; 3 runs each
+    python benchmarks/hang_latency.py --timeouts 3 --rounds 1
+    python benchmarks/hang_latency.py --quick             # 2 ranks, one 2 s run of each fault
 
-Prints a markdown table, writes JSON (``--out``, default ``runs/benchmarks/hang_latency.json``)
-and, with ``--update-docs``, replaces the ``hang-latency`` block of the page.
+``--parallel N`` runs N jobs at once (``--quick``: both faults at once): the machine is then
+shared, so only for a smoke run.
 """
 
 from __future__ import annotations
@@ -27,13 +30,13 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -42,19 +45,25 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import machine_info, markdown_table, median, now_iso, replace_block, write_json
+from _common import (
+    finish,
+    finish_args,
+    free_port,
+    header,
+    markdown_table,
+    median,
+    parser,
+    quick_dns,
+)
 
 import trainguard as tg
 
-WORLD = 4
+NAME = "hang_latency"
 FAULT_STEP = 5
-STALL_RANK = 2
 KILL_RANK = 1
-DOCS_BLOCK = "hang-latency"
 
 
-# -- the worker (one rank) --------------------------------------------------------------------
+# -- one rank -----------------------------------------------------------------------------------
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -63,10 +72,10 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _batches(rank: int, run_dir: Path, stall: bool) -> Iterator[torch.Tensor]:
+def _batches(rank: int, stall_rank: int, run_dir: Path) -> Iterator[torch.Tensor]:
     gen = torch.Generator().manual_seed(rank)
     for index in range(100_000):
-        if stall and rank == STALL_RANK and index == FAULT_STEP:
+        if rank == stall_rank and index == FAULT_STEP:
             _write_atomic(run_dir / "fault", repr(time.time()))
             threading.Event().wait()
         yield torch.randn(8, 32, generator=gen)
@@ -75,13 +84,14 @@ def _batches(rank: int, run_dir: Path, stall: bool) -> Iterator[torch.Tensor]:
 def worker(run_dir: Path, timeout: float, stall: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     progress = run_dir / f"progress-rank{rank}"
+    stall_rank = world - 1 if stall else -1
     with tg.Guard(model, optimizer, run_dir=run_dir, hang_timeout=timeout) as guard:
-        for batch in guard.watch(_batches(rank, run_dir, stall)):
+        for batch in guard.watch(_batches(rank, stall_rank, run_dir)):
             loss = model(batch).pow(2).mean()
             loss.backward()
             guard.step(loss)
@@ -89,21 +99,15 @@ def worker(run_dir: Path, timeout: float, stall: bool) -> None:
             time.sleep(0.01)
 
 
-# -- the driver -------------------------------------------------------------------------------
+# -- the driver ---------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _launch(run_dir: Path, timeout: float, fault: str) -> list[subprocess.Popen[bytes]]:
-    port = str(_free_port())
+def _launch(run_dir: Path, world: int, timeout: float, fault: str) -> list[subprocess.Popen[bytes]]:
+    port = str(free_port())
     procs = []
-    for rank in range(WORLD):
+    for rank in range(world):
         env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        env.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
         cmd = [sys.executable, __file__, "--worker", str(run_dir), "--timeouts", str(timeout)]
         if fault == "stall":
             cmd.append("--stall")
@@ -137,12 +141,13 @@ def _exit_times(procs: list[subprocess.Popen[bytes]], deadline: float) -> dict[i
     return gone
 
 
-def measure(timeout: float, fault: str) -> dict[str, Any]:
+def measure(world: int, timeout: float, fault: str) -> dict[str, Any]:
     """One run: launch, fault, wait for every rank to exit; times relative to the fault."""
-    with tempfile.TemporaryDirectory(prefix="hang-latency-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tg-hang-latency-") as tmp:
         run_dir = Path(tmp)
-        procs = _launch(run_dir, timeout, fault)
+        procs = _launch(run_dir, world, timeout, fault)
         deadline = time.monotonic() + 120 + timeout
+        fault_at = None
         try:
             if fault == "kill":
                 _wait_for(run_dir / f"progress-rank{KILL_RANK}", FAULT_STEP, deadline)
@@ -157,9 +162,9 @@ def measure(timeout: float, fault: str) -> dict[str, Any]:
         expected = tg.EXIT_HANG if fault == "stall" else tg.EXIT_PEER_FAILURE
         codes = [p.returncode for p in procs]
         events = [e for e in tg.read_events(run_dir) if e["kind"] in ("hang", "peer_failure")]
-        survivors = [r for r in range(WORLD) if not (fault == "kill" and r == KILL_RANK)]
+        survivors = [r for r in range(world) if not (fault == "kill" and r == KILL_RANK)]
         detect = min(e["time"] for e in events) - fault_at if events else None
-        last = max(gone[r] for r in survivors) - fault_at if len(gone) == WORLD else None
+        last = max(gone[r] for r in survivors) - fault_at if len(gone) == world else None
         reports = [json.loads(p.read_text()) for p in run_dir.glob("hangs/*/report.json")]
         return {
             "timeout_s": timeout,
@@ -180,8 +185,8 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         group = [r for r in runs if (r["timeout_s"], r["fault"]) == key]
         good = [r for r in group if r["ok"] and r["all_exited_s"] is not None]
 
-        def med(name: str, runs_: list[dict[str, Any]] = good) -> float | None:
-            values = [r[name] for r in runs_ if r[name] is not None]
+        def med(name: str, good: list[dict[str, Any]] = good) -> float | None:
+            values = [r[name] for r in good if r[name] is not None]
             return median(values) if values else None
 
         rows.append(
@@ -201,76 +206,57 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    headers = [
-        "hang_timeout (s)",
-        "fault",
-        "runs ok",
-        "detect (s)",
-        "all exited (s)",
-        "worst all exited (s)",
-        "exit after detect (s)",
-        "over timeout (s)",
-    ]
+    headers = ["hang_timeout (s)", "fault", "runs ok", "detect (s)", "all exited (s)"]
+    headers += ["worst all exited (s)", "exit after detect (s)", "over timeout (s)"]
     body = [
-        [
-            r["timeout_s"],
-            r["fault"],
-            f"{r['ok']}/{r['runs']}",
-            r["detect_s"],
-            r["all_exited_s"],
-            r["max_all_exited_s"],
-            r["after_detect_s"],
-            r["over_timeout_s"],
-        ]
+        [r["timeout_s"], r["fault"], f"{r['ok']}/{r['runs']}", r["detect_s"], r["all_exited_s"],
+         r["max_all_exited_s"], r["after_detect_s"], r["over_timeout_s"]]
         for r in rows
-    ]
+    ]  # fmt: skip
     return markdown_table(headers, body)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timeouts", default="2,5,10", help="hang_timeout values, seconds")
-    parser.add_argument("--faults", default="stall,kill")
-    parser.add_argument("--runs", type=int, default=3, help="runs per timeout and fault")
-    parser.add_argument("--quick", action="store_true", help="one 2 s run of each fault")
-    parser.add_argument("--out", type=Path, default=Path("runs/benchmarks/hang_latency.json"))
-    parser.add_argument("--update-docs", type=Path, metavar="PAGE", help="e.g. docs/hangs.md")
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--stall", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__, rounds=3, quick_rounds=1, warmup=0, device=False)
+    p.add_argument("--timeouts", default="2,5,10", help="hang_timeout values, seconds")
+    p.add_argument("--faults", default="stall,kill")
+    p.add_argument("--world", type=int, help="ranks (default 4; 2 with --quick)")
+    p.add_argument("--parallel", type=int, help="jobs at once (default 1; all with --quick)")
+    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--stall", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
     if args.worker is not None:
         worker(args.worker, float(args.timeouts), args.stall)
-        return
+        return 0
+    finish_args(p, args, NAME)
+    quick_dns()
+    world = args.world or (2 if args.quick else 4)
+    if world < 2:
+        p.error("--world must be at least 2")
     timeouts = [2.0] if args.quick else [float(t) for t in args.timeouts.split(",")]
-    runs_each = 1 if args.quick else args.runs
     faults = args.faults.split(",")
-    runs = []
-    for timeout in timeouts:
-        for fault in faults:
-            for i in range(runs_each):
-                result = measure(timeout, fault)
-                runs.append(result)
-                print(
-                    f"timeout {timeout:g}s {fault} run {i + 1}: exits {result['exit_codes']}, "
-                    f"all exited after {result['all_exited_s']}",
-                    file=sys.stderr,
-                )
-    rows = summarize(runs)
-    text = table(rows)
-    print(text)
-    write_json(
-        args.out,
-        {"time": now_iso(), "machine": machine_info(), "world": WORLD, "rows": rows, "runs": runs},
-    )
-    print(f"wrote {args.out}", file=sys.stderr)
-    if args.update_docs is not None:
-        note = (
-            f"{WORLD} ranks as separate processes on one machine ({machine_info()['cpu']}, "
-            f"{machine_info()['cpus_available']} CPUs), gloo, medians of the runs; {now_iso()}."
+    jobs = [(t, f) for t in timeouts for f in faults for _ in range(args.rounds)]
+    parallel = max(1, args.parallel or (len(jobs) if args.quick else 1))
+    settings = {"world": world, "timeouts": timeouts, "faults": faults, "runs": args.rounds}
+    report = header(NAME, argv, {**settings, "parallel": parallel})
+
+    def run(job: tuple[float, str]) -> dict[str, Any]:
+        result = measure(world, *job)
+        print(
+            f"timeout {job[0]:g} s, {job[1]}: exits {result['exit_codes']}, "
+            f"all exited after {result['all_exited_s']}",
+            file=sys.stderr,
         )
-        replace_block(args.update_docs, DOCS_BLOCK, f"{text}\n\n{note}")
-        print(f"updated {args.update_docs}", file=sys.stderr)
+        return result
+
+    with ThreadPoolExecutor(parallel) as pool:
+        runs = list(pool.map(run, jobs))
+    report["rows"] = summarize(runs)
+    report["runs"] = runs
+    print(table(report["rows"]))
+    finish(report, args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

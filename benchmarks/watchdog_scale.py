@@ -1,4 +1,4 @@
-"""The hang watchdog's store traffic at scale: N virtual ranks against one real TCPStore.
+"""Does the hang watchdog scale: N ranks' heartbeats against one real c10d TCPStore?
 
 One process serves a ``torch.distributed.TCPStore`` (its CPU time is read from
 ``/proc/<pid>/stat``). ``--procs`` client processes each host N/procs virtual ranks, one
@@ -29,16 +29,21 @@ than half a tick late (client overload: the clients share the machine's cores wi
 server). ``ops/s`` and ``MB/s`` are the
 requests the store served and the bytes of values it returned (counted on the client side).
 
+The one benchmark that imports trainguard's internals (the ``Watchdog`` and its store
+channel, driven without a training loop): see the import block below.
+
     python benchmarks/watchdog_scale.py                  # both designs, N = 64 256 1024 4096
     python benchmarks/watchdog_scale.py --sizes 64 --design watchers
+    python benchmarks/watchdog_scale.py --quick          # N = 8, watchers, 2 s timeout
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import multiprocessing as mp
 import os
+import queue
+import resource
 import sys
 import tempfile
 import threading
@@ -51,29 +56,182 @@ from typing import Any
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_info, markdown_table, now_iso, write_json
-from _scale_store import (
-    HOST,
-    CountingStore,
-    collect,
-    cpu_seconds,
-    free_port,
-    pct,
-    probe_full,
-    raise_fd_limit,
-    serve,
-)
+from _common import finish, finish_args, free_port, header, markdown_table, parser, quick_dns
 
+# trainguard's internals: the watchdog and its store channel, driven tick by tick without a
+# training loop (no public API runs 4,096 ranks' watchdogs in one machine's processes).
 from trainguard.events import EventLog
 from trainguard.hang import exit_path
 from trainguard.hang.channel import StoreChannel
+from trainguard.hang.progress import Progress
 from trainguard.hang.timeout import TimeoutLearner, dead_after, tick_interval
 from trainguard.hang.watchdog import Watchdog
 from trainguard.hang.watchers import DEFAULT_WATCHERS, select_watchers
-from trainguard.progress import Progress
 
-FAULT_AT_S = 3.0
-"""Seconds after the common start at which the fault happens."""
+NAME = "watchdog_scale"
+
+# -- the store: one server process, client connections that count what they ask ---------------
+
+HOST = "127.0.0.1"
+
+
+def raise_fd_limit(wanted: int) -> int:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < wanted:
+        soft = min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return soft
+
+
+def serve(port: int, ready: Any, stop: Any) -> None:
+    raise_fd_limit(16384)
+    store = TCPStore(HOST, port, is_master=True, wait_for_workers=False)
+    ready.set()
+    stop.wait()
+    del store
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CountingStore:
+    """A TCPStore connection that counts requests and returned bytes and times the
+    heartbeat write (``set``) and the heartbeat read (``multi_get``)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.ops = 0
+        self.bytes = 0
+        self.keys = 0
+        self.set_s: list[float] = []
+        self.read_s: list[float] = []
+
+    def set(self, key: str, value: str) -> None:
+        a = time.perf_counter()
+        self.store.set(key, value)
+        self.set_s.append(time.perf_counter() - a)
+        self.ops += 1
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        a = time.perf_counter()
+        values: list[bytes] = self.store.multi_get(keys)
+        self.read_s.append(time.perf_counter() - a)
+        self.ops += 1
+        self.keys += len(keys)
+        self.bytes += sum(len(v) for v in values)
+        return values
+
+    def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes:
+        self.ops += 1
+        value: bytes = self.store.compare_set(key, expected_value, desired_value)
+        return value
+
+    def add(self, key: str, value: int) -> int:
+        self.ops += 1
+        return int(self.store.add(key, value))
+
+    def check(self, keys: list[str]) -> bool:
+        self.ops += 1
+        return bool(self.store.check(keys))
+
+    def get(self, key: str) -> bytes:
+        self.ops += 1
+        value: bytes = self.store.get(key)
+        return value
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    return round(sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1e3, 2)
+
+
+def _probe_client(cfg: dict[str, Any], threads: int, out: Any) -> None:
+    """Threads that each repeat one full read (every heartbeat and the verdict) until the
+    deadline: what a full-design rank asks of the store every tick."""
+    keys = [f"tg/probe/hb/{r}" for r in range(cfg["n"])] + ["tg/probe/verdict"]
+    stores = [CountingStore(TCPStore(HOST, cfg["port"], is_master=False)) for _ in range(threads)]
+
+    def loop(store: CountingStore) -> None:
+        while time.time() < cfg["end"]:
+            store.multi_get(keys)
+
+    workers = [threading.Thread(target=loop, args=(s,)) for s in stores]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    reads = [x for s in stores for x in s.read_s]
+    out.put({"reads": reads, "bytes": sum(s.bytes for s in stores)})
+
+
+def probe_full(n: int, timeout: float, procs: int, seconds: float = 10.0) -> dict[str, Any]:
+    """The full design's store load at ``n`` ranks, measured instead of simulated: 2 * procs
+    connections repeat a full read (n + 1 keys) as fast as the store answers. The design
+    needs n such reads per tick; the simulation would need n Python watchdogs each decoding
+    n heartbeats a tick (and n * n heartbeats in memory), which this machine cannot host."""
+    ctx = mp.get_context("fork")
+    port, ready, stop, out = free_port(), ctx.Event(), ctx.Event(), ctx.Queue()
+    server = ctx.Process(target=serve, args=(port, ready, stop), daemon=True)
+    server.start()
+    ready.wait(30)
+    writer = TCPStore(HOST, port, is_master=False)
+    beat = '{"seq":1,"step":1,"phase":"forward","beats":1,"user_phase":false,"timeout":10.0,'
+    beat += '"state":"running","host":"node-0000.cluster","pid":123456}'
+    for r in range(n):
+        writer.set(f"tg/probe/hb/{r}", beat)
+    writer.set("tg/probe/verdict", "")
+    cfg = {"port": port, "n": n, "end": time.time() + 1.0 + seconds}
+    clients = [
+        ctx.Process(target=_probe_client, args=(cfg, 2, out), daemon=True) for _ in range(procs)
+    ]
+    try:
+        cpu0, t0 = cpu_seconds(server.pid or 0), time.time()
+        for c in clients:
+            c.start()
+        results = collect(out, procs, cfg["end"] + 30.0)
+        wall, cpu = time.time() - t0, cpu_seconds(server.pid or 0) - cpu0
+    finally:
+        for p in [*clients, server]:
+            p.terminate()
+            p.join(10)
+    reads = [x for r in results for x in r["reads"]]
+    needed = n / tick_interval(timeout)
+    return {
+        "design": "full",
+        "n": n,
+        "mode": "probe",
+        "ops_per_s": round(len(reads) / wall),
+        "keys_per_s": round(len(reads) * (n + 1) / wall),
+        "mb_per_s": round(sum(r["bytes"] for r in results) / wall / 1e6, 2),
+        "server_cpu_pct": round(100.0 * cpu / wall, 1),
+        "detector_read_p50_ms": pct(reads, 0.5),
+        "detector_read_p99_ms": pct(reads, 0.99),
+        "needed_reads_per_s": needed,
+        "ok": len(reads) / wall >= needed,
+        "acted": f"{len(reads) / wall / needed:.2f}x of the reads needed",
+        "finished_clients": f"{len(results)}/{procs}",
+        "timeout": timeout,
+        "tick": tick_interval(timeout),
+        "wall_s": round(wall, 1),
+    }
+
+
+def collect(out: Any, count: int, deadline: float) -> list[dict[str, Any]]:
+    """The clients' results that arrive before ``deadline`` (a client that cannot keep up
+    is cut off: the row then says how many finished)."""
+    results: list[dict[str, Any]] = []
+    while len(results) < count:
+        try:
+            results.append(out.get(timeout=max(0.1, deadline - time.time())))
+        except queue.Empty:
+            break
+    return results
+
+
+# -- the virtual ranks -----------------------------------------------------------------------
 
 
 class VirtualRank:
@@ -118,8 +276,8 @@ class VirtualRank:
     def run(self, t0: float) -> None:
         cfg, tick = self.cfg, self.cfg["tick"]
         faulty = self.rank == cfg["n"] - 1
-        fault_at, end = t0 + FAULT_AT_S, t0 + cfg["run_s"]
-        fault_step = int(FAULT_AT_S / tick)
+        fault_at, end = t0 + cfg["fault_at"], t0 + cfg["run_s"]
+        fault_step = int(cfg["fault_at"] / tick)
         offset = tick * self.rank / cfg["n"]  # ranks do not tick in lockstep
         k = 0
         while self.acted is None:
@@ -201,7 +359,9 @@ def _placement(n: int, watchers: list[int], procs: int) -> list[list[int]]:
     return [[w] for w in watchers] + [others[p::procs] for p in range(procs)]
 
 
-def measure(n: int, design: str, mode: str, timeout: float, procs: int) -> dict[str, Any]:
+def measure(
+    n: int, design: str, mode: str, timeout: float, procs: int, fault_at: float
+) -> dict[str, Any]:
     """One run: N virtual ranks, one fault (``stall`` or ``kill``) on the last rank."""
     ctx = mp.get_context("fork")  # no torch import per client: 2 s each on 2 cores
     port, ready, stop, out = free_port(), ctx.Event(), ctx.Event(), ctx.Queue()
@@ -217,7 +377,7 @@ def measure(n: int, design: str, mode: str, timeout: float, procs: int) -> dict[
         "timeout": timeout,
         "tick": tick,
     }
-    cfg.update(mode=mode, run_s=FAULT_AT_S + timeout + 20.0, watchers=watchers)
+    cfg.update(mode=mode, fault_at=fault_at, run_s=fault_at + timeout + 20.0, watchers=watchers)
     clients = [
         ctx.Process(target=_client, args=(ranks, cfg, out), daemon=True)
         for ranks in _placement(n, watchers, procs)
@@ -230,7 +390,7 @@ def measure(n: int, design: str, mode: str, timeout: float, procs: int) -> dict[
         while control.add("connected", 0) < n:
             time.sleep(0.2)
         setup = time.time() - setup
-        t0 = time.time() + 1.0
+        t0 = time.time() + min(1.0, cfg["fault_at"])  # the clients read it first
         cpu0 = cpu_seconds(server.pid or 0)
         control.set("t0", repr(t0))
         results = collect(out, len(clients), t0 + cfg["run_s"] + 30.0)
@@ -258,7 +418,7 @@ def _summary(
     acted: dict[int, tuple[float, int, list[int], str]] = {}
     for r in results:
         acted.update(r["acted"])
-    fault = max([r["fault_time"] for r in results] + [0.0]) or t0 + FAULT_AT_S
+    fault = max([r["fault_time"] for r in results] + [0.0]) or t0 + cfg["fault_at"]
     deciders = [a[0] for rank, a in acted.items() if a[1] == rank]
     survivors = n - 1 if mode == "kill" else n
     kind = "peer_failure" if mode == "kill" else "hang"
@@ -305,54 +465,61 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(COLUMNS, [[row.get(c) for c in COLUMNS] for row in rows])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
-    parser.add_argument("--design", choices=["full", "watchers", "both"], default="both")
-    parser.add_argument("--modes", nargs="+", default=["stall", "kill"])
-    parser.add_argument("--timeout", type=float, default=10.0)
-    parser.add_argument("--procs", type=int, default=4)
-    parser.add_argument(
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__, rounds=1, quick_rounds=1, warmup=0, device=False)
+    p.add_argument("--sizes", type=int, nargs="+", help="N (default 64 256 1024 4096; 8 --quick)")
+    p.add_argument("--design", choices=["full", "watchers", "both"], help="default both")
+    p.add_argument("--modes", nargs="+", default=["stall", "kill"])
+    p.add_argument("--timeout", type=float, help="hang_timeout, s (default 10; 2 with --quick)")
+    p.add_argument("--procs", type=int, help="client processes (default 4; 2 with --quick)")
+    p.add_argument("--fault-at", type=float, help="s from the start (default 3; 0.5 --quick)")
+    p.add_argument(
         "--full-max",
         type=int,
         default=256,
         help="above this N the full design is measured by a store probe (see probe_full)",
     )
-    parser.add_argument("--out", default="runs/benchmarks/watchdog_scale.json")
-    args = parser.parse_args()
+    args = p.parse_args(argv)
+    finish_args(p, args, NAME)
+    quick = args.quick
+    sizes = args.sizes or ([8] if quick else [64, 256, 1024, 4096])
+    design = args.design or ("watchers" if quick else "both")
+    timeout = args.timeout or (2.0 if quick else 10.0)
+    procs = args.procs or (2 if quick else 4)
+    fault_at = args.fault_at or (0.5 if quick else 3.0)
     soft = raise_fd_limit(16384)
-    # c10d formats every socket's peer address with a reverse lookup; where no DNS answers
-    # (sandboxes), glibc's default 5 s x 2 attempts makes connecting N clients take minutes.
-    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
-    designs = ["full", "watchers"] if args.design == "both" else [args.design]
-    command = "python " + " ".join(sys.argv)
-    print(
-        f"{command}\nfd limit {soft}; timeout {args.timeout}s, tick {tick_interval(args.timeout)}s"
-    )
-    machine = machine_info()
+    quick_dns()  # else connecting N clients can take minutes where no DNS answers
+    designs = ["full", "watchers"] if design == "both" else [design]
+    settings = {
+        "sizes": sizes,
+        "designs": designs,
+        "modes": args.modes,
+        "timeout": timeout,
+        "tick": tick_interval(timeout),
+        "procs": procs,
+        "fault_at": fault_at,
+        "fd_limit": soft,
+    }
+    report = header(NAME, argv, settings)
+    print(f"fd limit {soft}; timeout {timeout} s, tick {tick_interval(timeout)} s", file=sys.stderr)
     started = time.time()
-    rows = []
-    for n in args.sizes:
-        for design in designs:
+    rows: list[dict[str, Any]] = []
+    for n in sizes:
+        for d in designs:
             for mode in args.modes:
-                if design == "full" and n > args.full_max:
+                if d == "full" and n > args.full_max:
                     if mode != args.modes[0]:
                         continue
-                    rows.append(probe_full(n, args.timeout, args.procs))
+                    rows.append(probe_full(n, timeout, procs))
                 else:
-                    rows.append(measure(n, design, mode, args.timeout, args.procs))
-                print(_table(rows[-1:]).splitlines()[-1], flush=True)
-                write_json(
-                    Path(args.out), {"time": now_iso(), "command": command, **{"rows": rows}}
-                )
-    print()
+                    rows.append(measure(n, d, mode, timeout, procs, fault_at))
+                print(_table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     print(_table(rows))
-    machine["load_average_after"] = machine_info()["load_average"]
-    write_json(
-        Path(args.out), {"time": now_iso(), "command": command, "machine": machine, "rows": rows}
-    )
-    print(f"wrote {args.out}; {time.time() - started:.0f} s in all")
+    report["rows"] = rows
+    report["wall_s"] = round(time.time() - started, 1)
+    finish(report, args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

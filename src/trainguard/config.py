@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainguard.errors import ConfigError
-from trainguard.run_identity import check_run_option
+from trainguard.runs.identity import check_run_option
 
 NonFiniteAction = Literal["skip", "warn", "raise"]
 EscalationAction = Literal["raise", "rollback"]
@@ -231,7 +231,7 @@ class HangConfig:
 @dataclass
 class HistoryConfig:
     """The step records: the ring written into bundles and the metrics log; read by
-    ``step/history.py`` and ``step/metrics.py``."""
+    ``step/history.py`` and ``step/metrics_log.py``."""
 
     steps: int = 256
     """Recent step records (losses, gradient norm, decision, lr) kept in memory and written

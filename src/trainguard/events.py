@@ -1,7 +1,7 @@
 """Per-rank JSONL event log: ``run_dir/events/rank-{r}.jsonl``, and reading it back.
 
 Each line is one JSON object with at least ``time`` (unix seconds), ``rank``, ``step`` and
-``kind``, and ``run``: the id of the run it belongs to (``trainguard.run_identity``; absent
+``kind``, and ``run``: the id of the run it belongs to (``trainguard.runs.identity``; absent
 in logs written before runs had ids, and from an EventLog made without one). Lines are
 flushed as they are written so a killed run keeps its events.
 """
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from trainguard.run_identity import RunIdentity
+from trainguard.runs.identity import RunIdentity
 
 
 def to_jsonable(value: Any) -> Any:

@@ -39,7 +39,7 @@ def _torchrun(
         str(run_dir),
         *extra,
     ]
-    # A fresh rendezvous store per restart (pytorch/pytorch#135712; trainguard.elastic).
+    # A fresh rendezvous store per restart (pytorch/pytorch#135712; trainguard.distributed.elastic).
     full = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     full.pop("TRAINGUARD_FORCE_RESTART", None)
     try:

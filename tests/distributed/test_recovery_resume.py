@@ -30,7 +30,7 @@ def _torchrun(run_dir: Path, out: Path, *extra: str) -> subprocess.CompletedProc
         *extra,
     ]
     # A fresh rendezvous store per restart: with the agent's shared store a restarted gloo group
-    # reads the killed attempt's addresses (pytorch/pytorch#135712; trainguard.elastic).
+    # reads the killed attempt's addresses (pytorch/pytorch#135712; trainguard.distributed.elastic).
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     try:
         return subprocess.run(command, capture_output=True, text=True, timeout=150, env=env)

@@ -26,10 +26,10 @@ from trainguard.health.replicas import ReplicaWatch, majority
 from trainguard.health.stragglers import StragglerWatch
 from trainguard.recovery.ladder import rung_for
 from trainguard.step import policy
-from trainguard.step.consensus import Agreement
 from trainguard.step.spikes import DeviceSpikeDetector, SpikeDetector
 from trainguard.step.spikewatch import SpikeWatch
 from trainguard.step.transient import origin_ranks
+from trainguard.step.types import Agreement
 
 RULES: list[Callable[..., Any]] = [
     policy.decide,

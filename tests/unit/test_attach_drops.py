@@ -16,17 +16,17 @@ from torch import nn
 from trainguard.attach.drops import DropWatch
 from trainguard.config import GuardConfig
 from trainguard.report.decisions import decision_counts
-from trainguard.step.consensus import (
+from trainguard.step.consensus import Consensus, _host_columns
+from trainguard.step.guard import Guard
+from trainguard.step.policy import decide
+from trainguard.step.types import (
     DROPPED_BY_LOOP,
     DROPPED_WITH_SCALER,
     Agreement,
-    Consensus,
+    Decision,
     LocalReport,
     Reduced,
-    _host_columns,
 )
-from trainguard.step.guard import Guard
-from trainguard.step.policy import Decision, decide
 
 
 class Wrapper(nn.Module):

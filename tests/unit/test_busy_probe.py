@@ -16,8 +16,8 @@ from torch.nn.modules import module as module_hooks
 
 from trainguard.hang import timeout as timing
 from trainguard.hang.busy import BusyProbe
+from trainguard.hang.progress import Progress
 from trainguard.hang.timeout import StallMeter, TimeoutLearner
-from trainguard.progress import Progress
 
 
 def _global_hooks() -> int:

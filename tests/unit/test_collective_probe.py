@@ -84,7 +84,7 @@ def test_the_guards_own_all_reduce_is_named() -> None:
         Frame("/job/train.py", 24, "main"),
         tg_frame("step/guard.py", "step"),
         tg_frame("step/consensus.py", "agree"),
-        tg_frame("step/held_work.py", "wait"),
+        tg_frame("step/collective_work.py", "wait"),
     ]
     call = classify(frames, never)
     assert (call.op, call.label, call.site) == ("all_reduce", GUARD_ALL_REDUCE, frames[0])

@@ -7,14 +7,8 @@ import math
 import pytest
 import torch
 
-from trainguard.step.consensus import (
-    DEVICE_COLUMNS,
-    Consensus,
-    LocalReport,
-    Reduced,
-    _host_columns,
-    replicated_norm,
-)
+from trainguard.step.consensus import DEVICE_COLUMNS, Consensus, _host_columns, replicated_norm
+from trainguard.step.types import LocalReport, Reduced
 
 _VALUES = [
     [0.5, 0.5, 1.25, 3.0, 0.0],

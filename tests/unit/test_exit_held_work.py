@@ -25,8 +25,9 @@ from tg_models import TinyNet
 
 import trainguard as tg
 from trainguard.step import consensus as consensus_module
-from trainguard.step.consensus import Consensus, LocalReport
-from trainguard.step.held_work import HeldWork, retired_count
+from trainguard.step.collective_work import HeldWork, retired_count
+from trainguard.step.consensus import Consensus
+from trainguard.step.types import LocalReport
 
 SETTLE_S = 0.3
 """Long enough for gloo's thread to drop its reference after completing a work."""

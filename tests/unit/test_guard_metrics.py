@@ -1,4 +1,4 @@
-"""``guard.metrics()`` (step/dashboard.py) in one process: the numbers after a good step, a
+"""``guard.metrics()`` (step/metrics_view.py) in one process: the numbers after a good step, a
 skip, a spike, a rollback, under a GradScaler and under the sync-free step."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 import trainguard as tg
 from trainguard.capture import inspect_bundle
 from trainguard.replay.render import inspect_text
-from trainguard.step.dashboard import KEYS, PREFIX
+from trainguard.step.metrics_view import KEYS, PREFIX
 
 ALWAYS = {
     "trainguard/step",

@@ -13,10 +13,9 @@ import torch
 from tg_models import TinyNet, loss_fn, make_batches
 
 import trainguard as tg
-from trainguard.step.consensus import Agreement
 from trainguard.step.history import StepHistory, learning_rate
-from trainguard.step.metrics import MetricsLog, metrics_path, rate_stride, stride_at
-from trainguard.step.policy import Decision
+from trainguard.step.metrics_log import MetricsLog, metrics_path, rate_stride, stride_at
+from trainguard.step.types import Agreement, Decision
 from trainguard.testing import Fault, FaultPlan
 
 
@@ -260,7 +259,7 @@ def test_metrics_lines_are_the_same_text_on_the_fast_and_the_safe_path() -> None
     import json as json_module
 
     from trainguard.events import to_jsonable
-    from trainguard.step.metrics import _line
+    from trainguard.step.metrics_log import _line
 
     finite = {"step": 3, "losses": [0.5, 0.25], "grad_norm": 1.5, "decision": "ok", "lr": None}
     bad = {**finite, "losses": [float("nan"), 1.0], "grad_norm": float("inf")}
@@ -313,7 +312,7 @@ def test_a_one_rank_line_is_the_text_json_gives() -> None:
     import random
 
     from trainguard.step.history import StepRecord
-    from trainguard.step.metrics import _line, _text_of
+    from trainguard.step.metrics_log import _line, _text_of
 
     rng = random.Random(7)
 

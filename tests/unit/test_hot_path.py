@@ -19,7 +19,7 @@ from tg_ops import OpRecorder
 from torch import nn
 
 import trainguard as tg
-from trainguard.step.lone import ITEM_READS
+from trainguard.step.single_process import ITEM_READS
 
 
 def _record_check(n_layers: int, tmp_path: Path, **kwargs: Any) -> list[tuple[str, list[int]]]:

@@ -1,4 +1,4 @@
-"""A world of one folds its row on the host (``step/local_row.py``): the same decisions and
+"""A world of one folds its row on the host (``step/folded_row.py``): the same decisions and
 numbers as the reduced row, with one fused pass and one ``stack`` per check."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tg_ops import OpRecorder
 from torch import Tensor, nn
 
 import trainguard as tg
-from trainguard.step.local_row import FoldedRow
+from trainguard.step.folded_row import FoldedRow
 
 NAN, INF = math.nan, math.inf
 
@@ -98,7 +98,8 @@ def test_a_world_of_one_checks_with_one_fused_pass_and_one_read(tmp_path: Path) 
     for step_ops in ops:
         names = [name for name, _ in step_ops]
         assert names.count("_foreach_norm") == 1, names
-        # one stack and one read, or on the CPU the few values read one by one (step/lone.py)
+        # one stack and one read, or on the CPU the few values read one by one
+        # (step/single_process.py)
         reads = names.count("_local_scalar_dense")
         assert (names.count("stack"), reads) in ((1, 0), (0, 1 + 4 + 3)), names
         assert "aminmax" not in names and "linalg_vector_norm" not in names, names

@@ -1,5 +1,6 @@
-"""A world of one's usual step (``step/lone.py``): taken in few calls, decided and recorded
-exactly as the full path decides and records it; every other step takes the full path."""
+"""A world of one's usual step (``step/single_process.py``): taken in few calls, decided and
+recorded exactly as the full path decides and records it; every other step takes the full
+path."""
 
 from __future__ import annotations
 

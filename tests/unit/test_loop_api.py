@@ -24,7 +24,7 @@ import trainguard as tg
 from trainguard.events import EventLog, read_events
 from trainguard.step.detect import GradStats
 from trainguard.step.losses import StepLosses
-from trainguard.step.usage import NoGradientsCheck
+from trainguard.step.no_gradients import NoGradientsCheck
 
 
 def _guard(tmp_path: Path, model: nn.Module | None = None, **options: Any) -> tg.Guard:
@@ -450,6 +450,27 @@ def test_state_dict_carries_the_lr_backoff(tmp_path: Path) -> None:
     plain.load_state_dict(loaded)
     assert plain.global_step == guard.global_step and plain.lr_factor == 1.0
     plain.close()
+
+
+def test_a_checkpoint_from_before_the_guard_resumes_at_the_loops_step(tmp_path: Path) -> None:
+    """nanoGPT resumed from a checkpoint saved before the guard was added: the loop tells the
+    guard its step (``{"step": iter_num}``) and the guard's steps, events and schedule-facing
+    ``global_step`` go on from there; the counters start afresh."""
+    guard = _guard(tmp_path)
+    guard.load_state_dict({"step": 2000})
+    assert guard.global_step == 2000 and guard.state.total_nonfinite == 0
+    assert guard.state.last_good_step is None
+    loss = guard.model(torch.randn(6, 8)).pow(2).mean()
+    loss.backward()
+    assert guard.check(loss) and guard.global_step == 2001
+    guard.close()
+    loaded = [e for e in tg.read_events(tmp_path, 0) if e["kind"] == "state_loaded"]
+    assert [e["step"] for e in loaded] == [2000]
+    for bad in ({"step": -1}, {"step": "2000"}, {"step": True}):
+        other = _guard(tmp_path / str(len(str(bad))))
+        with pytest.raises(tg.ConfigError, match="state_dict"):
+            other.load_state_dict(bad)
+        other.close()
 
 
 @pytest.mark.parametrize("bad", [None, {"format": 1}, {"format": 9, "state": {}}, [1]])

@@ -1,4 +1,4 @@
-"""Two open Guards of one process in one run dir are told apart or warned about (run_dirs.py)."""
+"""Two open Guards of one process in one run dir are told apart or warned about (runs/dirs.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import trainguard as tg
-from trainguard.run_dirs import open_runs
+from trainguard.runs.dirs import open_runs
 
 WARNING = "is also the run dir of another open Guard in this process"
 

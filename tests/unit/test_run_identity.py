@@ -14,7 +14,7 @@ from tg_models import TinyNet, loss_fn, make_batches
 
 import trainguard as tg
 from trainguard.events import read_events
-from trainguard.run_identity import (
+from trainguard.runs.identity import (
     CONTINUE,
     NEW,
     continues,

@@ -14,9 +14,10 @@ from torch.utils.data.distributed import DistributedSampler
 
 import trainguard as tg
 from trainguard.events import EventLog
-from trainguard.progress import Progress
-from trainguard.step.consensus import COLUMNS, Agreement, Consensus, LocalReport, Reduced
-from trainguard.step.data import BatchStream, iterable_length
+from trainguard.hang.progress import Progress
+from trainguard.step.batch_stream import BatchStream, iterable_length
+from trainguard.step.consensus import COLUMNS, Consensus
+from trainguard.step.types import Agreement, LocalReport, Reduced
 
 
 def _two_epochs(run_dir: Path, set_epoch: bool) -> list[dict[str, object]]:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import trainguard as tg
+from trainguard.hang.progress import Progress
 from trainguard.hang.saves import SAVE_PHASE, SaveMarks
-from trainguard.progress import Progress
 
 ORIGINAL = torch.serialization.save
 

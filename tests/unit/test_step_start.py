@@ -1,4 +1,4 @@
-"""Where a step starts (step/start.py): the hooks it needs, and no more."""
+"""Where a step starts (step/step_start.py): the hooks it needs, and no more."""
 
 from __future__ import annotations
 

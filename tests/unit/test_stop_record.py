@@ -19,7 +19,7 @@ from tg_recovery import train
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import trainguard as tg
-from trainguard import elastic
+from trainguard.distributed import elastic
 from trainguard.events import EventLog, read_events
 from trainguard.recovery import stop
 from trainguard.recovery.restart import LocalView, RestartCheck, Verdict, decide, refusal_line

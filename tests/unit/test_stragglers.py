@@ -21,10 +21,9 @@ from trainguard.health.stragglers import PhaseWindow, StragglerWatch, judge
 from trainguard.report.summary import summarize
 from trainguard.report.text import report_text
 from trainguard.report.timing import straggler_spans
-from trainguard.step.consensus import Agreement
 from trainguard.step.history import LOGGED_RANKS, StepHistory, timing_fields
-from trainguard.step.metrics import MetricsLog
-from trainguard.step.policy import Decision
+from trainguard.step.metrics_log import MetricsLog
+from trainguard.step.types import Agreement, Decision
 
 WORLD = 4
 Times = Callable[[int, int], float]

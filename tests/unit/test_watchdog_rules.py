@@ -265,8 +265,8 @@ def test_a_new_pass_fetching_its_first_batches_gets_the_grace_and_teaches_nothin
     """Epoch 2's DataLoader starts its workers (36 s) after fast steps taught a 30 s
     timeout: while a ``watch()`` pass fetches its first batches the learned timeout is the
     grace, and that stretch is not learned; a fixed timeout stays as given."""
+    from trainguard.hang.progress import Progress
     from trainguard.hang.timeout import StallMeter
-    from trainguard.progress import Progress
 
     learner = TimeoutLearner()
     assert learner.value(10) == timing.FLOOR_S

@@ -143,13 +143,13 @@ class DropWatch:
         if guard is None or self.busy:
             return
         step = guard.state.step
-        if self._marked_step != step or guard._start.step != step:
+        if self._marked_step != step or guard.internals.started_step() != step:
             return  # no training forward since the last check: nothing left out
         if _same(self._marks, self._samples):
             return  # no backward since the step's first forward
         self.busy = True
         try:
-            guard._check_dropped(self._scaled())
+            guard.internals.check_dropped(self._scaled())
         finally:
             self.busy = False
-            guard._drop_update.give_back()  # nothing steps here; the script clears them
+            guard.internals.give_back_gradients()  # nothing steps here; the script clears

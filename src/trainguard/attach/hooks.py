@@ -291,7 +291,7 @@ class Attacher:
         guard = self.guard
         if guard is not None and optimizer is self.optimizer:
             self._clip.stepped()
-            guard._drop_update.give_back()  # a skipped step's gradients: the script's again
+            guard.internals.give_back_gradients()  # a skipped step's: the script's again
             guard.progress.enter("data")  # next: the loop fetches a batch
 
     def _before_update(self, optimizer: torch.optim.Optimizer, loss: Tensor | None) -> None:
@@ -356,7 +356,7 @@ class Attacher:
     def _use(self, guard: Guard, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
         """Guard ``optimizer``'s steps with ``guard``: its clips and left-out steps too."""
         self.guard, self.optimizer, self.model = guard, optimizer, model
-        guard._drop_update.keep_dropped = True  # given back after the skipped step
+        guard.internals.keep_dropped_gradients()  # given back after the skipped step
         self._clip.attach(optimizer, functools.partial(self._before_update, optimizer, None))
         self._drops.attach(guard, optimizer, model, lambda: self._clip.scaled)
 
@@ -400,7 +400,7 @@ class Attacher:
     def _announce(self, guard: Guard, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
         world = guard.world_size
         timeout = guard.config.hang.timeout
-        if guard._watchdog is None:
+        if not guard.internals.watchdog_on:
             watchdog = "watchdog off" + (" (single process)" if world == 1 else "")
         else:
             watchdog = f"watchdog on (hang timeout {'adaptive' if timeout is None else timeout})"

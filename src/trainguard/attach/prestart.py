@@ -33,8 +33,8 @@ from torch.utils.hooks import RemovableHandle
 from trainguard.attach.discovery import in_training
 from trainguard.capture.rng import rng_state
 from trainguard.step.buffers import BufferKeeper
-from trainguard.step.manual import RecordedBatches
-from trainguard.step.start import autocast_state
+from trainguard.step.recorded_batches import RecordedBatches
+from trainguard.step.step_start import autocast_state
 
 MAX_CANDIDATES = 8
 """Distinct top-level modules recorded before the first step (the rest are ignored)."""

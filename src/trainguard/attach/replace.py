@@ -26,6 +26,7 @@ from torch import nn
 from trainguard.attach.discovery import optimizer_params
 from trainguard.attach.prestart import StepZero
 from trainguard.step.guard import Guard
+from trainguard.step.internals import StartRecord
 
 
 def made_anew(new: torch.optim.Optimizer, guarded: torch.optim.Optimizer, model: nn.Module) -> bool:
@@ -58,34 +59,26 @@ def hand_over(
     run = old.events.run.id if old.events.run is not None else None
     old.close()
     guard = successor(run)
-    guard._load_state(state)  # the run goes on: no "state_loaded", where a run would begin
+    guard.internals.load_state_quietly(state)  # the run goes on: no "state_loaded"
     adopt_start(guard, start, step)
     # a step the old guard skipped at the script's clip: its gradients go back after the
     # new optimizer's step, as after any skipped step (the attacher's post-step hook)
-    guard._drop_update.dropped = old._drop_update.dropped
+    guard.internals.take_held_gradients(old)
     return guard
 
 
-def step_start(guard: Guard) -> StepZero | None:
+def step_start(guard: Guard) -> StartRecord | None:
     """The start of ``guard``'s step in progress, as its forward hook recorded it (None when
     it saw none)."""
-    start = guard._start
-    if start.step != guard.state.step or start.autocast is None:
-        return None
-    rng = start.rng  # the snapshot's states (built now, once)
-    if rng is None:
-        return None
-    return StepZero(guard.model, rng, start.autocast, start.buffers, guard._recorded)
+    return guard.internals.start_record()
 
 
-def adopt_start(guard: Guard, start: StepZero | None, step: int) -> None:
+def adopt_start(guard: Guard, start: StartRecord | StepZero | None, step: int) -> None:
     """Hand the start of ``step`` (recorded before this guard existed: ``trainguard run``'s
     first step, or the old guard's of a replaced optimizer) to ``guard``, as if its own
     ``StepStart`` had seen that forward: buffers, RNG, autocast, micro-batches."""
     if start is None or guard.state.step != step:
         return
-    record = guard._start  # the guard's step-start record (step/start.py)
-    if guard.config.restore_buffers:
-        record.buffers = start.buffers
-    record.step, record.rng, record.autocast, record.seen = step, start.rng, start.autocast, True
-    guard._recorded.adopt(start.recorded, step)
+    if isinstance(start, StepZero):
+        start = StartRecord(start.rng, start.autocast, start.buffers, start.recorded)
+    guard.internals.adopt_start(start, step)

@@ -4,7 +4,7 @@ A replay starts from the batch ``watch()`` handed out (or ``record_batch`` got).
 change it before the forward: a normalization (``(x - mean) / std`` with a zero ``std``), an
 augmentation, a cast, a device copy. A non-finite value made there is in no batch the guard
 holds, so the input check passes, the replay of the stored batch comes out finite, and the
-step would read as a transient fault. ``step.start.StepStart`` keeps references to the
+step would read as a transient fault. ``step.step_start.StepStart`` keeps references to the
 inputs (positional and keyword) of the step's training forwards of the guarded module; on a
 bad step's capture (host reads, bad steps only) ``forward_findings`` looks for non-finite
 values in them and says whether the fetched batches held any. The bundle keeps the finding

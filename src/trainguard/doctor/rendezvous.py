@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from trainguard.distributed.elastic import RESTART_HAZARD_FIX, restart_store_hazard
 from trainguard.doctor.findings import Finding
-from trainguard.elastic import RESTART_HAZARD_FIX, restart_store_hazard
 
 RANK_VARS = ("RANK", "WORLD_SIZE")
 LOCAL_VARS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE")

@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from trainguard.progress import Progress
+from trainguard.hang.progress import Progress
 
 
 class BusyProbe:

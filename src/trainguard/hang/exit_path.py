@@ -39,11 +39,11 @@ from trainguard.events import EventLog
 from trainguard.exitcodes import EXIT_HANG, EXIT_PEER_FAILURE
 from trainguard.hang.channel import StoreChannel
 from trainguard.hang.collective_record import CollectiveRecord, describe
+from trainguard.hang.progress import Progress
 from trainguard.hang.report import stack_file, write_report
 from trainguard.hang.rules import HANG, PEER_FAILURE, Verdict
 from trainguard.hang.signal_dump import SignalDump
 from trainguard.hang.stacks import FrozenDump, write_stack_dump
-from trainguard.progress import Progress
 
 logger = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ from trainguard.events import EventLog
 from trainguard.hang.channel import StoreChannel
 from trainguard.hang.exit_path import SAFETY_EXIT_S, attempt
 from trainguard.hang.frames import classify, ddp_in_process, frames_of_traceback
+from trainguard.hang.progress import Progress
 from trainguard.hang.rules import (
     Verdict,
     failure_verdict,
@@ -38,7 +39,6 @@ from trainguard.hang.rules import (
     left_verdict,
     should_publish,
 )
-from trainguard.progress import Progress
 
 logger = logging.getLogger(__name__)
 

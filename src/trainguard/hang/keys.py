@@ -7,7 +7,7 @@ import os
 import secrets
 import time
 
-from trainguard.elastic import RESTART_VAR, restart_count
+from trainguard.distributed.elastic import RESTART_VAR, restart_count
 
 
 def store_host() -> int | None:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.serialization
 
-from trainguard.progress import Progress
+from trainguard.hang.progress import Progress
 
 SAVE_PHASE = "save"
 """The user phase a marked ``torch.save`` runs in (the hang report shows it)."""

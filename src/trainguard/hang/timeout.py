@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainguard.progress import Progress
+from trainguard.hang.progress import Progress
 
 GRACE_S = 600.0
 """Timeout while the first ``WARMUP_STEPS`` steps run (compilation and warm-up)."""

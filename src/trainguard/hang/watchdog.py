@@ -45,13 +45,13 @@ from trainguard.hang.exit_path import ACK_WAIT_S, SAFETY_EXIT_S, ExitPath
 from trainguard.hang.failure import FailurePublisher
 from trainguard.hang.heartbeat import Heartbeat
 from trainguard.hang.keys import store_prefix
+from trainguard.hang.progress import Progress
 from trainguard.hang.report import build_report, stack_file
 from trainguard.hang.rules import PEER_FAILURE, Verdict, effective_timeout
 from trainguard.hang.signal_dump import SignalDump, signal_file
 from trainguard.hang.stacks import FrozenDump
 from trainguard.hang.timeout import StallMeter, TimeoutLearner
 from trainguard.hang.watchers import Watch, select_watchers, watcher_count
-from trainguard.progress import Progress
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from trainguard.objects import broadcast_object
+from trainguard.distributed.objects import broadcast_object
 
 _WRAPPERS = {"DistributedDataParallel": "module", "OptimizedModule": "_orig_mod"}
 

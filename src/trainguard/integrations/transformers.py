@@ -121,7 +121,7 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
             _check_rerun(args, self._trainer)
             rerun = TrainerRerun(self._trainer, self._micro)
         self.guard = Guard(model, inner, config=config, rerun=rerun)
-        self.guard._evidence.loss_source = custom_loss(self._trainer)
+        self.guard.internals.name_loss_source(custom_loss(self._trainer))
         if self._resume_from is not None:
             self._load_guard_state(Path(self._resume_from), getattr(state, "global_step", 0))
 

@@ -12,11 +12,11 @@ import os
 import torch
 import torch.distributed as dist
 
+from trainguard.capture.optim_state import is_zero
 from trainguard.config import GuardConfig
-from trainguard.elastic import restart_count
+from trainguard.distributed.elastic import restart_count
 from trainguard.errors import ConfigError, NonFiniteError
 from trainguard.events import EventLog
-from trainguard.optim_state import is_zero
 from trainguard.recovery import snapshot as snap
 from trainguard.recovery.manager import Recovery
 from trainguard.recovery.scheduler_lead import unknown_scheduler

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainguard.capture.optim_state import clear_optimizer_state
 from trainguard.capture.rng import rng_state, set_rng_state
 from trainguard.config import GuardConfig
-from trainguard.elastic import RESTART_HAZARD_FIX, restart_store_hazard
+from trainguard.distributed.elastic import RESTART_HAZARD_FIX, restart_store_hazard
 from trainguard.events import EventLog
-from trainguard.optim_state import clear_optimizer_state
 from trainguard.recovery import checkpoint as ckpt
 from trainguard.recovery import snapshot as snap
 from trainguard.recovery import target as targets

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.config import GuardConfig
-from trainguard.elastic import restart_count, stop_agent
+from trainguard.distributed.elastic import restart_count, stop_agent
 from trainguard.events import EventLog
 from trainguard.exitcodes import EXIT_DO_NOT_RESTART
 from trainguard.recovery.agree import max_over_ranks

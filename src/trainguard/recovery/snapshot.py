@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from trainguard.capture.optim_state import load_optimizer_state, optimizer_state
 from trainguard.capture.rng import rng_state, set_rng_state
 from trainguard.errors import ConfigError
-from trainguard.optim_state import load_optimizer_state, optimizer_state
 
 
 def to_cpu(tree: Any, staged: set[torch.device] | None = None) -> Any:

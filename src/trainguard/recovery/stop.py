@@ -35,7 +35,7 @@ from trainguard.config import GuardConfig, flat_options
 from trainguard.errors import LossScaleCollapseError, NonFiniteError
 from trainguard.events import to_jsonable
 from trainguard.recovery import checkpoint as ckpt
-from trainguard.run_identity import latest_run
+from trainguard.runs.identity import latest_run
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class StopRecord:
     time: float = field(default_factory=time.time)
     format: int = FORMAT
     run: str | None = None
-    """The run that stopped (``trainguard.run_identity``; None in older records)."""
+    """The run that stopped (``trainguard.runs.identity``; None in older records)."""
 
 
 def stop_path(run_dir: Path | str) -> Path:

@@ -1,6 +1,6 @@
 """The runs of a run directory, and which run each thing on disk belongs to.
 
-Every event names its run (``run``: ``trainguard.run_identity``); events written before runs
+Every event names its run (``run``: ``trainguard.runs.identity``); events written before runs
 had ids are one run, ``legacy``. A capture's manifest names its run too. The files that do
 not (the metrics log's lines, hang reports, older manifests) go by time: a run owns the time
 from each of its ``start`` events until the next ``start`` of another run (runs in one

@@ -5,7 +5,7 @@
 - ``data``      ``BatchStream`` behind ``guard.watch()``: prefetch, uneven-data agreement
 - ``detect``    the local checks: the loss and one fused pass over the gradients
 - ``consensus`` the one small all-reduce every rank reads the same way (``Agreement``)
-- ``held_work`` keeps the latest collective's work so gloo's thread never releases its tensor
+- ``collective_work`` keeps the latest collective's work so gloo's thread never releases its tensor
 - ``policy``    the decision for a step (``Decision``), from agreed data only
 - ``deferred``  the sync-free mechanism: ``found_inf`` on the device, the host stager
 - ``syncfree``  the sync-free ``guard.step()``: one step on the device, read a step late
@@ -29,7 +29,7 @@ imports the step path.
 
 from trainguard.step.detect import named_parameters
 from trainguard.step.guard import Guard
-from trainguard.step.policy import Decision
 from trainguard.step.state import GuardState
+from trainguard.step.types import Decision
 
 __all__ = ["Decision", "Guard", "GuardState", "named_parameters"]

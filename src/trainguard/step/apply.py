@@ -27,16 +27,15 @@ from trainguard.errors import NonFiniteError
 from trainguard.events import EventLog
 from trainguard.recovery import Recovery, record_final_stop
 from trainguard.step import amp
-from trainguard.step.consensus import Agreement
 from trainguard.step.detect import GradStats, clip_
-from trainguard.step.drop import UpdateDrop
 from trainguard.step.evidence import StepEvidence
 from trainguard.step.hyperparams import nonfinite_hyperparameters
 from trainguard.step.inputs import InputCheck
 from trainguard.step.nonfinite import log_nonfinite, stop_error
-from trainguard.step.policy import Decision
 from trainguard.step.spikewatch import SpikeWatch
 from trainguard.step.state import GuardState
+from trainguard.step.types import Agreement, Decision
+from trainguard.step.update_drop import UpdateDrop
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +113,7 @@ class DecisionApply:
 
     def apply_good(self, step: int, loss: float, grad_norm: float, grads: list[Tensor]) -> bool:
         """A finite, agreed step the spike rule let through (the full path's and a world of
-        one's usual step, ``step/lone.py``): counted, noted by recovery, clipped.
+        one's usual step, ``step/single_process.py``): counted, noted by recovery, clipped.
         ``loss``/``grad_norm``: the agreed mean loss and global gradient norm."""
         parts = self._parts
         parts.state.record_good(step, loss)

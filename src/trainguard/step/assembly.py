@@ -20,47 +20,48 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from trainguard.config import GuardConfig
-from trainguard.elastic import agree_attempt
+from trainguard.distributed.elastic import agree_attempt
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
 from trainguard.hang.busy import BusyProbe
+from trainguard.hang.progress import Progress
 from trainguard.hang.saves import SAVES, SaveMarking
 from trainguard.hang.watchdog import Watchdog, start_watchdog
 from trainguard.health.learning_rates import LrAgreement
 from trainguard.health.replicas import ReplicaWatch
 from trainguard.health.stragglers import StragglerWatch
 from trainguard.health.timing import StepTimer
-from trainguard.progress import Progress
 from trainguard.recovery import TrainingObjects, build_recovery, recovery_enabled
-from trainguard.run_dirs import claim as claim_run_dir
-from trainguard.run_identity import RunIdentity, identify_run
+from trainguard.runs.dirs import claim as claim_run_dir
+from trainguard.runs.identity import RunIdentity, identify_run
 from trainguard.step import unclosed
 from trainguard.step.apply import ApplyParts, DecisionApply
+from trainguard.step.batch_stream import BatchStream
 from trainguard.step.capturer import Capturer
-from trainguard.step.consensus import Agreement, Consensus
-from trainguard.step.dashboard import Dashboard
-from trainguard.step.data import BatchStream
+from trainguard.step.consensus import Consensus
 from trainguard.step.deferred import uses_fused
 from trainguard.step.detect import named_parameters
-from trainguard.step.drop import UpdateDrop
 from trainguard.step.evidence import EvidenceParts, StepEvidence
 from trainguard.step.history import StepHistory
 from trainguard.step.inputs import InputCheck
-from trainguard.step.lone import LoneParts, LoneStep
 from trainguard.step.losses import StepLosses
-from trainguard.step.manual import RecordedBatches, report_overwritten
 from trainguard.step.measure import MeasureParts, StepMeasure
-from trainguard.step.metrics import MetricsLog, metrics_path
-from trainguard.step.policy import Decision, decide
+from trainguard.step.metrics_log import MetricsLog, metrics_path
+from trainguard.step.metrics_view import Dashboard
+from trainguard.step.no_gradients import NoGradientsCheck
+from trainguard.step.policy import decide
+from trainguard.step.recorded_batches import RecordedBatches, report_overwritten
 from trainguard.step.rerun import LossFn, StepRerun
 from trainguard.step.sampler import SamplerEpochs
+from trainguard.step.single_process import LoneParts, LoneStep
 from trainguard.step.spikewatch import SpikeWatch
-from trainguard.step.start import StepStart
 from trainguard.step.state import RECORDED_STEPS, GuardState
+from trainguard.step.step_start import StepStart
 from trainguard.step.syncfree import SyncFreeParts, SyncFreeStep
 from trainguard.step.transient import RerunParts, TransientFaults
+from trainguard.step.types import Agreement, Decision
 from trainguard.step.unclosed import UnclosedParts
-from trainguard.step.usage import NoGradientsCheck
+from trainguard.step.update_drop import UpdateDrop
 from trainguard.user_hooks import eager_module
 
 
@@ -84,7 +85,7 @@ class GuardAssembly:
         resume = self.config.recovery.resume
         identity = identify_run(self.run_dir, resume, self.config.run, self._consensus)
         self.events = EventLog(self.run_dir, self.rank, identity)  # every event names its run
-        self._run_dir_claim = claim_run_dir(self, self.run_dir, identity.id)  # run_dirs.py
+        self._run_dir_claim = claim_run_dir(self, self.run_dir, identity.id)  # runs/dirs.py
         return identity
 
     def _build_step_path(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -92,7 +93,7 @@ class GuardAssembly:
         self.state = GuardState(nonfinite_steps=deque(maxlen=RECORDED_STEPS))
         self.progress = Progress()
         self._stream: BatchStream | None = None
-        # record_batch(): loops without watch() (a refilled input buffer: step/manual.py)
+        # record_batch(): loops without watch() (a refilled input buffer: step/recorded_batches.py)
         self._recorded = RecordedBatches(report_overwritten(self.events, self.rank))
         state = self.state  # not the guard: the hooks' closures must not keep it alive
         self._start = StepStart(
@@ -105,7 +106,7 @@ class GuardAssembly:
         self._no_grads = NoGradientsCheck(self._params, self.events, self.rank)
         self._drop_update = UpdateDrop(
             optimizer, self._params, self._start, self.events, self.rank
-        )  # a step not applied: gradients cleared, buffers put back (step/drop.py)
+        )  # a step not applied: gradients cleared, buffers put back (step/update_drop.py)
         self._capturer = Capturer(self.run_dir, self._consensus, self.events)
         self.spikes = SpikeWatch(self.config.spikes, self.events, self.rank)
         self.state.spikes = self.spikes  # saved and restored with the counters
@@ -173,13 +174,13 @@ class GuardAssembly:
             self._consensus.device,
             self.rank,
         )
-        if self.recovery is not None:  # snapshots at the step's first forward (step/start.py)
+        if self.recovery is not None:  # snapshots at the step's first forward (step/step_start.py)
             self._start.on_begin = self.recovery.step_boundary
             self.replicas.on_resync = self.recovery.replicas_resynced  # a snapshot before it
             self.recovery.resync_replicas = self.replicas.resync_from  # holds diverged weights
             self.history.lr_factor = self.recovery.lr_factor  # the LR in force, recorded
         self._decision = DecisionApply(self._apply_parts())  # acting on it: step/apply.py
-        # a world of one's usual step, in few calls (step/lone.py); the rest: the full path
+        # a world of one's usual step, in few calls (single_process.py); else the full path
         self._lone = LoneStep(self._lone_parts()) if self.world_size == 1 else None
         # Recovery restores at step boundaries: it needs the decision before the update.
         sync_free = uses_fused(optimizer) and scaler is None

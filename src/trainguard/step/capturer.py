@@ -9,7 +9,7 @@ Every rank reaches the same decision on a bad step, so the capture may use colle
    ``manifest.json`` last and renames the folder to ``step-{step:08d}``;
 4. rank 0's outcome is shared, so every rank returns the same path (or None).
 
-"First" is per run (``trainguard.run_identity``): the manifest records the run's id, and a
+"First" is per run (``trainguard.runs.identity``): the manifest records the run's id, and a
 torchrun restart or a resume of a run whose first bad step (or spike) is already captured
 labels its own first one ``first_bad_step_after_restart`` (``first_spike_after_restart``).
 
@@ -55,13 +55,13 @@ from trainguard.capture.bundle import (
     write_json,
     write_torch,
 )
+from trainguard.capture.optim_state import optimizer_state
+from trainguard.distributed.objects import all_gather_objects
 from trainguard.events import EventLog
 from trainguard.numerics import norm_or_inf
-from trainguard.objects import all_gather_objects
-from trainguard.optim_state import optimizer_state
-from trainguard.step.consensus import Agreement, Consensus
+from trainguard.step.consensus import Consensus
 from trainguard.step.detect import GradStats
-from trainguard.step.policy import Decision
+from trainguard.step.types import Agreement, Decision
 
 logger = logging.getLogger(__name__)
 

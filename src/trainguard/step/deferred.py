@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from trainguard.capture.rng import RngSnapshot
-from trainguard.step.consensus import Reduced
 from trainguard.step.detect import GradStats
+from trainguard.step.types import Reduced
 
 
 def uses_fused(optimizer: torch.optim.Optimizer) -> bool:
@@ -48,7 +48,7 @@ class PendingStep:
     spike: tuple[Tensor, torch.cuda.Event | None] | None = None
     """The spike verdict staged to the host (``SpikeWatch.on_device``), or None."""
     autocast: dict[str, Any] | None = None
-    """The autocast state the step's forward ran under (``start.autocast_state``)."""
+    """The autocast state the step's forward ran under (``step_start.autocast_state``)."""
     forward_inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] | None = None
     """The inputs of the step's training forwards (``StepStart.forward_inputs``)."""
 

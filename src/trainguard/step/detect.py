@@ -30,7 +30,7 @@ class GradStats:
 
     The per-parameter norms are kept as the fused pass returned them (``per_param``); their
     ``stack`` (``norms``) and the total (``norm``) are built on first read: a world of one
-    folds the norms on the host instead (``step/local_row.py``), two ops fewer a step."""
+    folds the norms on the host instead (``step/folded_row.py``), two ops fewer a step."""
 
     names: list[str]
     """Parameter names, aligned with ``per_param``."""

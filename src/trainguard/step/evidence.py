@@ -1,8 +1,8 @@
 """A step's evidence: its batches and RNG states as the guard saw them, and its capture.
 
-The batches of the step being decided come from ``watch()`` (``data.BatchStream``'s
-unchecked steps) or from ``guard.record_batch`` (``manual.RecordedBatches``); the RNG
-states from the step's first forward (``start.StepStart``), else from when its first batch
+The batches of the step being decided come from ``watch()`` (``batch_stream.BatchStream``'s
+unchecked steps) or from ``guard.record_batch`` (``recorded_batches.RecordedBatches``); the RNG
+states from the step's first forward (``step_start.StepStart``), else from when its first batch
 was handed out. On the first non-finite step, the first spike and on escalation every rank
 writes its part of the replay bundle (``capturer.Capturer``, collectively, before the
 gradients are cleared), starting from the step's real start: its buffers as before its
@@ -25,17 +25,16 @@ from trainguard.capture.forward_inputs import forward_findings, warn_made_in_loo
 from trainguard.capture.rng import RngSnapshot, states_of
 from trainguard.config import GuardConfig
 from trainguard.health.replicas import ReplicaWatch
+from trainguard.step.batch_stream import BatchStream
 from trainguard.step.capturer import Capturer, step_evidence
-from trainguard.step.consensus import Agreement
-from trainguard.step.data import BatchStream
 from trainguard.step.deferred import PendingStep
 from trainguard.step.detect import GradStats
 from trainguard.step.history import StepHistory
 from trainguard.step.hyperparams import nonfinite_hyperparameters
 from trainguard.step.losses import StepLosses
-from trainguard.step.manual import RecordedBatches
-from trainguard.step.policy import Decision
-from trainguard.step.start import StepStart
+from trainguard.step.recorded_batches import RecordedBatches
+from trainguard.step.step_start import StepStart
+from trainguard.step.types import Agreement, Decision
 
 Rng = RngSnapshot | dict[str, Any] | None
 

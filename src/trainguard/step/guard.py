@@ -1,11 +1,11 @@
 """Guard: the per-step lifecycle. It composes the parts; each part lives in its own module
 (built and wired to each other by ``assembly.GuardAssembly``).
 
-``watch()`` (data.BatchStream) -> user forward/backward -> ``check()``:
+``watch()`` (batch_stream.BatchStream) -> user forward/backward -> ``check()``:
 detect (local flags, one fused gradient pass) -> consensus (one small all-reduce) ->
 policy (one decision, identical on every rank) -> apply (clear, clip, raise) + events.
 A world of one's usual step (every value finite, nothing special) is checked, recorded and
-applied in few calls (``lone.LoneStep``); every other step takes the full path.
+applied in few calls (``single_process.LoneStep``); every other step takes the full path.
 """
 
 from __future__ import annotations
@@ -35,15 +35,15 @@ from trainguard.errors import ConfigError
 from trainguard.recovery.snapshot import TrainingObjects, stateful_objects
 from trainguard.step import amp
 from trainguard.step.assembly import GuardAssembly, check_pair
-from trainguard.step.consensus import DROPPED_BY_LOOP, DROPPED_WITH_SCALER, Agreement
-from trainguard.step.data import BatchStream
+from trainguard.step.batch_stream import BatchStream
 from trainguard.step.deferred import StepOutcome
 from trainguard.step.detect import GradStats
+from trainguard.step.guard_state_dict import guard_state_dict, load_guard_state
+from trainguard.step.internals import GuardInternals
 from trainguard.step.join import join_error, shadowed_in_join
 from trainguard.step.losses import LossLike
-from trainguard.step.policy import Decision
 from trainguard.step.rerun import LossFn
-from trainguard.step.saved import guard_state_dict, load_guard_state
+from trainguard.step.types import DROPPED_BY_LOOP, DROPPED_WITH_SCALER, Agreement, Decision
 from trainguard.step.unclosed import error_text
 
 logger = logging.getLogger(__name__)
@@ -245,7 +245,7 @@ class Guard(GuardAssembly):
 
     def _check(self, loss: LossLike) -> bool:
         """``check()``'s full path: every step of a world of ranks, and the steps of a world
-        of one that are not the usual one (``step/lone.py``)."""
+        of one that are not the usual one (``step/single_process.py``)."""
         loss = self._losses.tensor(loss, self._consensus.device)
         self._refuse_join()
         self._resolve_pending()
@@ -342,7 +342,7 @@ class Guard(GuardAssembly):
 
     def metrics(self) -> dict[str, float | int]:
         """The per-step numbers as a flat dict for any logger (``trainguard/...`` keys, the same
-        on every rank; no collective, no device sync; the keys: ``step/dashboard.py``)."""
+        on every rank; no collective, no device sync; the keys: ``step/metrics_view.py``)."""
         return self._dashboard.read()
 
     def state_dict(self) -> dict[str, Any]:
@@ -359,10 +359,14 @@ class Guard(GuardAssembly):
         counters, stopped_at = (
             sync_free.settled_state() if sync_free is not None else (self.state.state_dict(), None)
         )
-        return guard_state_dict(counters, recovery, stopped_at)  # step/saved.py: what it holds
+        return guard_state_dict(
+            counters, recovery, stopped_at
+        )  # step/guard_state_dict.py: what it holds
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``state_dict()``'s counters, step, spike state and LR backoff."""
+        """Restore ``state_dict()``'s counters, step, spike state and LR backoff; or, from a
+        checkpoint saved before the guard was added, ``{"step": iter_num}``: the guard's step
+        goes on from the loop's (its counters as at a start)."""
         self._load_state(state)
         self.events.write("state_loaded", self.state.step)  # the report: where the run began
 
@@ -371,6 +375,12 @@ class Guard(GuardAssembly):
         same run (``attach/replace.py``), whose steps go on rather than begin there."""
         load_guard_state(state, self.state, self.recovery.state if self.recovery else None)
         self.progress.enter(self.progress.phase, self.state.step)
+
+    @property
+    def internals(self) -> GuardInternals:
+        """The explicitly internal interface trainguard's own wrappers (``trainguard run``,
+        the integrations) drive the guard through (``step/internals.py``): not public API."""
+        return GuardInternals(self)
 
     @property
     def global_step(self) -> int:
@@ -420,7 +430,7 @@ class Guard(GuardAssembly):
             self._start.close()
             if self._timer is not None:
                 self._timer.close()
-            self._consensus.work.retire()  # released at exit, not by gloo's thread (held_work)
+            self._consensus.work.retire()  # released here, not by gloo's thread
             self._run_dir_claim()
 
     def __enter__(self) -> Guard:

@@ -22,10 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainguard.step.consensus import Agreement
 from trainguard.step.hyperparams import group_lrs
-from trainguard.step.metrics import MetricsLog
-from trainguard.step.policy import Decision
+from trainguard.step.metrics_log import MetricsLog
+from trainguard.step.types import Agreement, Decision
 
 LOGGED_RANKS = 64
 """Up to this many ranks the metrics log holds every rank's loss; past it (a line would grow
@@ -229,7 +228,7 @@ class StepHistory:
         compute_times: list[float],
         lrs: list[float | None] | None = None,
     ) -> StepRecord:
-        """``record`` from the values themselves (``step/lone.py``: a world of one's usual
+        """``record`` from the values themselves (``step/single_process.py``: a world of one's usual
         step builds no ``Agreement``); a decision other than ``"ok"`` is written out at once."""
         now = time.perf_counter()
         last, self._last_clock = self._last_clock, now

@@ -27,8 +27,8 @@ from torch import Tensor
 from trainguard.capture import batchpaths, batchtree
 from trainguard.events import EventLog
 from trainguard.numerics import stored_values
-from trainguard.step.consensus import Agreement
 from trainguard.step.detect import fused_takes
+from trainguard.step.types import Agreement
 
 logger = logging.getLogger(__name__)
 
@@ -158,10 +158,11 @@ class InputCheck:
         self, step: int, batches: Sequence[Any], device: torch.device, keep: bool = True
     ) -> list[Tensor] | None:
         """The step's floating-point input tensors for a world of one's folded row (their
-        norms taken in the gradients' fused pass, ``step/local_row.py``): [] when the check is
+        norms taken in the gradients' fused pass, ``step/folded_row.py``): [] when the check is
         off or there are no batches, None unless every tensor is a strided float32, float16
         or bfloat16 tensor on ``device`` (then ``value``). ``keep`` False: the batches are not
-        kept for a bad step's ``report`` (``step/lone.py``: a bad step takes the full path)."""
+        kept for a bad step's ``report`` (``single_process.py``: a bad step takes the full
+        path)."""
         if not self.enabled or not batches:
             return []
         tensors = float_tensors(batches, self.ignore)

@@ -21,16 +21,16 @@ from torch import Tensor, nn
 from trainguard.health.replicas import ReplicaWatch
 from trainguard.health.timing import StepTimer
 from trainguard.step import amp
-from trainguard.step.consensus import LocalReport
-from trainguard.step.data import BatchStream
+from trainguard.step.batch_stream import BatchStream
 from trainguard.step.detect import GradStats, grad_stats, is_sharded, loss_columns
 from trainguard.step.evidence import StepEvidence
+from trainguard.step.folded_row import FoldedRow, fold, foldable_losses
 from trainguard.step.hyperparams import row_lr
 from trainguard.step.inputs import InputCheck, max_abs
-from trainguard.step.local_row import FoldedRow, fold, foldable_losses
 from trainguard.step.losses import StepLosses
-from trainguard.step.start import StepStart
-from trainguard.step.usage import NoGradientsCheck
+from trainguard.step.no_gradients import NoGradientsCheck
+from trainguard.step.step_start import StepStart
+from trainguard.step.types import LocalReport
 
 
 @dataclass
@@ -51,7 +51,7 @@ class MeasureParts:
     step_of: Callable[[], int]
     fold: bool = False
     """A world of one: a row read back at once (``check()``, not the sync-free step) may be
-    folded on the host (``local_row``)."""
+    folded on the host (``folded_row``)."""
     dropped: Callable[[], float] = float
     """The row's ``dropped`` column (``LocalReport.dropped``): 0.0 unless the loop left this
     step's update out on this rank (``Guard._check_dropped``)."""
@@ -119,7 +119,7 @@ class StepMeasure:
         return None if inputs is None else (checked, inputs)
 
     def _folded(self, stats: GradStats, losses: list[Tensor], inputs: list[Tensor]) -> LocalReport:
-        """The row of a world of one, its reductions left to the host (``local_row``)."""
+        """The row of a world of one, its reductions left to the host (``folded_row``)."""
         device = self._parts.device
 
         def confirm() -> float:

@@ -13,10 +13,9 @@ from typing import Any
 from trainguard.config import GuardConfig
 from trainguard.errors import LossScaleCollapseError, NonFiniteError
 from trainguard.events import EventLog
-from trainguard.step.consensus import Agreement
 from trainguard.step.detect import GradStats
 from trainguard.step.hyperparams import describe
-from trainguard.step.policy import Decision
+from trainguard.step.types import Agreement, Decision
 
 logger = logging.getLogger(__name__)
 

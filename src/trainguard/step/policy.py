@@ -2,33 +2,8 @@
 
 from __future__ import annotations
 
-import enum
-
 from trainguard.config import GuardConfig
-from trainguard.step.consensus import Agreement
-
-
-class Decision(enum.Enum):
-    """What the guard does with a checked step."""
-
-    OK = "ok"
-    """Finite everywhere: the optimizer may step."""
-    SKIP = "skip"
-    """Non-finite: gradients cleared, ``check()`` returns False."""
-    WARN = "warn"
-    """Non-finite: logged, gradients left alone, ``check()`` returns False."""
-    RAISE = "raise"
-    """Non-finite and the policy is "raise": NonFiniteError on every rank."""
-    ESCALATE = "escalate"
-    """Too many bad steps in a row (or a collapsed loss scale): stop every rank."""
-    OVERFLOW = "overflow"
-    """fp16 gradient overflow that the GradScaler handles: skip, scale goes down."""
-    SPIKE = "spike"
-    """Finite, but a loss or gradient-norm spike and ``on_spike="skip"``: skipped like "skip"."""
-    DROPPED = "dropped"
-    """Finite, but the loop left the update out itself on some rank (``trainguard run``: its
-    own ``if``): every rank leaves it out, so the replicas stay identical. Not a bad step."""
-
+from trainguard.step.types import Agreement, Decision
 
 _ACTION = {"skip": Decision.SKIP, "warn": Decision.WARN, "raise": Decision.RAISE}
 

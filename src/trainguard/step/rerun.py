@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from trainguard.capture.rng import set_rng_state
-from trainguard.step.start import StepStart
+from trainguard.step.step_start import StepStart
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,8 @@ from torch import Tensor
 from trainguard.config import SpikeConfig
 from trainguard.errors import SpikeError
 from trainguard.events import EventLog
-from trainguard.step.consensus import Agreement, Consensus, Reduced
+from trainguard.step.consensus import Consensus
 from trainguard.step.deferred import HostStager
-from trainguard.step.policy import Decision
 from trainguard.step.spikes import (
     METRICS,
     DeviceSpikeDetector,
@@ -29,6 +28,7 @@ from trainguard.step.spikes import (
     SpikeDetector,
     SpikeRule,
 )
+from trainguard.step.types import Agreement, Decision, Reduced
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,8 @@ class SpikeWatch:
         self, loss_value: float, grad_norm: float, lr: float | None, step: int
     ) -> Decision | None:
         """``judge`` from the agreed values themselves: the mean loss, the global gradient
-        norm and the learning rate (``Agreement.lr``; a world of one's own: ``step/lone.py``).
+        norm and the learning rate (``Agreement.lr``; a world of one's own:
+        ``step/single_process.py``).
         Never a rank's own learning rate: the ranks would judge apart exactly when one
         rank's LR went wrong."""
         if not self.enabled:

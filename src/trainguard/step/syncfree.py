@@ -23,8 +23,8 @@ from trainguard.capture.rng import RngSnapshot
 from trainguard.config import GuardConfig
 from trainguard.errors import NonFiniteError
 from trainguard.events import EventLog
-from trainguard.progress import Progress
-from trainguard.step.consensus import Agreement, Consensus, LocalReport, Reduced
+from trainguard.hang.progress import Progress
+from trainguard.step.consensus import Consensus
 from trainguard.step.deferred import (
     FoundInf,
     HostStager,
@@ -34,10 +34,10 @@ from trainguard.step.deferred import (
 )
 from trainguard.step.detect import GradStats, clip_on_device_
 from trainguard.step.history import StepHistory
-from trainguard.step.policy import Decision
 from trainguard.step.spikewatch import SpikeWatch
-from trainguard.step.start import StepStart
 from trainguard.step.state import GuardState
+from trainguard.step.step_start import StepStart
+from trainguard.step.types import Agreement, Decision, LocalReport, Reduced
 
 Measure = Callable[[Tensor], tuple[GradStats, LocalReport, bool]]
 """Record the loss, take the gradient pass: ``(stats, this rank's report, sharded)``."""

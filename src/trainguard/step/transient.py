@@ -22,13 +22,14 @@ from typing import Any
 from torch import Tensor
 
 from trainguard.config import GuardConfig
+from trainguard.distributed.objects import all_gather_objects
 from trainguard.events import EventLog
 from trainguard.exitcodes import EXIT_SUSPECT_HOST
-from trainguard.objects import all_gather_objects
-from trainguard.step.consensus import Agreement, Consensus, LocalReport
+from trainguard.step.consensus import Consensus
 from trainguard.step.detect import GradStats
 from trainguard.step.losses import StepLosses
 from trainguard.step.rerun import StepRerun, SuspectHosts
+from trainguard.step.types import Agreement, LocalReport
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainguard.events import EventLog
-from trainguard.progress import Progress
+from trainguard.hang.progress import Progress
 from trainguard.step.history import StepHistory
 from trainguard.step.state import GuardState
 
