@@ -6,8 +6,8 @@ nothing (no dropout, no random op inside the step: most language models train wi
 0, many small policies and tabular nets too) leaves them as they were, and the snapshot of
 the step before is still exact: ``take()`` hands it out again when the fingerprint of every
 generator is the one it had then. On the tiny model of ``benchmarks/fixed_cost.py`` the
-copies took 10 of the guard's 88 us a step, the fingerprint 5 (docs/benchmarks.md, "Round
-9").
+copies took 10 of the guard's 88 us a step, the fingerprint 5 (``git show
+3c1ebd7:docs/benchmarks.md``, "Round 9").
 
 The fingerprint of a Mersenne Twister (all three are MT19937) is its position (Python's
 ``index``, torch's ``left_``/``next_`` and seed, NumPy's ``pos``), three of its 624 state words

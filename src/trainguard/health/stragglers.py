@@ -33,7 +33,7 @@ give the same verdict on every rank, with no communication of its own.
 
 Cost per step: a row written into a small ring tensor per phase and, once the window is full,
 one ``sort`` of each rank's window (every step up to 128 ranks, every ``world // 128`` steps
-past that; ``benchmarks/straggler_cost.py``).
+past that; measured by the straggler cost benchmark at 3c1ebd7).
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ SLOW_SHARE = 0.75
 """A rank must be slow in this share of the window's steps (its lower quartile is judged)."""
 RANKS_PER_JUDGED_STEP = 128
 """Past this many ranks the window is judged every ``world // 128`` steps, not every step:
-the per-rank medians cost about 0.5 us per rank (``benchmarks/straggler_cost.py``)."""
+the per-rank medians cost about 0.5 us per rank (the straggler cost benchmark at
+3c1ebd7)."""
 SMALL_WORLD = 16
 """Up to this many ranks a window is kept in Python lists and the usual step (nobody near a
 floor, nobody named) is judged on host floats, with no tensor op: torch's per-op overhead

@@ -7,8 +7,9 @@ devices, a non-finite value to locate, a spike to skip. In a world of one most s
 none of these, and there the layers are what the guard costs: on a model whose step takes a
 few hundred microseconds, each Python call between two training steps costs several times
 what it costs in a loop of its own (the step's kernels evict the guard's code and data from
-the caches), so the count of distinct calls set the fixed cost (docs/benchmarks.md,
-"Round 6"; "Round 7" counts what is left: the default features' own work).
+the caches), so the count of distinct calls set the fixed cost (``git show
+3c1ebd7:docs/benchmarks.md``, "Round 6"; "Round 7" counts what is left: the default
+features' own work).
 
 ``LoneStep.take(loss, loss_known)`` takes such a step whole:
 
