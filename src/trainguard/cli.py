@@ -28,6 +28,8 @@ EXIT_PIPE_CLOSED = 141
 SIGPIPE, what a shell reports for a tool a closed pipe ended (``yes | head``), so a script
 under ``set -o pipefail`` can tell a cut-short listing from a complete one (0 would say the
 output was complete; Python's own default, 1, reads as a failure of the command)."""
+FINITE_FINDINGS = ("replica_mismatch", "nonfinite_hyperparameter")
+"""Replay verdicts that are a finding (exit 1) although the step replays finite."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -165,7 +167,7 @@ def _replay(args: argparse.Namespace) -> int:
         _print_json(report)
     else:
         print(replay_text(report))
-    finding = report["reproduced"] or report["verdict"] == "replica_mismatch"
+    finding = report["reproduced"] or report["verdict"] in FINITE_FINDINGS
     return EXIT_FINDING if finding else EXIT_OK
 
 

@@ -179,3 +179,16 @@ def test_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
     assert verdicts == ["met", "within noise", "missed"]
     assert _common.verdict(1.02, 1.01, None) == "missed"
     assert _common.verdict(math.inf, 1.5, None) == "missed"
+
+
+@pytest.mark.timeout(120)
+def test_diagnosis_accuracy(tmp_path: Path) -> None:
+    """The diagnosis comparison: every case scored for both tools; trainguard names the cause
+    of every one of issue 55's cases (the table docs/diagnosis.md shows)."""
+    stdout, report = run_quick(tmp_path, "diagnosis_accuracy.py", timeout=110)
+    rows = report["rows"]
+    assert rows and all({"trainguard", "anomaly + hooks"} <= set(r["tools"]) for r in rows)
+    for row in rows:
+        mine = row["tools"]["trainguard"]
+        assert mine["named"]["verdict"] == row["expected"]["verdict"], row["case"]
+        assert mine["score"]["cause"] == "yes", row["case"]

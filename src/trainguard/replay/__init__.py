@@ -9,12 +9,20 @@
 - ``live``      ``trace()`` / ``diagnose()``: the same diagnosis on live objects
 - ``engine``    runs -> report, shared by both
 - ``stepper``   one forward/loss/backward of the captured micro-batches
-- ``localize``  the tracer: root op, NaN-maker, the hops between them and the loss
-- ``masks``     mask values written on purpose; reductions over fully masked rows
+- ``localize``  the tracer: root op, NaN-maker, the hops between them and the loss;
+  ``hops``: its records (origins, hops)
+- ``masks``     mask values written on purpose; reductions over fully masked rows;
+  ``masked_reads``: an op that reads a mask's -inf where the mask covers only part of a row
 - ``sites``     module stack and the user's source line; ``seeds``: pre-step non-finite
+  (the batch, the weights, a loss module's buffers); ``external``: tensors made before the
+  step outside the model and the batch
+- ``weights``   weights non-finite before the step: ``rows`` (rows only some samples read,
+  ever updated?), ``writer`` (which update wrote them, through which param group and
+  hyper-parameter), ``optimizer`` (the optimizer's groups and state, by parameter name)
 - ``chain``     the path and the roots as plain data
 - ``bisect``    the culprit samples
-- ``diagnosis`` phase, root and summary sentence; ``verdicts``: the class and its advice
+- ``diagnosis`` the finding (phase, root, samples); ``sentences``: the summary sentence;
+  ``verdicts``: the class and its advice
 - ``report``    ``ReplayReport`` and its ``KEYS``
 - ``render``    text for the CLI (inspect, replay, demo)
 

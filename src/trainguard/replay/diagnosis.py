@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,9 +12,10 @@ from torch import Tensor
 from trainguard.capture import batchtree
 from trainguard.capture.forward_inputs import describe as describe_forward
 from trainguard.replay.localize import Hop, NonFiniteTracer, Origin
-from trainguard.replay.seeds import seed_inputs, seed_parameters
+from trainguard.replay.seeds import seed_inputs, seed_outside, seed_parameters
 from trainguard.replay.sites import ModuleStack, OpSite
 from trainguard.replay.stepper import RunResult, StepRunner
+from trainguard.replay.weights import WeightsEvidence
 
 PHASES = ("inputs", "forward", "loss", "backward")
 
@@ -34,10 +34,30 @@ class Finding:
     """The non-finite value that made the step bad (its chain leads back to the root)."""
     batch_size: int | None = None
     """The traced micro-batch's size (None: unknown, e.g. a live trace)."""
+    weights: WeightsEvidence | None = None
+    """Non-finite weights before the step: what the rows, the history and the optimizer
+    state say of them (weights.py; set by the engine)."""
+
+    @property
+    def reader(self) -> OpSite | None:
+        """A value from before the step read by some samples only (rows of a table) or made
+        outside the model (a loss module's weight): the op that read it on the path."""
+        origin = self.origin
+        if origin is None or origin.site is not None:
+            return None
+        if origin.kind == "external" or (self.weights and self.weights.sample_specific):
+            chain = self.hop.chain() if self.hop is not None else []
+            return chain[1].site if len(chain) > 1 else None
+        return None
+
+    @property
+    def site(self) -> OpSite | None:
+        """Where the root ran (the reading op for a value from before the step)."""
+        return self.origin.site if self.origin and self.origin.site else self.reader
 
     @property
     def op(self) -> str | None:
-        return self.origin.site.op if self.origin and self.origin.site else None
+        return self.site.op if self.site else None
 
     @property
     def nan_maker(self) -> Origin | None:
@@ -51,16 +71,60 @@ class Finding:
 
     @property
     def module(self) -> str | None:
-        site = self.origin.site if self.origin else None
-        if site is not None:
-            return site.module
         if self.origin is not None and self.origin.kind == "parameter" and self.origin.label:
             return self.origin.label.rpartition(".")[0] or None
-        return None
+        site = self.site
+        return site.module if site is not None else None
 
     @property
     def source(self) -> str | None:
-        return self.origin.site.source if self.origin and self.origin.site else None
+        return self.site.source if self.site else None
+
+    @property
+    def loss_finite(self) -> bool:
+        """The step's loss was finite (its gradients were not)."""
+        return self.result.loss_finite
+
+    def per_sample(self, hop: Hop | None) -> list[int] | None:
+        """The samples holding ``hop``'s non-finite values: its non-finite leading indices
+        when its leading size is the batch size."""
+        size = self.batch_size
+        if hop is None or hop.lead is None or not size or not hop.shape or hop.shape[0] != size:
+            return None
+        return hop.lead
+
+    @property
+    def reader_samples(self) -> list[int] | None:
+        """Values from before the step: the samples they first reached on the path."""
+        chain = self.hop.chain() if self.hop is not None else []
+        if not chain or chain[0].site is not None:
+            return None
+        return next((s for h in chain[1:] if (s := self.per_sample(h)) is not None), None)
+
+    @property
+    def named_samples(self) -> list[int] | None:
+        """The samples the finding itself names (where the root's values sit, a fully
+        masked row's sample, the samples a value from before the step reached), when they
+        are not the whole batch."""
+        if self.masked_sample is not None:
+            return [self.masked_sample]
+        found = self.reader_samples
+        if found is None and self.hop is not None:
+            found = self.per_sample(self.hop.chain()[0])
+        if not found or (self.batch_size and len(set(found)) >= self.batch_size):
+            return None
+        return found
+
+    @property
+    def backward_entry(self) -> Hop | None:
+        """A forward root whose value reached only the gradients: the first backward op on
+        the path (where the gradient went non-finite)."""
+        if self.phase == "backward" or self.hop is None or not self.loss_finite:
+            return None
+        return next(
+            (h for h in self.hop.chain() if h.site is not None and h.site.phase == "backward"),
+            None,
+        )
 
     @property
     def masked_sample(self) -> int | None:
@@ -78,6 +142,7 @@ def locate(runner: StepRunner, micro: int) -> Finding:
     """Re-run micro-batch ``micro`` under the tracer and name the origin of the bad values."""
     modules = ModuleStack(runner.model)
     tracer = NonFiniteTracer(modules)
+    modules.on_outside = lambda module: seed_outside(tracer, module)
     batch = runner.micro_batches[micro]
     inputs = seed_inputs(tracer, batch, batchtree.leaves, batchtree.batch_size(batch))
     runner.restore_buffers()  # the runs before this one wrote them: seed the step's own
@@ -105,20 +170,32 @@ def finding_of(
         hop = hop or _latest(tracer, origin)
         if origin is None:
             return Finding("inputs" if inputs else "forward", None, result, inputs, params)
-        if origin.kind == "input":
-            phase = "inputs"
-        elif origin.kind == "parameter" or origin.site is None:
-            phase = "forward"
-        else:
-            phase = "forward" if origin.site.in_model else "loss"
-        return Finding(phase, origin, result, inputs, params, hop)
+        return Finding(_phase_of(origin, hop), origin, result, inputs, params, hop)
     if not result.grads_finite:
         hop = _bad_grad_hop(tracer, parameters)
         origin = tracer.first("backward")
+        if origin is None and hop is not None:  # a forward value the loss never read
+            return Finding(_phase_of(hop.origin, hop), hop.origin, result, inputs, params, hop)
         if hop is None or (origin is not None and hop.origin is not origin):
             hop = _latest(tracer, origin)
         return Finding("backward", origin, result, inputs, params, hop)
     return Finding(None, None, result, inputs, params)
+
+
+def _phase_of(origin: Origin, hop: Hop | None) -> str:
+    """The phase a root ran in: the batch, the model's forward, or the loss (a value made
+    before the step outside the model: where its first reader ran)."""
+    if origin.kind == "input":
+        return "inputs"
+    site = origin.site
+    if site is None and origin.kind == "external" and hop is not None:
+        chain = hop.chain()
+        site = chain[1].site if len(chain) > 1 else None
+    if site is None:
+        return "forward"
+    if site.phase == "backward":
+        return "backward"
+    return "forward" if site.in_model else "loss"
 
 
 def _latest(tracer: NonFiniteTracer, origin: Origin | None) -> Hop | None:
@@ -135,119 +212,6 @@ def _bad_grad_hop(tracer: NonFiniteTracer, parameters: Sequence[Tensor]) -> Hop 
             if hop is not None:
                 return hop
     return None
-
-
-# -- the sentence --------------------------------------------------------------------------
-
-
-def _file_line(source: str | None) -> str:
-    if not source:
-        return "unknown line"
-    path, _, line = source.rpartition(":")
-    return f"{os.path.basename(path)}:{line}"
-
-
-def _where(site: OpSite) -> str:
-    if site.module is None:
-        return "loss_fn, outside any module"
-    if not site.in_model:
-        return f"{site.module} (a module outside the model)"
-    return site.module
-
-
-def culprit_text(
-    culprits: list[dict[str, Any]],
-    batch_level: bool,
-    complete: bool | None = True,
-    every: bool = False,
-) -> str:
-    """Who is to blame; ``complete`` None: no bisection ran."""
-    if not culprits:
-        if every:
-            return "every sample tried makes the step non-finite on its own"
-        if batch_level:
-            return "no single sample is to blame: the cause is the batch as a whole"
-        if complete is None:
-            return "the samples to blame were not searched for (no bisection)"
-        if not complete:
-            return "the samples to blame were not searched for to the end (bisection budget)"
-        return "no sample was singled out"
-    positions = ", ".join(
-        str(c["position"])
-        if c.get("micro_batch", 0) == 0
-        else f"{c['position']} of micro-batch {c['micro_batch']}"
-        for c in culprits
-    )
-    indices = [c["index"] for c in culprits if c.get("index") is not None]
-    noun = "sample" if len(culprits) == 1 else "samples"
-    extra = ""
-    if indices:
-        label = "index" if len(indices) == 1 else "indices"
-        extra = f" (dataset {label} {', '.join(map(str, indices))})"
-    verb = "alone makes" if len(culprits) == 1 else "make"
-    return f"{noun} {positions} of the batch{extra} {verb} the step non-finite"
-
-
-def summarize(
-    finding: Finding,
-    culprits: list[dict[str, Any]],
-    batch_level: bool,
-    complete: bool | None = True,
-    every: bool = False,
-) -> str:
-    origin, phase = finding.origin, finding.phase
-    who = culprit_text(culprits, batch_level, complete, every)
-    if origin is None:
-        what = {
-            "inputs": "the batch holds non-finite values",
-            "backward": "the forward pass was finite but the gradients were not",
-        }.get(phase or "", f"the step went non-finite in the {phase} phase")
-        return f"The step reproduced ({what}), but no single op could be named; {who}."
-    if origin.kind == "input":
-        return f"The batch itself is bad: {origin.detail}; {who}. Fix or filter the data."
-    if origin.kind == "parameter":
-        return (
-            f"The weights were already non-finite before this step ({origin.detail}): an "
-            "earlier update corrupted them; roll back to a good checkpoint."
-        )
-    site = origin.site
-    if site is None:
-        return f"The step reproduced ({origin.detail}); {who}."
-    detail = f" ({origin.detail})" if origin.detail else ""
-    inputs = "finite inputs" if origin.inputs_finite else "inputs holding ±inf but no NaN"
-    made = origin.value.replace("nan", "NaN")
-    if origin.kind == "constant":
-        action = f"brought a non-finite constant ({made})"
-        return f"{site.op} in {_where(site)} ({_file_line(site.source)}) {action}{detail}; {who}."
-    then = _nan_text(finding.nan_maker)
-    if origin.masked_row is not None:
-        sample = finding.masked_sample
-        of = f" (sample {sample})" if sample is not None else ""
-        return (
-            f"{site.op} in {_where(site)} ({_file_line(site.source)}) reduced a row that a "
-            f"mask covered entirely{of} to {made}{detail}{then}; {who}."
-        )
-    if phase == "backward":
-        forward = site.forward
-        of = f"{forward.op} in {_where(site)} ({_file_line(forward.source)})" if forward else "?"
-        return (
-            f"The forward pass was finite; in the backward pass {site.op} ({site.grad_fn}, the "
-            f"gradient of {of}) turned finite gradients into {made}{detail}{then}; {who}."
-        )
-    return (
-        f"{site.op} in {_where(site)} ({_file_line(site.source)}) turned {inputs} into "
-        f"{made}{detail}{then}; {who}."
-    )
-
-
-def _nan_text(maker: Origin | None) -> str:
-    if maker is None or maker.site is None:
-        return ""
-    site = maker.site
-    where = f"{_where(site)}, {_file_line(site.source)}"
-    if site.phase == "backward" and site.grad_fn:
-        where = f"{site.grad_fn}, {where}"
-    return f", and {site.op} ({where}) then turned that into NaN"
 
 
 def made_in_loop_summary(runs: list[RunResult], device: str, meta: dict[str, Any]) -> str:

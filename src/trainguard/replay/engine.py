@@ -10,6 +10,7 @@ overflow of that dtype.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,11 +30,13 @@ from trainguard.replay.diagnosis import (
     not_reproduced_summary,
     recorded_loss_runs,
     spike_summary,
-    summarize,
+    step_loss,
     unread_culprits,
     unread_input_verdict,
 )
+from trainguard.replay.optimizer import OptimizerView
 from trainguard.replay.report import ReplayReport
+from trainguard.replay.sentences import summarize
 from trainguard.replay.stepper import RunResult, StepRunner
 from trainguard.replay.verdicts import (
     ADVICE,
@@ -43,6 +46,8 @@ from trainguard.replay.verdicts import (
     growth,
     verdict_sentence,
 )
+from trainguard.replay.weights import weights_evidence
+from trainguard.replay.writer import pending_summary
 
 
 @dataclass
@@ -68,9 +73,13 @@ def diagnose_runs(
     bisect: bool,
     history: list[dict[str, Any]] | None = None,
     spike: bool = False,
+    optimizer: OptimizerSource = None,
 ) -> ReplayReport:
     """Diagnose a step from ``runs`` (repeats of it) and further runs of ``runner``;
-    ``spike``: the bundle is a spike's (a finite step the spike rule skipped)."""
+    ``spike``: the bundle is a spike's (a finite step the spike rule skipped);
+    ``optimizer``: the optimizer's param groups and state (non-finite hyper-parameters, and
+    what wrote non-finite weights), or a function that loads them (called only when a
+    finding needs them: a bundle's optimizer state can be large)."""
     bad = [r for r in runs if r.bad]
     deterministic = len({r.bits for r in runs}) == 1
     replayed = {
@@ -82,47 +91,103 @@ def diagnose_runs(
         },
     }
     if not bad:
-        verdict = "not_reproduced"
-        unread = batchtree.nonfinite_tensors(runner.micro_batches)
-        if spike:
-            verdict, summary = spike_summary(runs, deterministic, device, meta)
-        elif unread:  # values the loss never reads (input check) or now handles (a fix)
-            verdict, summary = unread_input_verdict(runs, unread, device, meta)
-        elif deterministic and made_in_loop(meta.get("forward_inputs")):
-            verdict, summary = "input_made_in_loop", made_in_loop_summary(runs, device, meta)
-        else:
-            summary = not_reproduced_summary(runs, deterministic, device, meta)
-        reproduced = verdict == "spike"  # the spike's loss again
-        report = ReplayReport(
-            reproduced,
-            deterministic,
-            None,
-            None,
-            None,
-            None,
-            unread_culprits([e for e in unread if not e.get("additive_mask")]),
-            verdict,
-            summary,
-        )
-        report.advice = ADVICE[verdict]
-        report.details.update(replayed, **finding_details(None), bisection_runs=0)
-        report.details["batch_nonfinite"] = [entry_text(e) for e in unread]
-        if spike:  # finite when it ran: "not reproduced" is no transient fault here
-            report.details["recorded_loss_runs"] = recorded_loss_runs(runs, meta)
-            report.advice = SPIKE_NOT_REPRODUCED_ADVICE if not reproduced else report.advice
+        wanted = isinstance(optimizer, OptimizerView) or bool(meta.get("hyperparameters"))
+        view = _view(optimizer) if wanted else None  # the guard stopped it for one
+        context = _Finite(meta, device, deterministic, spike, view, history)
+        report = finite_report(runner, runs, context)
+        report.details.update(replayed)
         return report
     micro = bad[0].first_bad_micro or 0
     finding = locate(runner, micro)
+    if finding.parameter_origins:
+        finding.weights = weights_evidence(
+            finding.parameter_origins,
+            finding.hop,
+            finding.reader_samples,
+            finding.batch_size,
+            runner.model,
+            _view(optimizer),
+            history,
+            _step(meta, history),
+        )
     float32 = float32_reproduces(runner)
     only_half = runner.autocast.half if float32 is False else None
     grew = growth(history)
-    whole_step = grew is not None or bool(finding.parameter_origins)  # no sample is the cause
+    some_read = finding.weights is not None and finding.weights.sample_specific
+    whole_step = grew is not None or (bool(finding.parameter_origins) and not some_read)
     culprits = _culprits(runner, finding) if bisect and not whole_step else Culprits(searched=False)
     report = report_of(finding, culprits, deterministic, grew, only_half)
     if len(bad) < len(runs):
         report.summary += f" (Non-finite in {len(bad)} of {len(runs)} replays: nondeterministic.)"
     report.details.update(replayed, bisection_runs=culprits.runs, float32_reproduced=float32)
     return report
+
+
+OptimizerSource = OptimizerView | Callable[[], OptimizerView | None] | None
+"""The optimizer's view, or a function that loads it (``diagnose_runs``)."""
+
+
+def _view(source: OptimizerSource) -> OptimizerView | None:
+    return source() if callable(source) else source
+
+
+@dataclass
+class _Finite:
+    """What a finite replay's verdict reads besides the runs."""
+
+    meta: dict[str, Any]
+    device: str
+    deterministic: bool
+    spike: bool
+    optimizer: OptimizerView | None
+    history: list[dict[str, Any]] | None
+
+
+def finite_report(runner: StepRunner, runs: list[RunResult], ctx: _Finite) -> ReplayReport:
+    """The report of a step whose replays are all finite: a spike that recurs, a non-finite
+    hyper-parameter the guard stopped the step for, values in the batch the loss does not
+    read, a value the loop made, or a fault from outside the step."""
+    meta, device, deterministic = ctx.meta, ctx.device, ctx.deterministic
+    verdict, phase = "not_reproduced", None
+    unread = batchtree.nonfinite_tensors(runner.micro_batches)
+    hypers = ctx.optimizer.nonfinite() if ctx.optimizer is not None else []
+    if ctx.spike:
+        verdict, summary = spike_summary(runs, deterministic, device, meta)
+    elif hypers and ctx.optimizer is not None:  # the guard's hyper-parameter check stopped it
+        verdict, phase = "nonfinite_hyperparameter", "optimizer"
+        step = _step(meta, ctx.history)
+        summary = pending_summary(hypers, ctx.optimizer, step, ctx.history) + (
+            f" The step's own forward and backward are finite ({len(runs)} replays on "
+            f"{device}, loss {step_loss(runs):.6g}, finite gradients)."
+        )
+    elif unread:  # values the loss never reads (input check) or now handles (a fix)
+        verdict, summary = unread_input_verdict(runs, unread, device, meta)
+    elif deterministic and made_in_loop(meta.get("forward_inputs")):
+        verdict, summary = "input_made_in_loop", made_in_loop_summary(runs, device, meta)
+    else:
+        summary = not_reproduced_summary(runs, deterministic, device, meta)
+    reproduced = verdict == "spike"  # the spike's loss again
+    culprits = unread_culprits([e for e in unread if not e.get("additive_mask")])
+    report = ReplayReport(
+        reproduced, deterministic, phase, None, None, None, culprits, verdict, summary
+    )
+    report.advice = ADVICE[verdict]
+    report.details.update(**finding_details(None), bisection_runs=0)
+    report.details["batch_nonfinite"] = [entry_text(e) for e in unread]
+    report.details["hyperparameters"] = [h.to_dict() for h in hypers]
+    if ctx.spike:  # finite when it ran: "not reproduced" is no transient fault here
+        report.details["recorded_loss_runs"] = recorded_loss_runs(runs, meta)
+        report.advice = SPIKE_NOT_REPRODUCED_ADVICE if not reproduced else report.advice
+    return report
+
+
+def _step(meta: dict[str, Any], history: list[dict[str, Any]] | None) -> int | None:
+    """The replayed step's number: the rank's ``meta.json``, else the history's last record."""
+    step = meta.get("step")
+    if isinstance(step, int):
+        return step
+    last = history[-1].get("step") if history else None
+    return last if isinstance(last, int) else None
 
 
 def float32_reproduces(runner: StepRunner) -> bool | None:
@@ -182,6 +247,8 @@ def report_of(
         bisected=culprits.searched,
         batch_level=batch_level,
         every_sample_bad=every,
+        weights=finding.weights.to_dict() if finding.weights is not None else None,
+        named_samples=finding.named_samples,
     )
     if grew is not None:
         report.details["growth"] = grew.to_dict()
@@ -190,7 +257,7 @@ def report_of(
 
 def finding_details(finding: Finding | None) -> dict[str, Any]:
     origin = finding.origin if finding is not None else None
-    site = origin.site if origin else None
+    site = finding.site if finding is not None else None
     maker = finding.nan_maker if finding is not None else None
     backward = None
     if site is not None and site.phase == "backward":
@@ -213,6 +280,27 @@ def finding_details(finding: Finding | None) -> dict[str, Any]:
         "batch_nonfinite": [o.detail for o in finding.input_origins] if finding else [],
         "weights_nonfinite": [o.label for o in finding.parameter_origins] if finding else [],
         "masked_row": _masked_row(finding),
+        "masked_read": origin.masked_read.to_dict() if origin and origin.masked_read else None,
+        "constant": origin.label if origin and origin.kind == "external" else None,
+        "gradient_op": _gradient_op(finding),
+    }
+
+
+def _gradient_op(finding: Finding | None) -> dict[str, Any] | None:
+    """A forward value the loss never read: the backward op where the gradient went
+    non-finite."""
+    entry = finding.backward_entry if finding is not None else None
+    site = entry.site if entry is not None else None
+    if site is None:
+        return None
+    forward = site.forward
+    return {
+        "op": site.op,
+        "grad_fn": site.grad_fn,
+        "forward_op": forward.op if forward else None,
+        "module": site.module,
+        "source": site.source,
+        "value": entry.value if entry is not None else None,
     }
 
 
@@ -225,7 +313,7 @@ def _masked_row(finding: Finding | None) -> dict[str, Any] | None:
 
 def _culprits(runner: StepRunner, finding: Finding) -> Culprits:
     """Bisect every micro-batch that is bad on its own; positions plus dataset indices."""
-    backward = finding.phase == "backward"
+    backward = finding.phase == "backward" or finding.loss_finite  # bad gradients only
     micros = range(len(runner.micro_batches))
     bad_micros = [
         m for m in micros if len(micros) == 1 or runner.run(micro=m, backward=backward).bad

@@ -53,8 +53,8 @@ def explain(
         sentence = origin.origin_sentence(found)
         report.summary += f" {sentence}" if sentence else ""
         return
-    if report.verdict in ("bad_input", "input_mask"):  # this rank's batch: not the device
-        return
+    if report.verdict in ("bad_input", "input_mask", "nonfinite_hyperparameter"):
+        return  # this rank's batch, or its optimizer's hyper-parameter: not the device
     if (
         bundle.world_size > 1
         and found.method == "option"

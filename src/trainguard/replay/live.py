@@ -33,8 +33,9 @@ from trainguard.numerics import stored_values
 from trainguard.replay.diagnosis import finding_of
 from trainguard.replay.engine import Culprits, diagnose_runs, report_of
 from trainguard.replay.localize import NonFiniteTracer, Origin
+from trainguard.replay.optimizer import view_of_optimizer
 from trainguard.replay.report import ReplayReport
-from trainguard.replay.seeds import seed_inputs, seed_parameters
+from trainguard.replay.seeds import seed_inputs, seed_outside, seed_parameters
 from trainguard.replay.sites import ModuleStack
 from trainguard.replay.stepper import LossFn, RunResult, StepRunner
 
@@ -46,6 +47,7 @@ class Trace:
         self.model = model
         self.modules = ModuleStack(model, on_root=self._on_root)
         self.tracer = NonFiniteTracer(self.modules, auto_phase=True)
+        self.modules.on_outside = lambda module: seed_outside(self.tracer, module)
         self.inputs: list[Origin] = []
         self.params: list[Origin] = []
         self._seeded: set[int] = set()
@@ -117,13 +119,17 @@ def diagnose(
     bisect: bool = False,
     repeats: int = 2,
     history: list[dict[str, Any]] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> ReplayReport:
     """Re-run ``loss_fn(model, batch)`` and backward on the live objects and diagnose it.
 
     ``bisect``: search the culprit samples (more runs). ``history``: recent step records as
-    in a bundle's ``history.json`` (``{"step", "losses", "grad_norm", ...}``, the bad step
-    last) to judge divergence. The model's weights, gradients, buffers, training mode and
-    the RNG states are left as they were.
+    in a bundle's ``history.json`` (``{"step", "losses", "grad_norm", "decision", "lr",
+    "lrs"}``, the bad step last) to judge divergence and which update wrote non-finite
+    weights. ``optimizer``: its param groups and state say which group holds such weights,
+    whether a hyper-parameter is not finite, and whether rows were ever updated. The
+    model's weights, gradients, buffers, training mode and the RNG states are left as they
+    were.
     """
     if repeats < 1:
         raise ReplayError(f"repeats={repeats}: use 1 or more")
@@ -132,13 +138,15 @@ def diagnose(
     grads = {p: p.grad for p in model.parameters()}
     saved_rng = rng_state()
     runner = StepRunner(model, loss_fn, [batch], saved_rng, device)
+    view = view_of_optimizer(optimizer, model.named_parameters()) if optimizer else None
     try:
         runs = [runner.run(strict=True) for _ in range(repeats)]
-        if not any(r.bad for r in runs):
+        if not any(r.bad for r in runs) and not (view and view.nonfinite()):
             same = len({r.bits for r in runs}) == 1
             what = f"{repeats} runs of the step"
             return _finite_report(runs[0], what, str(device), repeats, same)
-        report = diagnose_runs(runner, runs, {"live": True}, str(device), bisect, history)
+        meta = {"live": True}
+        report = diagnose_runs(runner, runs, meta, str(device), bisect, history, False, view)
     finally:
         set_rng_state(saved_rng)
         runner.restore_buffers()

@@ -8,10 +8,19 @@ after ``log(0)``) is that root's *NaN-maker*, not a root of its own. A mask valu
 on purpose (``masked_fill(mask, -inf)``, ``where(mask, x, -1e9)``, ``full(..., finfo.min)``)
 is no root, nor is the overflow of such a value (``finfo.min + finfo.min``): they are
 ``constant`` origins (masks.py). The root is the reduction (softmax, logsumexp, max, sum...)
-over a row that the mask covers entirely, with that row (:class:`masks.MaskedRow`); another
-op that makes NaN from deliberate values only is a root too. Every non-finite output is
-tagged with a :class:`Hop` (its op, shape, dtype, the value it came from), so the roots and
-the path of the *loss* are known even when earlier, harmless non-finite values were masked.
+over a row that the mask covers entirely, with that row (:class:`masks.MaskedRow`), or the op
+that reads a masked position in a row the mask covers only partly (the loss at a target the
+mask forbids: :class:`masked_reads.MaskedRead`). Every non-finite output is tagged with a
+:class:`Hop` (its op, shape, dtype, the value it came from), so the roots and the path of the
+*loss* are known even when earlier, harmless non-finite values were masked.
+
+Values that were non-finite before the step are tagged before the ops run (seeds.py: the
+batch, the weights, the buffers of modules outside the model); a non-finite input that no
+traced op made and nothing tagged was made before the step too (a tensor the loop made and
+the loss function keeps): it is tagged at its first read (external.py). The hops that carry
+such values note which leading indices (samples) hold them, and an index op reading a table's
+non-finite rows notes the rows (rows.py). In-place ops are described with their operands as
+they were before the op ran.
 
 Where an op ran comes from ``sites`` (module stack, user's line). Backward ops are traced to
 the forward op they came from: while the forward runs, every op's output is mapped (through
@@ -27,7 +36,7 @@ import math
 import sys
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,38 +46,31 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from trainguard.replay import masks
+from trainguard.replay.external import argument_name, lazy_origin
+from trainguard.replay.hops import NOT_ROOTS, Hop, Origin, hop_for, union
+from trainguard.replay.masked_reads import keeps_mask, masked_read
 from trainguard.replay.masks import MaskedRow
+from trainguard.replay.rows import lead_rows, rows_read
 from trainguard.replay.sites import ModuleStack, OpSite, user_frame
 from trainguard.replay.values import (
     all_finite,
     first_nonfinite,
     float_tensors,
     has_nan,
-    operand_at,
+    op_detail,
     value_name,
 )
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["Hop", "NonFiniteTracer", "Origin"]
 
-@dataclass
-class Origin:
-    """Where a non-finite value came from."""
+MAX_COPY = 1 << 24
+"""In-place ops on tensors up to this many elements are described with copies of their
+operands taken before they ran (larger ones with the values they left)."""
 
-    kind: str
-    """``op`` (made by an op), ``constant`` (an op with a non-finite constant argument),
-    ``input`` (in the batch), ``parameter`` (in the weights or buffers) or ``untracked``."""
-    value: str
-    """``nan``, ``inf`` or ``-inf``: the first non-finite value."""
-    site: OpSite | None = None
-    label: str | None = None
-    """Inputs and parameters: what holds it (``batch['x']``, ``encoder.fc.weight``)."""
-    detail: str | None = None
-    """E.g. ``aten.div(0.0, 0.0) = nan at [3] (1 of 4 elements)``."""
-    inputs_finite: bool = True
-    """Every input of the op was finite (False: it held ±inf but no NaN)."""
-    masked_row: MaskedRow | None = None
-    """A reduction over a row that a mask covered entirely: that row."""
+FRESH = frozenset(("aten.lift_fresh", "aten.lift_fresh_copy"))
+"""A tensor literal (``torch.tensor([1.0, -inf])``) entering the trace: made in the step."""
 
 
 def _mutated_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
@@ -84,49 +86,30 @@ def _mutated_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> l
     return out
 
 
-@dataclass(eq=False)
-class Hop:
-    """One non-finite value on its way from a root to the step's output: the op that made
-    it and the non-finite value it was computed from (``parent``; None at a root)."""
+@dataclass
+class _Call:
+    """One op call as the tracer judges it."""
 
-    origin: Origin
-    """The root this value comes from (through ``parent``)."""
-    site: OpSite | None
-    value: str
-    shape: list[int]
-    dtype: str
-    parent: Hop | None = None
-    roots: tuple[Origin, ...] = ()
-    """Every root whose non-finite values reached this value."""
-    nan_maker: Origin | None = None
-    """The op on the way that turned ±inf into NaN (None: the root made NaN itself)."""
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    before: dict[int, tuple[bool, bool]] = field(default_factory=dict)
+    """Tensors the op writes: ``(non-finite, NaN)`` before it ran, by ``id``."""
+    copies: dict[int, Tensor] = field(default_factory=dict)
+    """... and copies of them, taken before it ran (up to ``MAX_COPY`` elements)."""
 
-    def chain(self) -> list[Hop]:
-        """The hops from the root to this value, root first."""
-        out: list[Hop] = []
-        hop: Hop | None = self
-        while hop is not None and len(out) < 10_000:
-            out.append(hop)
-            hop = hop.parent
-        return out[::-1]
+    @property
+    def operands(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return self.args, self.kwargs
 
+    @property
+    def flat(self) -> list[Any]:
+        flat, _ = tree_flatten((self.args, self.kwargs))
+        return flat
 
-def _hop_for(origin: Origin, tensor: Tensor | None, site: OpSite | None) -> Hop:
-    shape = list(tensor.shape) if tensor is not None else []
-    dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else "?"
-    return Hop(origin, site, origin.value, shape, dtype, roots=(origin,))
-
-
-def _union(parents: list[Hop], limit: int = 16) -> tuple[Origin, ...]:
-    seen: dict[int, Origin] = {}
-    for parent in parents:
-        for root in parent.roots:
-            seen.setdefault(id(root), root)
-    return tuple(list(seen.values())[:limit])
-
-
-_NOT_ROOTS = ("constant", "untracked")
-"""Roots that are no cause of their own: ``masked_fill(mask, -inf)`` is deliberate."""
+    @property
+    def name(self) -> str:
+        return masks.op_name(self.func)
 
 
 class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -156,6 +139,8 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """Finite tensors that hold huge mask values (``finfo.min``), to the write's site."""
         self._pending: list[tuple[weakref.ref[Tensor], OpSite]] = []
         self._node_sites: dict[int, OpSite] = {}
+        self._owned: tuple[int, set[int]] = (-1, set())
+        """The ids of the models' weights and buffers (for how many models)."""
         self.errors = 0
 
     @property
@@ -181,9 +166,12 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def seed(self, tensor: Tensor, origin: Origin) -> None:
         """Mark a tensor that is non-finite before the step (batch input, weight)."""
-        hop = _hop_for(origin, tensor, None)
+        hop = hop_for(origin, tensor, None)
         self.root_hops[id(origin)] = hop
         self._taint[tensor] = hop
+
+    def tagged(self, tensor: Tensor) -> bool:
+        return tensor in self._taint
 
     def hop_of(self, tensor: Tensor) -> Hop | None:
         hop: Hop | None = self._taint.get(tensor)  # type: ignore[no-untyped-call]
@@ -203,19 +191,20 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
+        call = _Call(func, args, kwargs or {})
         if self.auto_phase:
             running = torch._C._current_autograd_node() is not None
             if running != (self._phase == "backward"):
                 self.phase = "backward" if running else "forward"
         self._flush()
-        before: dict[int, tuple[bool, bool]] = {}
-        for t in _mutated_args(func, args, kwargs):
+        for t in _mutated_args(func, args, call.kwargs):
             finite = all_finite(t)
-            before[id(t)] = (not finite, not finite and has_nan(t))
-        out = func(*args, **kwargs)
+            call.before[id(t)] = (not finite, not finite and has_nan(t))
+            if t.numel() <= MAX_COPY:
+                call.copies[id(t)] = t.detach().clone()
+        out = func(*args, **call.kwargs)
         try:
-            self._after(func, args, kwargs, out, before)
+            self._after(call, out)
         except Exception as exc:  # the tracer must never break the replay
             self.errors += 1
             logger.debug("trainguard: tracer skipped %s: %s", func, exc)
@@ -233,8 +222,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._pending = []
 
     def _site(self, func: Any) -> OpSite:
-        packet = getattr(func, "overloadpacket", func)
-        op = f"aten.{getattr(packet, '__name__', str(packet))}"
+        op = masks.op_name(func)
         source, code = user_frame(sys._getframe(1))
         if self._phase == "backward":
             node = torch._C._current_autograd_node()
@@ -253,27 +241,20 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         module, in_model = self.modules.current()
         return OpSite(op, str(func), "forward", module, in_model, source, code)
 
-    def _after(
-        self,
-        func: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        out: Any,
-        before: dict[int, tuple[bool, bool]],
-    ) -> None:
+    def _after(self, call: _Call, out: Any) -> None:
         outs = float_tensors(out)
         site: OpSite | None = None
         if self._phase == "forward" and outs:
-            site = self._site(func)
+            site = self._site(call.func)
             self._pending.extend((weakref.ref(t), site) for t in outs)
             self._recent.extend(weakref.ref(t) for t in outs)
         bad = [t for t in outs if not all_finite(t)]
         if not bad:
             for t in outs:  # an in-place op may have made a tainted tensor finite again
                 self._taint.pop(t, None)  # type: ignore[no-untyped-call]
-            self._mark_masks(func, (args, kwargs), outs, site)
+            self._mark_masks(call.func, call.operands, outs, site)
             return
-        hop = self._hop(func, (args, kwargs), bad, before, site)
+        hop = self._hop(call, bad, site)
         for t in bad:
             self._taint[t] = hop
 
@@ -297,71 +278,103 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
             else:
                 self._masks.pop(t, None)  # type: ignore[no-untyped-call]
 
-    def _deliberate(self, func: Any, operands: Any, flat: list[Any], bad: list[Tensor]) -> bool:
+    def _deliberate(self, call: _Call, flat: list[Any], bad: list[Tensor]) -> bool:
         """The op's non-finite outputs are mask values: a mask op's infinite or huge
         constant, or an overflow of huge mask values (``finfo.min + finfo.min``)."""
-        if masks.mask_constant(func, flat) is not None:
+        if masks.mask_constant(call.func, flat) is not None:
             return True
         if not len(self._masks):
             return False
-        marked = [t for t in float_tensors(operands) if t in self._masks]
+        marked = [t for t in float_tensors(call.operands) if t in self._masks]
         return masks.explained_by_masks(bad, marked)
 
-    def _hop(
-        self,
-        func: Any,
-        operands: Any,
-        bad: list[Tensor],
-        before: dict[int, tuple[bool, bool]],
-        site: OpSite | None,
-    ) -> Hop:
+    def _hop(self, call: _Call, bad: list[Tensor], site: OpSite | None) -> Hop:
         """The hop of this op's non-finite outputs: a new root, a NaN-maker or a carrier."""
         out_nan = any(has_nan(t) for t in bad)
-        nan_in, nonfinite_in, parents, carrier = self._inputs(operands, before, out_nan)
-        flat, _ = tree_flatten(operands)
+        nan_in, nonfinite_in, parents, carrier = self._inputs(call, out_nan)
+        flat = call.flat
         constant = any(isinstance(a, float) and not math.isfinite(a) for a in flat)
         if not nonfinite_in and not constant:
-            constant = self._deliberate(func, operands, flat, bad)
+            constant = self._deliberate(call, flat, bad)
         makes_nan = out_nan and not nan_in and not constant
-        causes = [r for r in _union(parents) if r.kind not in _NOT_ROOTS]
+        causes = [r for r in union(parents) if r.kind not in NOT_ROOTS]
         if nonfinite_in and not causes:
-            args, kwargs = operands
-            row = masks.fully_masked_row(func, args, kwargs)
+            row = masks.fully_masked_row(call.func, call.args, call.kwargs)
             if row is not None:
-                return self._masked_row_root(func, flat, bad, row, site, carrier)
+                return self._masked_row_root(call, flat, bad, row, site, carrier)
+            masked = [t for t in float_tensors(call.operands) if self.tagged(t)]
+            if (
+                carrier is not None
+                and _mask_values(carrier)
+                and (makes_nan or not keeps_mask(call.func, bad, masked))
+            ):
+                return self._masked_read_root(call, flat, bad, site, carrier, masked)
         if carrier is not None and (not makes_nan or causes):
-            site = site or self._site(func)
-            index, value, count = first_nonfinite(bad[0], nan_first=out_nan)
-            nan_maker = carrier.nan_maker
-            if makes_nan:
-                detail = self._detail(func, flat, bad[0], index, value, count)
-                nan_maker = Origin("op", "nan", site, detail=detail, inputs_finite=False)
-                self.nan_makers.append(nan_maker)
-            hop = _hop_for(carrier.origin, bad[0], site)
-            hop.value, hop.parent, hop.roots = value_name(value), carrier, _union(parents)
-            hop.nan_maker = nan_maker
-            self.latest[id(carrier.origin)] = hop
-            return hop
+            return self._carry(call, flat, bad, site, carrier, parents, makes_nan)
         new = makes_nan or not (nonfinite_in or constant)
         kind = "op" if new else ("constant" if constant else "untracked")
-        site = site or self._site(func)
-        index, value, count = first_nonfinite(bad[0], nan_first=out_nan)
+        site = site or self._site(call.func)
+        found = first_nonfinite(bad[0], nan_first=out_nan)
         origin = Origin(
             kind,
-            value_name(value),
+            value_name(found[1]),
             site=site,
-            detail=self._detail(func, flat, bad[0], index, value, count),
+            detail=op_detail(call.func, flat, bad[0], found, call.copies),
             inputs_finite=not nonfinite_in,
         )
+        return self._root(origin, bad[0], site)
+
+    def _root(self, origin: Origin, tensor: Tensor, site: OpSite | None) -> Hop:
         if len(self.origins) < self._max:
             self.origins.append(origin)
-        hop = _hop_for(origin, bad[0], site)
+        hop = hop_for(origin, tensor, site)
+        hop.lead = lead_rows(tensor)  # the samples the root's values sit in (batch-first)
         self.root_hops[id(origin)] = hop
         return hop
 
+    def _carry(
+        self,
+        call: _Call,
+        flat: list[Any],
+        bad: list[Tensor],
+        site: OpSite | None,
+        carrier: Hop,
+        parents: list[Hop],
+        makes_nan: bool,
+    ) -> Hop:
+        """This op carries ``carrier``'s values on (a NaN-maker when it made NaN of them)."""
+        site = site or self._site(call.func)
+        out_nan = any(has_nan(t) for t in bad)
+        found = first_nonfinite(bad[0], nan_first=out_nan)
+        nan_maker = carrier.nan_maker
+        if makes_nan:
+            detail = op_detail(call.func, flat, bad[0], found, call.copies)
+            nan_maker = Origin("op", "nan", site, detail=detail, inputs_finite=False)
+            self.nan_makers.append(nan_maker)
+        hop = hop_for(carrier.origin, bad[0], site)
+        hop.value, hop.parent, hop.roots = value_name(found[1]), carrier, union(parents)
+        hop.nan_maker = nan_maker
+        if carrier.origin.kind in ("parameter", "external"):
+            self._note_read(call, bad[0], carrier, hop)
+        self.latest[id(carrier.origin)] = hop
+        return hop
+
+    def _note_read(self, call: _Call, out: Tensor, carrier: Hop, hop: Hop) -> None:
+        """Values from before the step: the samples that hold them, and what the first op
+        that read the tensor itself read of it (the argument, the table's rows)."""
+        hop.lead = lead_rows(out)
+        if carrier.site is not None:
+            return
+        table = next((t for t in float_tensors(call.operands) if self.hop_of(t) is carrier), None)
+        if table is None:
+            return
+        hop.read_arg = argument_name(call.func, call.args, call.kwargs, table)
+        if carrier.origin.kind == "parameter":
+            hop.read_rows = rows_read(call.func, call.args, table)
+
     def _masked_row_root(
         self,
-        func: Any,
+        call: _Call,
         flat: list[Any],
         bad: list[Tensor],
         row: MaskedRow,
@@ -369,27 +382,40 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         carrier: Hop | None,
     ) -> Hop:
         """A reduction over a fully masked row: the root (with the row), not the mask."""
-        site = site or self._site(func)
+        site = site or self._site(call.func)
         out_nan = any(has_nan(t) for t in bad)
-        index, value, count = first_nonfinite(bad[0], nan_first=out_nan)
-        made = self._detail(func, flat, bad[0], index, value, count)
-        mask_site = carrier.origin.site if carrier is not None else None
-        written = f", written by {mask_site.op}" if mask_site is not None else ""
-        if mask_site is not None and mask_site.source:
-            written += f" ({mask_site.source})"
-        detail = f"{made}: {row.text()}{written}"
+        found = first_nonfinite(bad[0], nan_first=out_nan)
+        made = op_detail(call.func, flat, bad[0], found, call.copies)
+        detail = f"{made}: {row.text()}{_written_by(carrier)}"
         origin = Origin(
-            "op", value_name(value), site, detail=detail, inputs_finite=False, masked_row=row
+            "op", value_name(found[1]), site, detail=detail, inputs_finite=False, masked_row=row
         )
-        if len(self.origins) < self._max:
-            self.origins.append(origin)
-        hop = _hop_for(origin, bad[0], site)
-        self.root_hops[id(origin)] = hop
-        return hop
+        return self._root(origin, bad[0], site)
 
-    def _inputs(
-        self, operands: Any, before: dict[int, tuple[bool, bool]], out_nan: bool
-    ) -> tuple[bool, bool, list[Hop], Hop | None]:
+    def _masked_read_root(
+        self,
+        call: _Call,
+        flat: list[Any],
+        bad: list[Tensor],
+        site: OpSite | None,
+        carrier: Hop,
+        masked: list[Tensor],
+    ) -> Hop:
+        """An op that turned mask values into a real inf or NaN (masked_reads.py): the root,
+        with what it read, not the mask."""
+        site = site or self._site(call.func)
+        out_nan = any(has_nan(t) for t in bad)
+        found = first_nonfinite(bad[0], nan_first=out_nan)
+        made = op_detail(call.func, flat, bad[0], found, call.copies)
+        source = next((t for t in masked if self.hop_of(t) is carrier), masked[0])
+        read = masked_read(call.func, call.args, call.kwargs, source)
+        detail = f"{made}: {read.text()}{_written_by(carrier)}"
+        origin = Origin(
+            "op", value_name(found[1]), site, detail=detail, inputs_finite=False, masked_read=read
+        )
+        return self._root(origin, bad[0], site)
+
+    def _inputs(self, call: _Call, out_nan: bool) -> tuple[bool, bool, list[Hop], Hop | None]:
         """``(nan_in, nonfinite_in, parents, carrier)`` of an op's inputs: the hops of its
         non-finite inputs, and the one its output continues (one from a real cause rather
         than a deliberate -inf, and a NaN one for a NaN output)."""
@@ -397,35 +423,54 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         parents: list[Hop] = []
         carrier: Hop | None = None
         best = (False, False)
-        for t in float_tensors(operands):
-            if id(t) in before:
-                t_nonfinite, t_nan = before[id(t)]
+        for t in float_tensors(call.operands):
+            if id(t) in call.before:
+                t_nonfinite, t_nan = call.before[id(t)]
             else:
                 t_nonfinite = not all_finite(t)
                 t_nan = t_nonfinite and has_nan(t)
             nan_in |= t_nan
             nonfinite_in |= t_nonfinite
             known = self.hop_of(t) if t_nonfinite else None
+            if known is None and t_nonfinite and call.name not in FRESH:
+                known = self._made_before(call, t)
             if known is not None:
                 parents.append(known)
-                rank = (known.origin.kind not in _NOT_ROOTS, out_nan and t_nan)
+                rank = (known.origin.kind not in NOT_ROOTS, out_nan and t_nan)
                 if carrier is None or rank > best:  # a real cause first, then a NaN one
                     carrier, best = known, rank
         return nan_in, nonfinite_in, parents, carrier
 
-    def _detail(
-        self,
-        func: Any,
-        flat_args: list[Any],
-        out: Tensor,
-        index: list[int],
-        value: float,
-        count: int,
-    ) -> str:
-        where = f"at {index}, {count} of {out.numel()} elements" if index else "(a scalar)"
-        op = f"aten.{getattr(getattr(func, 'overloadpacket', func), '__name__', func)}"
-        if torch.Tag.pointwise not in getattr(func, "tags", ()):
-            return f"{op} gave {value_name(value)} {where}"
-        operands = [operand_at(a, out.shape, index) for a in flat_args]
-        shown = [o for o in operands if o is not None]
-        return f"{op}({', '.join(shown)}) = {value_name(value)} {where}"
+    def _made_before(self, call: _Call, tensor: Tensor) -> Hop | None:
+        """A non-finite input that nothing tagged and no traced op made: made before the
+        step (external.py); tagged now, at its first read. Not in the backward pass, whose
+        inputs the forward made, nor a model's weight or buffer (seeded when non-finite
+        before the step; else an op wrote it in place without saying so in its schema, as
+        ``native_batch_norm`` writes the running statistics)."""
+        if self._phase != "forward" or id(tensor) in self._model_tensors():
+            return None  # a model's buffer written in place by an op (BatchNorm's statistics)
+        origin = lazy_origin(call.func, call.args, call.kwargs, tensor)
+        self.seed(tensor, origin)
+        return self.hop_of(tensor)
+
+    def _model_tensors(self) -> set[int]:
+        roots = self.modules.roots
+        if self._owned[0] != len(roots):
+            owned = {id(t) for m in roots for t in [*m.parameters(), *m.buffers()]}
+            self._owned = (len(roots), owned)
+        return self._owned[1]
+
+
+def _mask_values(hop: Hop) -> bool:
+    """``hop`` carries mask values: a deliberate constant's, or ±inf no traced op made (a
+    literal ``torch.tensor(-inf)``), not a NaN of unknown origin."""
+    return hop.origin.kind == "constant" or hop.value in ("inf", "-inf")
+
+
+def _written_by(carrier: Hop | None) -> str:
+    """``, written by aten.masked_fill (model.py:12)``: the mask's writer."""
+    mask_site = carrier.origin.site if carrier is not None else None
+    if mask_site is None:
+        return ""
+    written = f", written by {mask_site.op}"
+    return written + (f" ({mask_site.source})" if mask_site.source else "")

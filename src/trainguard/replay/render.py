@@ -84,10 +84,12 @@ def _history_text(history: dict[str, Any] | None) -> list[str]:
         f", grad norm {_num(history['first']['grad_norm'])}"
     ]
     for record in history["last_records"]:
+        lrs = record.get("lrs")
+        lr = "/".join(_num(v) for v in lrs) if isinstance(lrs, list) and len(lrs) > 1 else None
         lines.append(
             f"  step {record.get('step')}: loss {_losses(record.get('losses'))}, grad norm "
             f"{_num(record.get('grad_norm'))}, {record.get('decision')}, "
-            f"lr {_num(record.get('lr'))}"
+            + (f"lrs {lr}" if lr else f"lr {_num(record.get('lr'))}")
         )
     return lines
 
@@ -177,12 +179,39 @@ def replay_text(report: dict[str, Any]) -> str:
         lines.append(
             f"nan_op         {report['nan_op']}   {report.get('nan_op_detail') or ''}".rstrip()
         )
+    lines += _evidence_lines(report)
     lines += [f"culprits       {shown}", f"verdict        {report['verdict']}"]
     lines += _path_lines(report.get("path") or [], report.get("roots") or [])
     lines += ["", report["summary"]]
     if report.get("advice"):
         lines += ["", f"advice: {report['advice']}"]
     return "\n".join(lines)
+
+
+def _evidence_lines(report: dict[str, Any]) -> list[str]:
+    """Where the gradient went non-finite (a forward value the loss never read), and what
+    wrote non-finite weights (the update, its param group, its hyper-parameter)."""
+    lines = []
+    grad = report.get("gradient_op")
+    if grad:
+        lines.append(
+            f"gradient       {grad['op']} ({grad['grad_fn']}, the gradient of "
+            f"{grad['forward_op']}) made {grad['value']} gradients"
+        )
+    weights = report.get("weights") or {}
+    rows = weights.get("rows")
+    if rows and 0 < rows["count"] < rows["total"]:
+        read = f", read by samples {weights['readers']}" if weights.get("readers") else ""
+        lines.append(f"rows           {rows['text']}{read}")
+    writer = weights.get("writer") or {}
+    if writer.get("step") is not None and report["verdict"] != "nonfinite_rows":
+        group = f", param group {writer['group']}" if writer.get("group") is not None else ""
+        hypers = ", ".join(f"{h['name']} {h['value']}" for h in writer.get("hyperparameters", []))
+        lines.append(
+            f"written by     the update of step {writer['step']}{group}"
+            + (f" ({hypers})" if hypers else "")
+        )
+    return lines
 
 
 def _runs_text(report: dict[str, Any]) -> str:
@@ -282,7 +311,9 @@ def _culprits_text(report: dict[str, Any]) -> str:
     elif report["verdict"] == "spike":
         shown = "not searched (a spike: every sample is finite)"
     elif report["reproduced"] and not report.get("bisected", True):
-        shown = "not searched (no bisection)"
+        whole = report.get("weights") or report.get("growth")
+        why = "the cause is not a sample's" if whole else "no bisection"
+        shown = f"not searched ({why})"
     elif report.get("every_sample_bad"):
         shown = "none: every sample tried is bad on its own"
     else:

@@ -23,6 +23,7 @@ The factory (factory.py) takes no arguments and returns ``(model, loss_fn)`` or 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import warnings
@@ -42,6 +43,7 @@ from trainguard.replay.engine import diagnose_runs
 from trainguard.replay.explain import explain
 from trainguard.replay.factory import Factory, ReplaySpec, resolve_factory
 from trainguard.replay.factory import first_line as _line
+from trainguard.replay.optimizer import OptimizerView, view_of_state
 from trainguard.replay.replicas import apply_replicas, check_replicas
 from trainguard.replay.report import KEYS, ReplayReport
 from trainguard.replay.stepper import RunResult, StepRunner
@@ -156,6 +158,20 @@ class _Rank:
     autocast: precision.Autocast
 
 
+def optimizer_view(bundle: Bundle, rank: int, model: nn.Module) -> OptimizerView | None:
+    """The rank's captured optimizer state, its parameters named by ``model``'s (None: not
+    in the bundle, FSDP2 shards, or unreadable)."""
+    if bundle.sharded or f"rank-{rank}/optimizer.pt" not in bundle.files:
+        return None
+    try:
+        state = bundle.optimizer_state(rank)
+    except (BundleError, RuntimeError, OSError) as exc:
+        logger.info("trainguard: replay reads no optimizer state: %s", exc)
+        return None
+    named = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    return view_of_state(state, named)
+
+
 def _prepare(
     bundle: Bundle, spec: ReplaySpec, rank: int, device: torch.device, autocast: str | None
 ) -> _Rank:
@@ -216,7 +232,10 @@ def replay(
     part = _prepare(opened, spec, who, target, autocast)
     runs = [part.runner.run(strict=True) for _ in range(repeats)]
     spike = opened.trigger == "spike"
-    report = diagnose_runs(part.runner, runs, part.meta, str(target), bisect, opened.history, spike)
+    view = functools.cache(lambda: optimizer_view(opened, who, spec.model))
+    report = diagnose_runs(
+        part.runner, runs, part.meta, str(target), bisect, opened.history, spike, view
+    )
     report.details["loss_fn"] = _qualified(spec.loss_fn)
     explain(report, found, opened, run_rank, part.autocast)
     replicas = check_replicas(opened, [name for name, _ in spec.model.named_parameters()])

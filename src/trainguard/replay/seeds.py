@@ -1,14 +1,16 @@
-"""Tag the values that are non-finite before the step: the batch's and the weights'."""
+"""Tag the values that are non-finite before the step: the batch's, the weights', and those of
+modules that run outside the model (a loss module's ``weight``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from trainguard.numerics import is_additive_mask
+from trainguard.replay.external import external_origin, is_mask
 from trainguard.replay.localize import NonFiniteTracer, Origin
 from trainguard.replay.values import all_finite, first_nonfinite, plural, value_name
 
@@ -19,6 +21,19 @@ def seed_inputs(
     leaves: Callable[[Any], Any],
     size: int | None,
     name: str = "batch",
+) -> list[Origin]:
+    """Tag the batch's non-finite tensors (``_seed_inputs``), outside the tracer: a live trace
+    seeds from a module hook, while the tracer runs, and its own reads are no op of the step."""
+    with _disable_current_modes():
+        return _seed_inputs(tracer, batch, leaves, size, name)
+
+
+def _seed_inputs(
+    tracer: NonFiniteTracer,
+    batch: Any,
+    leaves: Callable[[Any], Any],
+    size: int | None,
+    name: str,
 ) -> list[Origin]:
     """Tag the batch's non-finite tensors as ``input`` origins; returns them. A tensor of
     only 0 and -inf is an additive mask carried in the batch (``scores + batch["bias"]``): a
@@ -48,6 +63,13 @@ def seed_inputs(
 
 
 def seed_parameters(tracer: NonFiniteTracer, model: nn.Module) -> list[Origin]:
+    """Tag the model's non-finite weights and buffers (``_seed_parameters``), outside the
+    tracer (see ``seed_inputs``)."""
+    with _disable_current_modes():
+        return _seed_parameters(tracer, model)
+
+
+def _seed_parameters(tracer: NonFiniteTracer, model: nn.Module) -> list[Origin]:
     """Tag non-finite weights and buffers as ``parameter`` origins; returns them. A buffer
     whose non-finite values are all -inf is a mask (a causal mask kept as a buffer): it is
     tagged as a deliberate ``constant`` origin instead, and not returned."""
@@ -58,7 +80,7 @@ def seed_parameters(tracer: NonFiniteTracer, model: nn.Module) -> list[Origin]:
         if not (tensor.is_floating_point() or tensor.is_complex()) or all_finite(tensor):
             continue
         _, value, count = first_nonfinite(tensor)
-        if any(tensor is b for _, b in buffers) and _is_mask(tensor):
+        if any(tensor is b for _, b in buffers) and is_mask(tensor):
             detail = f"buffer {name} holds {plural(count, '-inf value')} (a mask)"
             tracer.seed(tensor, Origin("constant", "-inf", label=name, detail=detail))
             continue
@@ -69,9 +91,26 @@ def seed_parameters(tracer: NonFiniteTracer, model: nn.Module) -> list[Origin]:
     return found
 
 
-def _is_mask(tensor: Tensor) -> bool:
-    """Every non-finite value is -inf (no NaN, no +inf)."""
-    if tensor.is_complex():
-        return False
-    data = tensor.detach()
-    return bool(((data == float("-inf")) | torch.isfinite(data)).all())
+def seed_outside(tracer: NonFiniteTracer, module: nn.Module) -> list[Origin]:
+    """Tag the non-finite parameters and buffers of a module that runs outside the model (a
+    loss module: ``nn.CrossEntropyLoss(weight=...)``) as ``external`` origins, made before
+    the step (external.py; one of only -inf is a mask); returns them."""
+    with _disable_current_modes():
+        return _seed_outside(tracer, module)
+
+
+def _seed_outside(tracer: NonFiniteTracer, module: nn.Module) -> list[Origin]:
+    owner = type(module).__name__
+    found: list[Origin] = []
+    buffers = {id(b) for _, b in module.named_buffers()}
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if not (tensor.is_floating_point() or tensor.is_complex()) or not tensor.numel():
+            continue
+        if all_finite(tensor) or tracer.tagged(tensor):
+            continue
+        kind = "buffer" if id(tensor) in buffers else "parameter"
+        what = f"{kind} {name} of {owner} (a module outside the model)"
+        origin = external_origin(tensor, f"{owner}.{name}", what)
+        tracer.seed(tensor, origin)
+        found.append(origin)
+    return found

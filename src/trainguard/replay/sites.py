@@ -58,7 +58,9 @@ class ModuleStack:
 
     ``model=None`` (live tracing): each outermost module that runs becomes a model whose
     submodules are named from it. ``on_root(module, args)`` is called the first time a
-    model's outermost module runs (to tag its non-finite inputs and weights).
+    model's outermost module runs (to tag its non-finite inputs and weights);
+    ``on_outside(module)`` the first time a module outside the model runs (a loss module:
+    to tag its non-finite buffers).
     """
 
     def __init__(self, model: nn.Module | None, on_root: RootHook | None = None) -> None:
@@ -68,6 +70,8 @@ class ModuleStack:
         if model is not None:
             self._adopt(model)
         self._on_root = on_root
+        self.on_outside: Callable[[nn.Module], Any] | None = None
+        self._outside: set[int] = set()
         self._learn = model is None
         self._called: set[int] = set()
         self._stack: list[nn.Module] = []
@@ -105,6 +109,10 @@ class ModuleStack:
             if self._on_root is not None and id(module) in self._names:
                 self._called.add(id(module))
                 self._on_root(module, args)
+        if id(module) not in self._names and id(module) not in self._outside:
+            self._outside.add(id(module))
+            if self.on_outside is not None:
+                self.on_outside(module)
         self._stack.append(module)
 
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:

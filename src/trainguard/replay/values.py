@@ -64,3 +64,25 @@ def operand_at(arg: Any, shape: torch.Size, index: list[int]) -> str | None:
     if isinstance(arg, (int, float)) and not isinstance(arg, bool):
         return format_number(arg)
     return None
+
+
+def op_detail(
+    func: Any,
+    flat_args: list[Any],
+    out: Tensor,
+    found: tuple[list[int], float, int],
+    before: dict[int, Tensor] | None = None,
+) -> str:
+    """``aten.div(0.0, 0.0) = nan at [3, 0], 1 of 8 elements`` (a pointwise op: its operands
+    at that index), else ``aten.addmm gave inf at [5, 0], 4 of 32 elements``. ``found``:
+    ``first_nonfinite(out)``; ``before``: copies of the tensors an in-place op wrote, by
+    ``id`` of the tensor, taken before it ran (its operands as they were)."""
+    index, value, count = found
+    where = f"at {index}, {count} of {out.numel()} elements" if index else "(a scalar)"
+    op = f"aten.{getattr(getattr(func, 'overloadpacket', func), '__name__', func)}"
+    if torch.Tag.pointwise not in getattr(func, "tags", ()):
+        return f"{op} gave {value_name(value)} {where}"
+    shown_args = [(before or {}).get(id(a), a) if isinstance(a, Tensor) else a for a in flat_args]
+    operands = [operand_at(a, out.shape, index) for a in shown_args]
+    shown = [o for o in operands if o is not None]
+    return f"{op}({', '.join(shown)}) = {value_name(value)} {where}"

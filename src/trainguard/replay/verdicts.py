@@ -13,9 +13,23 @@ The classes, checked in this order:
 - ``input_handled``: the replay was finite on a batch holding non-finite values, and the
   recorded step was non-finite: the factory's ``loss_fn`` handles those values (a fix
   under test that works, or another ``loss_fn`` than the loop's).
-- ``nonfinite_weights``: weights or buffers were non-finite before the step.
+- ``nonfinite_hyperparameter``: a param group's scalar hyper-parameter (lr, weight_decay, eps,
+  a beta...) was not finite: the update before the step wrote the group's weights non-finite
+  through it (the history and the optimizer state say which step, which group, which
+  hyper-parameter: writer.py), or the step's own optimizer state holds it (the guard stopped
+  the step before its optimizer step; its forward and backward replay finite).
+- ``nonfinite_rows``: weights non-finite before the step that only some samples read (rows
+  of an embedding, per-class rows, per-expert weights): the rows, the op and the samples
+  that read them, and whether an update ever touched them (weights.py, rows.py).
+- ``nonfinite_weights``: any other weights or buffers non-finite before the step.
+- ``nonfinite_constant``: an op read a non-finite tensor made before the step outside the
+  model and the batch: a loss module's buffer (class weights with an inf), a tensor the loop
+  made (external.py).
 - ``masked_row``: the root is a reduction (softmax, logsumexp, max, sum...) over a row that a
   mask covered entirely (masks.py).
+- ``masked_position``: the root read a position that a mask set to -inf in a row the mask
+  covers only partly, and made a real inf or NaN of it: the loss at a target the mask forbids
+  (masked_reads.py).
 - ``divergence``: the loss or the gradient norm grew over the recent steps (the bundle's
   history) until it overflowed.
 - ``overflow_fp16`` / ``overflow_bf16``: the step is non-finite under float16 / bfloat16
@@ -52,8 +66,12 @@ VERDICTS = (
     "bad_input",
     "input_mask",
     "input_handled",
+    "nonfinite_hyperparameter",
+    "nonfinite_rows",
     "nonfinite_weights",
+    "nonfinite_constant",
     "masked_row",
+    "masked_position",
     "divergence",
     "overflow_fp16",
     "overflow_bf16",
@@ -86,6 +104,29 @@ ADVICE = {
     "values come from (the samples named above, at their source). If you did not change "
     "loss_fn, the factory's is not the loop's: replay with the loop's own loss_fn to "
     "diagnose the step.",
+    "nonfinite_hyperparameter": "A param group's hyper-parameter was not finite (a learning-rate "
+    "schedule that divides by zero: a warm-up or decay of length 0, a per-group scale computed "
+    "from an empty statistic). Fix that group's schedule where it divides. Where the update "
+    "ran (its weights are non-finite), resume from a checkpoint taken before the step named. "
+    "The guard checks every group's scalar hyper-parameters before the optimizer step and, "
+    "with on_nonfinite='skip', skips such a step on every rank before it writes the weights.",
+    "nonfinite_rows": "Rows of a table hold non-finite values that only some inputs read (rows "
+    "added to an embedding or position table and never initialised, a class or expert no "
+    "input has reached yet): initialise them when the table is grown or loaded (copy or "
+    "nn.init the new rows; torch.empty is not initialised), check the table once then "
+    "(torch.isfinite(weight).all()), or keep the inputs inside the initialised range. The "
+    "samples named only read those rows: they are not bad data.",
+    "nonfinite_constant": "A tensor made before the step holds a non-finite value that an op "
+    "reads (class weights estimated on a sample that lacked a class: count 0 -> 1/0 = inf; "
+    "a normalisation constant of an empty set). Fix it where it is made (smooth the counts, "
+    "clamp them, estimate on the whole data set), and check such constants once, when they "
+    "are made (torch.isfinite(t).all()).",
+    "masked_position": "An op read a position that a mask set to -inf: the loss at a target "
+    "the mask forbids (a grammar or schema mask that disallows the labelled token), a sum or "
+    "product over masked logits. Make the labels and the mask agree (fix the label, or allow "
+    "the labelled token), give such targets the loss's ignore_index, or mask with a finite "
+    "value (torch.finfo(dtype).min) so that one bad target costs a large finite loss instead "
+    "of the step.",
     "nonfinite_weights": "The weights were corrupted before this step (a bad checkpoint or an "
     "earlier silent update): resume from the last good checkpoint and find the step that "
     "wrote them.",
@@ -190,6 +231,8 @@ DOMAIN_OPS = frozenset(
     ]
 )
 HALF_DTYPES = {"float16": "overflow_fp16", "bfloat16": "overflow_bf16"}
+WEIGHTS = ("nonfinite_hyperparameter", "nonfinite_rows", "nonfinite_weights")
+"""The verdicts of weights non-finite before the step (weights.py)."""
 GROWTH = 10.0
 """How much the loss or gradient norm must have grown over the history to call it divergence."""
 
@@ -287,9 +330,13 @@ def classify(
     if finding.phase == "inputs":
         return "bad_input"
     if finding.parameter_origins:
-        return "nonfinite_weights"
+        return finding.weights.verdict if finding.weights is not None else "nonfinite_weights"
+    if finding.origin is not None and finding.origin.kind == "external":
+        return "nonfinite_constant"
     if finding.origin is not None and finding.origin.masked_row is not None:
         return "masked_row"
+    if finding.origin is not None and finding.origin.masked_read is not None:
+        return "masked_position"
     if grew is not None:
         return "divergence"
     if only_half in HALF_DTYPES:  # a domain op: the half dtype's rounding, no overflow
@@ -344,6 +391,8 @@ def verdict_sentence(
         )
     if verdict == "divergence" and grew is not None:
         return f"The run diverged: {grew.text()}."
+    if verdict in WEIGHTS and finding is not None and finding.weights is not None:
+        return finding.weights.lead()
     if verdict == "nonfinite_weights" and finding is not None:
         names = [o.label for o in finding.parameter_origins if o.label]
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

@@ -325,6 +325,23 @@ def _merged(
     return sorted(seen.values(), key=lambda e: (int_of(e.get("step")), float_of(e.get("time"))))
 
 
+def _with_every_ranks_tensors(
+    merged: list[dict[str, Any]], events: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each merged ``bad_input`` with the tensors every rank named (a rank names its own bad
+    entries only: the lowest rank's copy alone would often name none), each with its rank."""
+    named: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for event in events:
+        if event["kind"] == "bad_input":
+            key = (event.get("step"), event.get("run"))
+            for tensor in event.get("tensors") or []:
+                if isinstance(tensor, dict):
+                    entry = {**tensor, "rank": event.get("rank")}
+                    if entry not in named.setdefault(key, []):
+                        named[key].append(entry)
+    return [{**e, "tensors": named.get((e.get("step"), e.get("run")), [])} for e in merged]
+
+
 def _fill_from_events(summary: RunSummary, events: list[dict[str, Any]]) -> None:
     start = next((e for e in events if e["kind"] == "start"), None)
     if start is not None and isinstance(start.get("world_size"), int):
@@ -339,7 +356,7 @@ def _fill_from_events(summary: RunSummary, events: list[dict[str, Any]]) -> None
     summary.rollbacks = _merged(events, "rollback", "rollback_refused")
     summary.checkpoints = _merged(events, *_CHECKPOINT_KINDS)
     summary.escalations = _escalations(events)
-    summary.bad_input = _merged(events, "bad_input")
+    summary.bad_input = _with_every_ranks_tensors(_merged(events, "bad_input"), events)
     summary.capture_failures = _merged(events, "capture_failed", keys=())
     summary.stood_aside = _merged(events, "stand_aside", keys=())
     summary.uneven_data = _merged(events, "uneven_data", "partial_step")

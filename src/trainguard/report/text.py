@@ -35,7 +35,7 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
         ("captures", _captures(summary.captures, summary.run_dir) + _failed(summary)),
         ("spikes", _listed(summary.spikes, _spike)),
         ("rollbacks", _listed(summary.rollbacks, _rollback)),
-        ("checkpoints", _listed(summary.checkpoints, _checkpoint)),
+        ("checkpoints", _listed(summary.checkpoints, _checkpoint) or [_NO_CHECKPOINTS]),
         ("escalations", _listed(summary.escalations, _escalation)),
         ("bad input", _listed(summary.bad_input, _bad_input)),
         ("hangs", _listed(summary.hangs, _hang) + _listed(summary.failed_too, _failed_too)),
@@ -55,6 +55,9 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
         lines.append(f"  {title:<12}{first}")
         lines.extend(f"  {'':<12}{line}" for line in rest)
     return "\n".join(lines)
+
+
+_NO_CHECKPOINTS = "none of the guard's (checkpoint_every; the loop's own are not seen here)"
 
 
 def _steps(summary: RunSummary, ranks: str) -> str:
@@ -191,6 +194,9 @@ def _checkpoint(e: dict[str, Any]) -> str:
 def _bad_input(e: dict[str, Any]) -> str:
     line = f"step {e.get('step')}: non-finite input on ranks {e.get('ranks')}"
     tensors = [t for t in e.get("tensors") or [] if isinstance(t, dict)]
+    where = [_bad_tensor(t) for t in tensors[:_MAX_LISTED] if not t.get("additive_mask")]
+    if where:
+        line += ": " + "; ".join(where)
     if tensors and all(t.get("additive_mask") for t in tensors):
         found = sorted({str(t.get("path")) for t in tensors})
         names = tuple(dict.fromkeys(batchpaths.ignore_name(path) for path in found))
@@ -199,6 +205,14 @@ def _bad_input(e: dict[str, Any]) -> str:
             f" ({', '.join(found)}: only 0 and -inf, an additive mask: {leave_out} if deliberate)"
         )
     return line
+
+
+def _bad_tensor(t: dict[str, Any]) -> str:
+    """``rank 1 [0]['x'] samples [2] (dataset indices [13])``: where a bad input was."""
+    rank = f"rank {t['rank']} " if t.get("rank") is not None else ""
+    indices = t.get("dataset_indices")
+    found = f" (dataset indices {indices})" if indices else ""
+    return f"{rank}{t.get('path') or '<batch>'} samples {t.get('positions')}{found}"
 
 
 def _escalation(e: dict[str, Any]) -> str:
@@ -303,7 +317,7 @@ def _timing(summary: RunSummary) -> list[str]:
         slowest = sorted(rows, key=lambda r: r["data"] + r["compute"], reverse=True)
         shown = sorted(slowest[: _MAX_LISTED - 1], key=lambda r: r["rank"])
     steps = rows[0]["steps"]
-    lines = [f"{'rank':<6}{'data ms':>9}{'compute ms':>12}  (medians over {steps} logged steps)"]
+    lines = [f"{'rank':<6}{'data ms':>9}{'forward ms':>12}  (medians over {steps} logged steps)"]
     data_measured = any(row["data"] > 0 or row.get("data_seen") for row in rows)
     for row in shown:
         flag = f"  straggler: {', '.join(named[row['rank']])}" if row["rank"] in named else ""
