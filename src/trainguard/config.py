@@ -48,6 +48,17 @@ def _integer(option: str, value: object, low: int) -> None:
         raise ConfigError(option, f"got {value!r}; use an integer >= {low}")
 
 
+def _json_able(option: str, value: object) -> None:
+    if not isinstance(value, dict):
+        raise ConfigError(option, f"got {type(value).__name__}; use a dict")
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            option, f"not JSON-able ({exc}); use plain numbers, strings, lists"
+        ) from None
+
+
 def _flag(option: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ConfigError(option, f"got {value!r}; use True or False")
@@ -305,6 +316,10 @@ class GuardConfig:
     ``"new"``, ``"continue"`` (the latest run), or a run id to continue."""
     extra: dict[str, object] = field(default_factory=dict)
     """Free-form metadata written into the ``start`` event (experiment name, git sha...)."""
+    factory_config: dict[str, object] = field(default_factory=dict)
+    """What a replay factory needs to build the model (its arguments, a small JSON-able
+    config): written into every bundle and passed to a ``--factory`` that takes an argument
+    (``def make_replay(config): ...``), so nothing is smuggled in through the environment."""
     spikes: SpikeConfig = field(default_factory=SpikeConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     inputs: InputConfig = field(default_factory=InputConfig)
@@ -325,6 +340,7 @@ class GuardConfig:
         restore_buffers: bool = True,
         run: str | None = None,
         extra: dict[str, object] | None = None,
+        factory_config: dict[str, object] | None = None,
         spikes: SpikeConfig | None = None,
         recovery: RecoveryConfig | None = None,
         inputs: InputConfig | None = None,
@@ -355,6 +371,7 @@ class GuardConfig:
         self.restore_buffers = restore_buffers
         self.run = run
         self.extra = dict(extra) if extra is not None else {}
+        self.factory_config = dict(factory_config) if factory_config is not None else {}
         self.spikes = spikes if spikes is not None else SpikeConfig()
         self.recovery = recovery if recovery is not None else RecoveryConfig()
         self.inputs = inputs if inputs is not None else InputConfig()
@@ -391,6 +408,7 @@ class GuardConfig:
         if not self.min_loss_scale > 0:
             raise ConfigError("min_loss_scale", f"got {self.min_loss_scale!r}; use a number > 0")
         _flag("restore_buffers", self.restore_buffers)
+        _json_able("factory_config", self.factory_config)
         try:
             check_run_option(self.run)
         except ValueError as exc:

@@ -185,7 +185,7 @@ def test_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_diagnosis_accuracy(tmp_path: Path) -> None:
     """The diagnosis comparison: every case scored for both tools; trainguard names the cause
     of every one of issue 55's cases (the table docs/diagnosis.md shows)."""
-    stdout, report = run_quick(tmp_path, "diagnosis_accuracy.py", timeout=110)
+    _stdout, report = run_quick(tmp_path, "diagnosis_accuracy.py", timeout=110)
     rows = report["rows"]
     assert rows and all({"trainguard", "anomaly + hooks"} <= set(r["tools"]) for r in rows)
     for row in rows:

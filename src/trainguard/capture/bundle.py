@@ -238,6 +238,12 @@ class Bundle:
         return bool(self.manifest["sharded"])
 
     @property
+    def factory_config(self) -> dict[str, Any] | None:
+        """``GuardConfig.factory_config`` as the run gave it (None: none given)."""
+        config = self.manifest.get("factory_config")
+        return config if isinstance(config, dict) else None
+
+    @property
     def files(self) -> dict[str, dict[str, Any]]:
         files: dict[str, dict[str, Any]] = self.manifest["files"]
         return files

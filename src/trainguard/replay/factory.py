@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import io
 import os
 import sys
@@ -41,7 +42,8 @@ class ReplaySpec:
     loss_fn: Callable[[nn.Module, Any], Tensor]
 
 
-Factory = Callable[[], Any]
+Factory = Callable[..., Any]
+"""``make()`` or ``make(config)``: the second gets the run's ``GuardConfig.factory_config``."""
 
 NO_ARGV_FIX = (
     "it parses the command line or exits when called, and a replay passes it no options: "
@@ -50,8 +52,11 @@ NO_ARGV_FIX = (
 )
 
 
-def resolve_factory(factory: str | Factory | ReplaySpec) -> ReplaySpec:
-    """A ReplaySpec from ``"module:func"`` / ``"path/to/file.py:func"``, a callable or a spec."""
+def resolve_factory(
+    factory: str | Factory | ReplaySpec, config: dict[str, Any] | None = None
+) -> ReplaySpec:
+    """A ReplaySpec from ``"module:func"`` / ``"path/to/file.py:func"``, a callable or a spec.
+    ``config``: the bundle's ``factory_config``, passed to a factory that takes an argument."""
     if isinstance(factory, ReplaySpec):
         return _checked(factory, "the ReplaySpec")
     name = factory if isinstance(factory, str) else getattr(factory, "__qualname__", "factory")
@@ -60,7 +65,7 @@ def resolve_factory(factory: str | Factory | ReplaySpec) -> ReplaySpec:
     if module is not None:  # the script's own batch types, defined in __main__ when it ran
         batchcodec.main_stand_in(module)
     argv0 = factory.rpartition(":")[0] if isinstance(factory, str) else None
-    made = _call(func, name, argv0)
+    made = _call(func, name, argv0, _arguments(func, name, config))
     if isinstance(made, ReplaySpec):
         return _checked(made, name)
     if isinstance(made, tuple) and len(made) == 2:
@@ -71,13 +76,36 @@ def resolve_factory(factory: str | Factory | ReplaySpec) -> ReplaySpec:
     )
 
 
-def _call(func: Factory, name: str, argv0: str | None) -> Any:
-    """``func()`` as a script would run it (``argv0``: ``sys.argv`` is ``[argv0]`` meanwhile;
-    None leaves it alone): its exit, or any exception but KeyboardInterrupt, is a
+def _arguments(func: Factory, name: str, config: dict[str, Any] | None) -> tuple[Any, ...]:
+    """``()`` for ``make()``, ``(config,)`` for ``make(config)`` (a ReplayError when the
+    bundle holds no config for it: the run gave the guard none)."""
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: called without arguments
+        return ()
+    required = [
+        p
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if not required:
+        return ()
+    if config is None:
+        raise ReplayError(
+            f"--factory {name}: it takes an argument (the run's factory_config), and the "
+            "bundle holds none: pass factory_config={...} to the Guard of the run, or make "
+            "the factory take no argument"
+        )
+    return (config,)
+
+
+def _call(func: Factory, name: str, argv0: str | None, args: tuple[Any, ...] = ()) -> Any:
+    """``func(*args)`` as a script would run it (``argv0``: ``sys.argv`` is ``[argv0]``
+    meanwhile; None leaves it alone): its exit, or any exception but KeyboardInterrupt, is a
     ReplayError."""
     with _as_script(argv0) as said:
         try:
-            return func()
+            return func(*args)
         except KeyboardInterrupt:
             raise
         except SystemExit as exc:

@@ -222,7 +222,7 @@ def replay(
     precision.check_option(autocast)
     opened = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
     target = _device(device)
-    spec = resolve_factory(factory)
+    spec = resolve_factory(factory, opened.factory_config)
 
     def run_rank(r: int) -> RunResult:
         return _prepare(opened, spec, r, target, autocast).runner.run(strict=True)

@@ -91,6 +91,8 @@ class StepEvidence:
     buffers: dict[str, Tensor] = field(default_factory=dict)
     """Buffers the step's forward changed, as they were before it (state-dict names): the
     bundle's weights start from the step's real start (``buffers.BufferKeeper.pre_step``)."""
+    factory_config: dict[str, Any] = field(default_factory=dict)
+    """``GuardConfig.factory_config``: the manifest's, for the replay factory."""
 
 
 def step_evidence(
@@ -359,6 +361,7 @@ def build_manifest(
         "python": platform.python_version(),
         "trainguard": _version(),
         "files": {name: r.to_manifest() for name, r in sorted(files.items())},
+        **({"factory_config": evidence.factory_config} if evidence.factory_config else {}),
     }
 
 

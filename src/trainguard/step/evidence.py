@@ -152,6 +152,7 @@ class StepEvidence:
         if overwritten:  # the loop refilled one input buffer: these hold a later one's data
             evidence.extra["overwritten_micro_batches"] = overwritten
         evidence.history = parts.history.bundle_history()
+        evidence.factory_config = dict(parts.config.factory_config)
         evidence.buffers = parts.start.buffers.pre_step(step)
         evidence.extra["autocast"] = autocast
         evidence.extra["pre_step_buffers"] = sorted(evidence.buffers)
