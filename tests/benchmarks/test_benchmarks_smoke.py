@@ -124,7 +124,8 @@ def test_fixed_cost(tmp_path: Path) -> None:
             assert positive(entry["ratio"]) and len(entry["fixed_cost_ci95_us"]) == 2, name
     target = report["target"]  # the keys fixed_cost*.json of earlier runs have, and issue 52's
     assert {"limit_us", "guard_check_us", "met", "minimal_us", "text"} <= set(target)
-    assert target["limit_ratio"] == 1.25 and positive(target["guard_over_minimal"])
+    ratio = target["guard_over_minimal"]  # None: a few quick rounds left minimal's cost <= 0
+    assert target["limit_ratio"] == 1.25 and (ratio is None or positive(ratio))
     assert target["verdict"] in ("met", "missed", "within noise")
 
 

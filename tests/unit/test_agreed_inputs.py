@@ -95,8 +95,8 @@ def test_the_agreement_and_the_options_hold_plain_values() -> None:
                     continue
                 allowed = (list, tuple, dict, int, float, bool, str, Path, object, type(None))
                 assert leaf in allowed, (record, field.name, leaf)
-                if leaf is object:  # GuardConfig.extra: the start event's metadata
-                    assert field.name == "extra"
+                if leaf is object:  # the start event's metadata; the replay factory's config
+                    assert field.name in ("extra", "factory_config")
         names = {field.name for field in dataclasses.fields(record)}
         assert not names & PER_RANK_NAMES, record
 
