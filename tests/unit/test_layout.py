@@ -120,7 +120,7 @@ def test_import_trainguard_imports_no_torch() -> None:
     """``trainguard --version``, ``report`` and ``trainguard run``'s bootstrap pay for what
     they use: the public names that need torch are imported when first used."""
     code = (
-        "import sys, trainguard, trainguard.cli\n"
+        "import sys, trainguard, trainguard.cli, trainguard.attach.launch\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
         "assert trainguard.Guard.__name__ == 'Guard' and 'torch' in sys.modules\n"
     )

@@ -33,7 +33,6 @@ from types import FrameType
 from trainguard.attach.options import RunOptions, child_env, launcher_of
 from trainguard.attach.status import unguarded_reasons
 from trainguard.errors import ConfigError
-from trainguard.hang.rules import own_failure
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +138,10 @@ def guard_exit_code(run_dir: Path, since: float) -> int | None:
 
 def raised_by_culprit(report: dict[str, object]) -> bool:
     """A peer failure the failing rank published itself (its exception), not a rank that
-    died, froze or left without a word (``rules.own_failure``)."""
+    died, froze or left without a word (``rules.own_failure``: imported here, after the
+    command, so that ``trainguard run`` starts without torch)."""
+    from trainguard.hang.rules import own_failure
+
     return own_failure(report.get("kind"), report.get("culprits"), report.get("decided_by"))
 
 
