@@ -33,6 +33,21 @@ def to_jsonable(value: Any) -> Any:
     return value
 
 
+def number(value: Any) -> float | None:
+    """A float from a JSON value as ``to_jsonable`` wrote it (``"nan"``/``"inf"``/``"-inf"``
+    strings included), else None (a bool, None, anything else)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
 logger = logging.getLogger(__name__)
 
 Listener = Callable[[dict[str, Any]], None]

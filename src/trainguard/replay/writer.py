@@ -21,26 +21,13 @@ from typing import Any
 
 from torch import Tensor
 
+from trainguard.events import number
 from trainguard.replay.optimizer import Hyper, OptimizerView, ParamGroup
 from trainguard.replay.values import format_number
 
 APPLIED = ("ok", "warn")
 """History decisions whose update was (``ok``) or may have been applied (``warn``: the guard
 only warned; a loop that steps anyway applies it)."""
-
-
-def number(value: Any) -> float | None:
-    """A history value: a number, ``"nan"`` / ``"inf"`` / ``"-inf"``, or None."""
-    if isinstance(value, bool) or value is None:
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
 
 
 def record_lrs(record: dict[str, Any]) -> list[float | None]:

@@ -111,11 +111,6 @@ def read_json(path: Path, run_dir: Path, skipped: Skipped) -> dict[str, Any] | N
         return None
     return value
 
-
-def number(value: Any) -> float | None:
-    """A float from a JSON value (``"nan"``/``"inf"`` strings included), else None."""
-    if isinstance(value, bool):
-        return None
     if isinstance(value, (int, float)):
         return float(value)
     if isinstance(value, str):

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainguard.events import number
 from trainguard.report.crashes import read_crashes, with_comm_errors
 from trainguard.report.decisions import decision_counts, metric_decisions, metric_nonfinite
 from trainguard.report.ending import ending
@@ -23,7 +24,6 @@ from trainguard.report.readers import (
     Skipped,
     float_of,
     int_of,
-    number,
     read_captures,
     read_events,
     read_hangs,

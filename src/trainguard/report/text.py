@@ -6,8 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.capture import batchpaths
+from trainguard.events import number
 from trainguard.report.crashes import crash_line
-from trainguard.report.readers import int_of, number
+from trainguard.report.readers import int_of
 from trainguard.report.runs import LEGACY
 from trainguard.report.summary import RunSummary
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trainguard.report.readers import number
+from trainguard.events import number
 
 PHASES = ("data", "compute")
 
