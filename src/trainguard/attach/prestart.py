@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as module_hooks
+from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
 from trainguard.attach.discovery import in_training
@@ -46,26 +47,39 @@ SAMPLED_VALUES = 8
 
 def parameter_sample(module: nn.Module) -> list[Tensor]:
     """A few values of each of the module's first parameters, copied (a manual update of
-    the parameters changes them: ``PreStart``)."""
+    the parameters changes them: ``PreStart``). Lazy (not materialised) and meta parameters
+    are passed over."""
     sample = []
     for param in module.parameters():
-        if param.numel() and not param.is_meta:
-            sample.append(param.detach().reshape(-1)[:SAMPLED_VALUES].clone())
-            if len(sample) == SAMPLED_PARAMS:
-                break
+        if is_lazy(param) or param.is_meta or not param.numel():
+            continue
+        sample.append(param.detach().reshape(-1)[:SAMPLED_VALUES].clone())
+        if len(sample) == SAMPLED_PARAMS:
+            break
     return sample
 
 
-def sample_changed(module: nn.Module, sample: list[Tensor]) -> bool:
-    """Whether the parameters' sampled values differ from ``sample`` (NaN-aware)."""
-    now = parameter_sample(module)
-    if len(now) != len(sample):
-        return True
-    return not all(_same(a, b) for a, b in zip(now, sample, strict=True))
+def sample_changed(module: nn.Module, zero: StepZero) -> bool:
+    """Whether the parameters' sampled values differ from ``zero.sample`` (NaN-aware). A
+    sample that cannot be compared (lazy parameters materialised since, the module moved to
+    another device or dtype) is taken again instead: never a finding, never an error in the
+    user's forward."""
+    try:
+        now = parameter_sample(module)
+        comparable = len(now) == len(zero.sample) and all(
+            (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device)
+            for a, b in zip(now, zero.sample, strict=True)
+        )
+        if not comparable:
+            zero.sample = now
+            return False
+        return not all(_same(a, b) for a, b in zip(now, zero.sample, strict=True))
+    except Exception:  # a module of unusual parameters: no finding
+        return False
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
-    return a.shape == b.shape and bool((a.eq(b) | (a.isnan() & b.isnan())).all())
+    return bool((a.eq(b) | (a.isnan() & b.isnan())).all())
 
 
 def batch_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -153,7 +167,7 @@ class PreStart:
                 return
             zero = self._start(module)
             self.calls[id(module)] = zero
-        elif self.on_manual_update is not None and sample_changed(module, zero.sample):
+        elif self.on_manual_update is not None and sample_changed(module, zero):
             self.on_manual_update(module)
             return
         self._recording = zero  # its micro-batch: when the call ends (``_post``)
@@ -181,5 +195,8 @@ class PreStart:
         keeper = BufferKeeper(module)
         keeper.begin(0)
         zero = StepZero(module, rng_state(), autocast_state(device_type), keeper)
-        zero.sample = parameter_sample(module)
+        try:
+            zero.sample = parameter_sample(module)
+        except Exception:  # unusual parameters: no sample, no finding
+            zero.sample = []
         return zero
