@@ -117,6 +117,7 @@ class DropWatch:
             restore()
         self._restore = []
         self._guard = None
+        self._owners, self._samples, self._marks = (), [], []  # the script's objects: let go
 
     def _wrap(self, cls: type) -> None:
         original = vars(cls)["zero_grad"]

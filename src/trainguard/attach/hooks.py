@@ -176,7 +176,10 @@ class Attacher:
         self.close()
 
     def close(self) -> None:
-        """Close the guard (its watchdog stops watching): at the end of training."""
+        """Close the guard (its watchdog stops watching): at the end of training. The exit
+        hook goes with it: registered, it kept this attacher, and with it the script's model
+        (a DDP module the process's hang probe then still finds), alive until exit."""
+        atexit.unregister(self.close)
         guard, self.guard = self.guard, None
         if guard is None:
             return
@@ -188,6 +191,7 @@ class Attacher:
             logger.warning("trainguard run: the guard did not close cleanly: %s", exc)
 
     def _remove_hooks(self) -> None:
+        atexit.unregister(self._never_stepped)
         self._prestart.remove()
         self._clip.remove()
         self._drops.remove()
