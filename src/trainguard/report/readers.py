@@ -111,15 +111,6 @@ def read_json(path: Path, run_dir: Path, skipped: Skipped) -> dict[str, Any] | N
         return None
     return value
 
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
-
 
 def _relative(path: Path, run_dir: Path) -> str:
     try:
