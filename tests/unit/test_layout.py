@@ -18,7 +18,7 @@ BASE = "base"
 TOP = "top"
 """Top-level modules above the parts: they may import anything."""
 TOP_MODULES = {"__init__", "__main__", "cli", "demo", "testing", "doctor", "report"}
-BASE_PACKAGES = {"runs", "distributed"}
+BASE_PACKAGES = {"runs", "distributed", "config"}
 """Packages of the base layer: shared plumbing below every part, like the base modules."""
 MAX_TOP_LEVEL = 12
 """Modules at the package's top level, at most (DESIGN.md)."""

@@ -1,11 +1,12 @@
 """docs/options.md is the options' own text: every option, its name, default and docstring,
-read from ``trainguard/config.py`` itself, so the page cannot go stale. Regenerate it with
+read from ``trainguard/config/`` itself, so the page cannot go stale. Regenerate it with
 ``python tests/unit/test_options_doc.py``."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "options.md"
 
 HEAD = """# Options
 
-Every option of `tg.Guard`, generated from `src/trainguard/config.py` (the text is each
+Every option of `tg.Guard`, generated from `src/trainguard/config/` (the text is each
 option's docstring; `tests/unit/test_options_doc.py` keeps this page equal to it).
 
 `GuardConfig` holds what the step itself uses; each section is read by one part of the
@@ -32,7 +33,7 @@ spikes.warmup now`).
 
 def _docstrings(cls: type) -> dict[str, str]:
     """The docstring under each field of ``cls`` (attribute docstrings, read from source)."""
-    tree = ast.parse(Path(options.__file__).read_text())
+    tree = ast.parse(Path(inspect.getsourcefile(cls) or "").read_text())
     body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
     found: dict[str, str] = {}
     for node, after in zip(body.body, body.body[1:], strict=False):

@@ -111,7 +111,7 @@ class Guard(GuardAssembly):
                 replica_check_every=replica_check_every,
                 on_divergence=on_divergence,
                 run=run,
-                **_more_options(options),  # sections and any option by name (config.py)
+                **_more_options(options),  # sections and any option by name (trainguard.config)
             ),
             _KEYWORD_DEFAULTS,
         )
