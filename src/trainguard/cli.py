@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard import __version__
-from trainguard.errors import ConfigError, TrainGuardError
+from trainguard.errors import TrainGuardError
 from trainguard.events import to_jsonable
 
 EXIT_OK = 0
@@ -395,7 +395,8 @@ def _non_negative_seconds(text: str) -> float:
 
 def _run(args: argparse.Namespace) -> int:
     from trainguard.attach.launch import run_command
-    from trainguard.attach.options import RunOptions
+    from trainguard.attach.options import RunOptions, named_options
+    from trainguard.attach.status import unguarded_line
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     options = RunOptions(
@@ -406,58 +407,12 @@ def _run(args: argparse.Namespace) -> int:
         check_inputs=args.check_inputs,
         ignore_inputs=tuple(args.ignore_inputs),
         allow_masks=args.allow_masks,
-        options=_named_options(args.option),
+        options=named_options(args.option),
     )
     finished = run_command(command, options)
     if not finished.attached:
-        print(_unguarded_line(args.run_dir, finished.reasons, finished.own_guard), file=sys.stderr)
+        print(unguarded_line(args.run_dir, finished.reasons, finished.own_guard), file=sys.stderr)
     return finished.code
-
-
-def _named_options(pairs: list[str]) -> dict[str, object]:
-    """``--option NAME=VALUE`` pairs, each value parsed as its option's type (ConfigError
-    naming the option, or ``--option`` for a pair without ``=``)."""
-    from trainguard.config import flat_options, options_config
-
-    texts: dict[str, str] = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep or not name.strip():
-            raise ConfigError("--option", f"got {pair!r}; use NAME=VALUE, e.g. spikes.warmup=20")
-        texts[name.strip()] = value
-    parsed = options_config(texts, text=True)
-    values = flat_options(parsed)
-    return {name: _plain(values[_where(name)]) for name in texts}
-
-
-def _where(name: str) -> str:
-    """The ``flat_options`` name of a name ``options_config`` takes (a keyword's section)."""
-    from trainguard.config import KEYWORDS
-
-    if name in KEYWORDS:
-        section, key = KEYWORDS[name]
-        return f"{section}.{key}"
-    return name
-
-
-def _plain(value: object) -> object:
-    """A parsed option as JSON carries it to the job's processes (``TRAINGUARD_RUN``)."""
-    return list(value) if isinstance(value, tuple) else value
-
-
-def _unguarded_line(run_dir: str, reasons: list[str], own_guard: bool) -> str:
-    """The last word of a run trainguard run did not guard: the script's own guard kept it,
-    the reasons the processes left, or, where none left one, that none installed the hooks."""
-    if own_guard:
-        return f"trainguard run: not attached: the script's own guard kept the run ({reasons[0]})"
-    if reasons:
-        return f"trainguard run: the run was not guarded: {'; '.join(reasons)}"
-    return (
-        f"trainguard run: the run was not guarded (no guard events in {run_dir}): no process "
-        "of the command imported torch with trainguard's bootstrap on its path (python -I, "
-        "-E or -S, or a launcher that resets PYTHONPATH: docs/run.md), or none ran a "
-        "training step"
-    )
 
 
 if __name__ == "__main__":

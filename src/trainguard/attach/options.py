@@ -18,7 +18,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from trainguard.config import GuardConfig, NonFiniteAction, options_config
+from trainguard.config import (
+    KEYWORDS,
+    GuardConfig,
+    NonFiniteAction,
+    flat_options,
+    options_config,
+)
 from trainguard.errors import ConfigError
 
 ENV_VAR = "TRAINGUARD_RUN"
@@ -122,3 +128,30 @@ def from_env(raw: str | None) -> RunOptions | None:
 
 def describe_command(command: Sequence[str]) -> str:
     return shlex.join(command)
+
+
+def named_options(pairs: list[str]) -> dict[str, object]:
+    """``--option NAME=VALUE`` pairs, each value parsed as its option's type (ConfigError
+    naming the option, or ``--option`` for a pair without ``=``)."""
+    texts: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError("--option", f"got {pair!r}; use NAME=VALUE, e.g. spikes.warmup=20")
+        texts[name.strip()] = value
+    parsed = options_config(texts, text=True)
+    values = flat_options(parsed)
+    return {name: _plain(values[_where(name)]) for name in texts}
+
+
+def _where(name: str) -> str:
+    """The ``flat_options`` name of a name ``options_config`` takes (a keyword's section)."""
+    if name in KEYWORDS:
+        section, key = KEYWORDS[name]
+        return f"{section}.{key}"
+    return name
+
+
+def _plain(value: object) -> object:
+    """A parsed option as JSON carries it to the job's processes (``TRAINGUARD_RUN``)."""
+    return list(value) if isinstance(value, tuple) else value

@@ -54,3 +54,18 @@ def unguarded_reasons(run_dir: Path | str, since: float) -> tuple[list[str], boo
         if reason not in reasons:
             reasons.append(reason)
     return reasons, own and bool(reasons)
+
+
+def unguarded_line(run_dir: str, reasons: list[str], own_guard: bool) -> str:
+    """The last word of a run trainguard run did not guard: the script's own guard kept it,
+    the reasons the processes left, or, where none left one, that none installed the hooks."""
+    if own_guard:
+        return f"trainguard run: not attached: the script's own guard kept the run ({reasons[0]})"
+    if reasons:
+        return f"trainguard run: the run was not guarded: {'; '.join(reasons)}"
+    return (
+        f"trainguard run: the run was not guarded (no guard events in {run_dir}): no process "
+        "of the command imported torch with trainguard's bootstrap on its path (python -I, "
+        "-E or -S, or a launcher that resets PYTHONPATH: docs/run.md), or none ran a "
+        "training step"
+    )

@@ -301,7 +301,15 @@ def config_of(
 ) -> GuardConfig:
     """``Guard``'s configuration: ``config`` when given, else one built from the keyword
     ``options`` (``options_config``). Keywords changed from their ``defaults`` beside
-    ``config`` are refused, not dropped (which one would win is a guess)."""
+    ``config`` are refused, not dropped (which one would win is a guess). ``extra`` is
+    refused as a keyword: ``Guard``'s ``extra_state`` is the loop's stateful objects,
+    ``extra`` the start event's metadata, which goes in the ``GuardConfig``."""
+    if "extra" in options:
+        raise ConfigError(
+            "extra",
+            "pass it as config=GuardConfig(..., extra={...}) (the start event's metadata); "
+            "extra_state= is for the loop's own stateful objects",
+        )
     if config is None:  # a keyword left at its default does not undo a section's value
         changed = {k: v for k, v in options.items() if k not in defaults or v != defaults[k]}
         return options_config(changed)

@@ -60,7 +60,7 @@ from trainguard.step.step_start import StepStart
 from trainguard.step.syncfree import SyncFreeParts, SyncFreeStep
 from trainguard.step.transient import RerunParts, TransientFaults
 from trainguard.step.types import Agreement, Decision
-from trainguard.step.unclosed import UnclosedParts
+from trainguard.step.unclosed import UnclosedParts, error_text
 from trainguard.step.update_drop import UpdateDrop
 from trainguard.user_hooks import eager_module
 
@@ -362,6 +362,36 @@ class GuardAssembly:
 
     def _decide(self, agreement: Agreement) -> Decision:
         return decide(agreement, self.config, self.state.consecutive_nonfinite)
+
+    # -- taking the parts down ------------------------------------------------------------
+
+    def _stop_parts(self, ended_by: BaseException | None) -> None:
+        """Stop what ``_start_run`` started and close what the parts hold open: the
+        watchdog, the save marks and busy probe, the ``close`` event (``ended_by``: the
+        exception that ended the run), the logs, the step timer, the held collective."""
+        self.progress.enter("closed")
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        for part in (self._saves, self._busy):  # torch.save as it was; no probe
+            if part is not None:
+                part.close()
+        error = {} if ended_by is None else {"error": error_text(ended_by)}
+        self.events.write(
+            "close", self.state.step, total_nonfinite=self.state.total_nonfinite, **error
+        )
+        self.events.close()
+        self.history.close()
+        self._start.close()
+        if self._timer is not None:
+            self._timer.close()
+        self._consensus.work.retire()  # released here, not by gloo's thread
+        self._run_dir_claim()
+
+    def _abandon_build(self) -> None:
+        """A build that raised (a refused option or resume): close what it opened so far."""
+        for part in (getattr(self, "_start", None), getattr(self, "_timer", None)):
+            if part is not None:
+                part.close()
 
     # -- what the parts call back into (the loop's API, in ``Guard``) ----------------------
 

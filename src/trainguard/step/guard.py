@@ -44,7 +44,6 @@ from trainguard.step.join import join_error, shadowed_in_join
 from trainguard.step.losses import LossLike
 from trainguard.step.rerun import LossFn
 from trainguard.step.types import DROPPED_BY_LOOP, DROPPED_WITH_SCALER, Agreement, Decision
-from trainguard.step.unclosed import error_text
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +110,7 @@ class Guard(GuardAssembly):
                 replica_check_every=replica_check_every,
                 on_divergence=on_divergence,
                 run=run,
-                **_more_options(options),  # sections and any option by name (trainguard.config)
+                **options,  # sections and any option by name (trainguard.config)
             ),
             _KEYWORD_DEFAULTS,
         )
@@ -135,9 +134,7 @@ class Guard(GuardAssembly):
                     ", ".join(objects.extra),
                 )
         except BaseException:  # a refused option or resume: the model keeps no hook of ours
-            for part in (getattr(self, "_start", None), getattr(self, "_timer", None)):
-                if part is not None:
-                    part.close()
+            self._abandon_build()
             raise
         self._start_run(identity, process_group)
 
@@ -415,23 +412,7 @@ class Guard(GuardAssembly):
             if raise_errors and self.recovery is not None:
                 self.recovery.close()  # every rank: a background checkpoint write completes
         finally:
-            self.progress.enter("closed")
-            if self._watchdog is not None:
-                self._watchdog.stop()
-            for part in (self._saves, self._busy):  # torch.save as it was; no probe
-                if part is not None:
-                    part.close()
-            error = {} if ended_by is None else {"error": error_text(ended_by)}
-            self.events.write(
-                "close", self.state.step, total_nonfinite=self.state.total_nonfinite, **error
-            )
-            self.events.close()
-            self.history.close()
-            self._start.close()
-            if self._timer is not None:
-                self._timer.close()
-            self._consensus.work.retire()  # released here, not by gloo's thread
-            self._run_dir_claim()
+            self._stop_parts(ended_by)
 
     def __enter__(self) -> Guard:
         return self
@@ -445,19 +426,6 @@ class Guard(GuardAssembly):
         if exc is not None and self._watchdog is not None:
             self._watchdog.publish_failure(exc)  # tell the other ranks (not NonFiniteError)
         self._close(raise_errors=exc is None, ended_by=exc)
-
-
-def _more_options(options: dict[str, Any]) -> dict[str, Any]:
-    """``Guard``'s keywords beyond its own parameters: a section (``spikes=SpikeConfig(...)``)
-    or any option by name (``options_config`` checks them). ``extra`` is refused here:
-    ``extra_state`` is the loop's stateful objects, ``extra`` the start event's metadata."""
-    if "extra" in options:
-        raise ConfigError(
-            "extra",
-            "pass it as config=GuardConfig(..., extra={...}) (the start event's metadata); "
-            "extra_state= is for the loop's own stateful objects",
-        )
-    return options
 
 
 _KEYWORD_DEFAULTS: dict[str, object] = {
