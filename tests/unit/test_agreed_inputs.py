@@ -26,6 +26,7 @@ from trainguard.health.replicas import ReplicaWatch, majority
 from trainguard.health.stragglers import StragglerWatch
 from trainguard.recovery.ladder import rung_for
 from trainguard.step import policy
+from trainguard.step.pipeline import StepPipeline
 from trainguard.step.spikes import DeviceSpikeDetector, SpikeDetector
 from trainguard.step.spikewatch import SpikeWatch
 from trainguard.step.transient import origin_ranks
@@ -34,7 +35,8 @@ from trainguard.step.types import Agreement
 RULES: list[Callable[..., Any]] = [
     policy.decide,
     SpikeWatch.judge,
-    SpikeWatch.judge_values,
+    SpikeWatch.read,
+    StepPipeline.decide,
     SpikeDetector.observe,
     DeviceSpikeDetector.observe,
     StragglerWatch.observe,
@@ -44,8 +46,8 @@ RULES: list[Callable[..., Any]] = [
     origin_ranks,
     rung_for,
 ]
-"""The decisions' rules: non-finite steps, spikes (host and device), stragglers, replicas,
-learning rates, a rerun's origin, the rollback ladder."""
+"""The decisions' rules: the pipeline's decide stage, non-finite steps, spikes (host and
+device), stragglers, replicas, learning rates, a rerun's origin, the rollback ladder."""
 
 PLAIN = (int, float, bool, str, type(None), torch.Tensor, Agreement, GuardConfig)
 """What a rule may be handed: numbers (agreed ones; a device rule's agreed tensors), the

@@ -39,17 +39,17 @@ def _batches(count: int) -> list[tuple[Tensor, Tensor]]:
 
 
 class _FullPathCount:
-    """Counts the steps the full path measured (``Guard._measure``)."""
+    """Counts the steps the full path measured (``StepPipeline.measure``)."""
 
     def __init__(self, guard: tg.Guard) -> None:
         self.steps: list[int] = []
-        measure = guard._measure
+        measure = guard._pipeline.measure
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.steps.append(guard.state.step)
             return measure(*args, **kwargs)
 
-        guard._measure = counted  # type: ignore[assignment]
+        guard._pipeline.measure = counted  # type: ignore[assignment]
 
 
 def _run(run_dir: Path, lone: bool, shape: str = "plain", **options: Any) -> dict[str, Any]:
@@ -72,7 +72,7 @@ def _run(run_dir: Path, lone: bool, shape: str = "plain", **options: Any) -> dic
     )
     guard = tg.Guard(model, opt, config=config)
     if not lone:
-        guard._lone = None
+        guard._pipeline.alone = None
     full = _FullPathCount(guard)
     oks = []
     torch.manual_seed(2)  # dropout
@@ -177,7 +177,7 @@ def test_usual_steps_take_the_lone_path_and_change_nothing(tmp_path: Path, shape
 def test_lone_path_is_built_for_a_world_of_one_only(tmp_path: Path) -> None:
     model = _model()
     guard = tg.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=tmp_path)
-    assert guard._lone is not None and guard.world_size == 1
+    assert guard._pipeline.alone is not None and guard.world_size == 1
     guard.close()
 
 
@@ -252,7 +252,9 @@ def test_float64_inputs_take_the_full_path(tmp_path: Path) -> None:
         opt.zero_grad()
     guard.close()
     assert full.steps == [0, 1, 2]
-    assert guard._lone is not None and guard._lone.active  # per step, not for good
+    assert (
+        guard._pipeline.alone is not None and guard._pipeline.alone.active
+    )  # per step, not for good
 
 
 def test_sparse_gradients_turn_the_lone_path_off_for_the_run(tmp_path: Path) -> None:
@@ -268,7 +270,7 @@ def test_sparse_gradients_turn_the_lone_path_off_for_the_run(tmp_path: Path) -> 
         opt.zero_grad()
     guard.close()
     assert full.steps == [0, 1, 2]
-    assert guard._lone is not None and not guard._lone.active
+    assert guard._pipeline.alone is not None and not guard._pipeline.alone.active
 
 
 def test_a_gradscaler_takes_the_full_path(tmp_path: Path) -> None:
@@ -359,7 +361,7 @@ def test_a_tensor_learning_rate_is_judged_as_on_the_full_path(tmp_path: Path) ->
         )
         guard = tg.Guard(model, opt, config=config)
         if not lone:
-            guard._lone = None
+            guard._pipeline.alone = None
         gen = torch.Generator().manual_seed(0)
         data = [(torch.randn(4, 4, generator=gen), torch.randn(4, 1, generator=gen))] * 8
         for step, (x, y) in enumerate(guard.watch(data)):
@@ -392,7 +394,7 @@ def test_fsdp2_shards_turn_the_lone_path_off_for_the_run(tmp_path: Path) -> None
         cpu_fully_shard(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         guard = tg.Guard(model, opt, run_dir=tmp_path / "run", hang_timeout=0)
-        lone = guard._lone
+        lone = guard._pipeline.alone
         assert lone is not None and lone.active  # built: a world of one
         full = _FullPathCount(guard)
         tried: list[int] = []  # the fused pass (it would refuse DTensors too: found before)

@@ -1,15 +1,16 @@
 """Acting on the step's decision, the same on every rank (``policy.decide`` made it).
 
-``OK``: the spike rule judges it first (``judge_spike``, before the step is recorded, so a
-spike it skips is recorded as one); a spike it skips or escalates goes to ``apply_spike``
-(dropped like a non-finite step); else the counters learn a good step, recovery notes it, the
-gradients are clipped by the agreed global norm. ``OVERFLOW`` (fp16 with a GradScaler): the
-scaler's skip, counted. ``DROPPED`` (``trainguard run``: a rank's loop left the update out
-itself): the update dropped on every rank, not counted bad.
+``OK``: the spike rule judged it first (the pipeline's decide stage, before the step is
+recorded, so a spike it skips is recorded as one); a spike it skips or escalates goes to
+``apply_spike`` (dropped like a non-finite step); else the counters learn a good step,
+recovery notes it, the gradients are clipped by the agreed global norm. ``OVERFLOW`` (fp16
+with a GradScaler): the scaler's skip, counted. ``DROPPED`` (``trainguard run``: a rank's
+loop left the update out itself): the update dropped on every rank, not counted bad.
 ``SKIP`` / ``RAISE`` / ``ESCALATE``: the step is counted bad, logged (``nonfinite``), captured
 on the first occurrence and on escalation (``evidence``), its update dropped (``drop``:
 gradients cleared, buffers put back); ``RAISE``/``ESCALATE`` raise the stop error, unless
-``on_escalation="rollback"`` rolls the run back and goes on.
+``on_escalation="rollback"`` rolls the run back and goes on. A sync-free step read a step
+late (``late``) had its update left out on the device already: the same, minus the drop.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from trainguard.errors import NonFiniteError
 from trainguard.events import EventLog
 from trainguard.recovery import Recovery, record_final_stop
 from trainguard.step import amp
+from trainguard.step.deferred import PendingStep
 from trainguard.step.detect import GradStats, clip_
 from trainguard.step.evidence import StepEvidence
 from trainguard.step.hyperparams import nonfinite_hyperparameters
@@ -63,14 +65,6 @@ class DecisionApply:
     def __init__(self, parts: ApplyParts) -> None:
         self._parts = parts
 
-    def judge_spike(
-        self, step: int, loss: float, grad_norm: float, lr: float | None
-    ) -> Decision | None:
-        """The spike rule on a finite, agreed step (once per step, before it is recorded):
-        ``SPIKE`` (skip it), ``ESCALATE``, or None (a good step: ``apply_good``). Every value
-        agreed, the learning rate too (``Agreement.lr``)."""
-        return self._parts.spikes.judge_values(loss, grad_norm, lr, step)
-
     def apply(
         self,
         decision: Decision,
@@ -78,12 +72,21 @@ class DecisionApply:
         stats: GradStats,
         step: int,
         spike: Decision | None = None,
+        loss_known: bool = True,
+        late: PendingStep | None = None,
+        raise_errors: bool = True,
     ) -> bool:
-        """Act on the step's decision; ``spike``: ``judge_spike``'s verdict on an OK step."""
+        """Act on the step's decision; ``spike``: the spike rule's verdict on an OK step.
+        ``late``: a sync-free step read a step late: the device already left a bad step's
+        update out (``found_inf``) and put its buffers back, and clipped a good one;
+        ``raise_errors`` False (the run unwinds): such a step is neither captured nor raised
+        at, as the other ranks may not join."""
         parts = self._parts
         if decision is Decision.OK:
             if spike is not None:
-                return self.apply_spike(spike, agreement, stats, step)
+                return self.apply_spike(
+                    spike, agreement, stats, step, loss_known, late, raise_errors
+                )
             return self.apply_good(step, agreement.mean_loss, agreement.grad_norm(), stats.grads)
         if decision is Decision.DROPPED:
             return self.apply_dropped(agreement, step)
@@ -99,9 +102,11 @@ class DecisionApply:
         if parts.recovery is not None:
             parts.recovery.after_step(step, False, agreement.mean_loss)
         self.log_nonfinite(decision, agreement, stats, step)
-        bundle = parts.evidence.capture(decision, agreement, stats, step)
+        bundle = self._capture(decision, agreement, stats, step, loss_known, late, raise_errors)
         if decision is Decision.ESCALATE and self._rolled_back(step):
             return False
+        if late is not None:
+            return self._bad_late(decision, agreement, step, bundle, raise_errors)
         if decision is Decision.SKIP:
             restored = parts.drop(step)
             consecutive = parts.state.consecutive_nonfinite
@@ -110,6 +115,43 @@ class DecisionApply:
             parts.drop(step)
             raise self.stop_error(decision, agreement, step, bundle)
         return False
+
+    def _bad_late(
+        self,
+        decision: Decision,
+        agreement: Agreement,
+        step: int,
+        bundle: Path | None,
+        raise_errors: bool,
+    ) -> bool:
+        """A bad sync-free step read late: its update was left out on the device ("warn"
+        too: ``found_inf`` skips it), so it is counted a skip, or the run stops."""
+        parts = self._parts
+        if decision in (Decision.SKIP, Decision.WARN):
+            consecutive = parts.state.consecutive_nonfinite
+            parts.events.write("skip", step, consecutive=consecutive)
+        elif raise_errors:
+            raise self.stop_error(decision, agreement, step, bundle)
+        return False
+
+    def _capture(
+        self,
+        decision: Decision,
+        agreement: Agreement,
+        stats: GradStats,
+        step: int,
+        loss_known: bool,
+        late: PendingStep | None,
+        raise_errors: bool,
+        spike: bool = False,
+    ) -> Path | None:
+        """The bundle, when one is due (``StepEvidence.capture``); none for a late step while
+        the run unwinds."""
+        if late is not None and not raise_errors:
+            return None
+        return self._parts.evidence.capture(
+            decision, agreement, stats, step, late, spike=spike, loss_known=loss_known
+        )
 
     def apply_good(self, step: int, loss: float, grad_norm: float, grads: list[Tensor]) -> bool:
         """A finite, agreed step the spike rule let through (the full path's and a world of
@@ -146,24 +188,32 @@ class DecisionApply:
         return False
 
     def apply_spike(
-        self, decision: Decision, agreement: Agreement, stats: GradStats, step: int
+        self,
+        decision: Decision,
+        agreement: Agreement,
+        stats: GradStats,
+        step: int,
+        loss_known: bool = True,
+        late: PendingStep | None = None,
+        raise_errors: bool = True,
     ) -> bool:
-        """A spike skipped (``SPIKE``) or escalated: no update, as for a non-finite step."""
+        """A spike skipped (``SPIKE``) or escalated: no update, as for a non-finite step
+        (``late``: left out on the device already, as ``apply``)."""
         parts = self._parts
-        bundle = parts.evidence.capture(decision, agreement, stats, step, spike=True)
-        restored = parts.drop(step)
+        bundle = self._capture(
+            decision, agreement, stats, step, loss_known, late, raise_errors, True
+        )
+        restored = {} if late is not None else {"buffers_restored": parts.drop(step)}
         if parts.recovery is not None:
             parts.recovery.after_step(step, False, agreement.mean_loss)
         if decision is Decision.ESCALATE:
-            if self._rolled_back(step, parts.spikes.consecutive):
+            if self._rolled_back(step, parts.spikes.consecutive) or not raise_errors:
                 return False
             error = parts.spikes.error(step, bundle)
             record_final_stop(parts.config, parts.rank, error, parts.recovery, "spike")
             raise error
         consecutive = parts.spikes.consecutive
-        parts.events.write(
-            "skip", step, reason="spike", consecutive=consecutive, buffers_restored=restored
-        )
+        parts.events.write("skip", step, reason="spike", consecutive=consecutive, **restored)
         return False
 
     def _rolled_back(self, step: int, consecutive: int | None = None) -> bool:

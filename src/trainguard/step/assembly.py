@@ -3,9 +3,10 @@
 ``GuardAssembly`` builds the parts in the order they need each other (the agreement's group
 and the run's event log, the per-step path, the health rules, then the decision's parts and
 the services that start the run) and hands each part an explicit view of the others (the
-``*Parts`` dataclasses: ``MeasureParts``, ``ApplyParts``, ``SyncFreeParts``, ...), with the
-small decision callbacks they share. ``Guard`` (``step/guard.py``) is the loop's API on top:
-``watch``, ``check``, ``step``, ``phase``, the state and the lifecycle.
+``*Parts`` dataclasses: ``MeasureParts``, ``ApplyParts``, ``EvidenceParts``, ...), and
+composes the per-step ones into the one pipeline (``StepPipeline``). ``Guard``
+(``step/guard.py``) is the loop's API on top: ``watch``, ``check``, ``step``, ``phase``, the
+state and the lifecycle.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 from trainguard.config import GuardConfig
 from trainguard.distributed.elastic import agree_attempt
@@ -49,17 +50,16 @@ from trainguard.step.measure import MeasureParts, StepMeasure
 from trainguard.step.metrics_log import MetricsLog, metrics_path
 from trainguard.step.metrics_view import Dashboard
 from trainguard.step.no_gradients import NoGradientsCheck
-from trainguard.step.policy import decide
+from trainguard.step.pipeline import HealthRules, StepPipeline
 from trainguard.step.recorded_batches import RecordedBatches, report_overwritten
 from trainguard.step.rerun import LossFn, StepRerun
 from trainguard.step.sampler import SamplerEpochs
-from trainguard.step.single_process import LoneParts, LoneStep
+from trainguard.step.single_process import AloneMeasure
 from trainguard.step.spikewatch import SpikeWatch
 from trainguard.step.state import RECORDED_STEPS, GuardState
 from trainguard.step.step_start import StepStart
-from trainguard.step.syncfree import SyncFreeParts, SyncFreeStep
+from trainguard.step.syncfree import SyncFreeStep
 from trainguard.step.transient import RerunParts, TransientFaults
-from trainguard.step.types import Agreement, Decision
 from trainguard.step.unclosed import UnclosedParts, error_text
 from trainguard.step.update_drop import UpdateDrop
 from trainguard.user_hooks import eager_module
@@ -101,8 +101,6 @@ class GuardAssembly:
         )
         self._start.on_evaluation = self.progress.beat  # evaluating is not being stuck
         self._losses = StepLosses()  # record_loss() and check()'s loss: step/losses.py
-        self._loss_known = True  # False inside check_gradients(): no loss is recorded
-        self._dropped = 0.0  # inside _check_dropped(): this rank's loop left the update out
         self._no_grads = NoGradientsCheck(self._params, self.events, self.rank)
         self._drop_update = UpdateDrop(
             optimizer, self._params, self._start, self.events, self.rank
@@ -179,14 +177,12 @@ class GuardAssembly:
             self.replicas.on_resync = self.recovery.replicas_resynced  # a snapshot before it
             self.recovery.resync_replicas = self.replicas.resync_from  # holds diverged weights
             self.history.lr_factor = self.recovery.lr_factor  # the LR in force, recorded
-        self._decision = DecisionApply(self._apply_parts())  # acting on it: step/apply.py
-        # a world of one's usual step, in few calls (single_process.py); else the full path
-        self._lone = LoneStep(self._lone_parts()) if self.world_size == 1 else None
+        self._pipeline = self._step_pipeline()  # measure -> agree -> decide -> record -> apply
         # Recovery restores at step boundaries: it needs the decision before the update.
         sync_free = uses_fused(optimizer) and scaler is None
         sync_free = sync_free and not recovery_enabled(self.config) and rerun is None
-        self._sync_free = SyncFreeStep(self._sync_free_parts()) if sync_free else None
-        self._transient = self._transient_part(rerun, scaler)
+        self._sync_free = SyncFreeStep(self._pipeline) if sync_free else None
+        self._transient = self._pipeline.transient = self._transient_part(rerun, scaler)
 
     def _start_run(self, identity: RunIdentity, process_group: dist.ProcessGroup | None) -> None:
         """The run's start event, then the hang watchdog."""
@@ -257,7 +253,6 @@ class GuardAssembly:
             stream=lambda: self._stream,
             rerun_verdict=transient,
             phase=self.phase,
-            loss_known=lambda: self._loss_known,
         )
 
     def _measure_parts(self) -> MeasureParts:
@@ -274,29 +269,43 @@ class GuardAssembly:
             timer=self._timer,
             evidence=self._evidence,
             stream=lambda: self._stream,
-            step_of=lambda: self.state.step,
-            dropped=lambda: self._dropped,
             optimizer=self.optimizer,
             scaler=self.scaler,
         )
 
-    def _lone_parts(self) -> LoneParts:
-        """What ``LoneStep`` (a world of one's usual step) reads of the guard."""
-        return LoneParts(
-            params=self._params,
-            device=self._consensus.device,
+    def _step_pipeline(self) -> StepPipeline:
+        """The one per-step path (``step/pipeline.py``), from the parts built so far."""
+        device = self._consensus.device
+        alone = None
+        if self.world_size == 1:  # a world of one's usual step, in few calls
+            alone = AloneMeasure(
+                self._params,
+                device,
+                self._start,
+                self._losses,
+                self._inputs,
+                self._evidence,
+                self._timer,
+                self.optimizer,
+            )
+        return StepPipeline(
+            config=self.config,
             state=self.state,
             progress=self.progress,
+            consensus=self._consensus,
             start=self._start,
             losses=self._losses,
+            measure=self._measure,
+            alone=alone,
             inputs=self._inputs,
-            evidence=self._evidence,
-            timer=self._timer,
+            spikes=self.spikes,
             history=self.history,
+            apply=DecisionApply(self._apply_parts()),  # acting on it: step/apply.py
+            evidence=self._evidence,
+            health=HealthRules(self.stragglers, self._lrs, self.replicas, self.world_size),
+            events=self.events,
             optimizer=self.optimizer,
-            judge_spike=self._decision.judge_spike,
-            apply_good=self._decision.apply_good,
-            apply_spike=self._decision.apply_spike,
+            scaler=self.scaler,
         )
 
     def _apply_parts(self) -> ApplyParts:
@@ -317,51 +326,6 @@ class GuardAssembly:
 
     def _transient_verdict(self) -> str | None:
         return self._transient.verdict if self._transient is not None else None
-
-    def _sync_free_parts(self) -> SyncFreeParts:
-        return SyncFreeParts(
-            config=self.config,
-            state=self.state,
-            progress=self.progress,
-            consensus=self._consensus,
-            spikes=self.spikes,
-            history=self.history,
-            events=self.events,
-            optimizer=self.optimizer,
-            start=self._start,
-            measure=self._measure,
-            take_losses=self._take_losses,
-            step_batches=self._evidence.step_batches_taken,
-            agreed=self._agreed,
-            forgive_masks=lambda agreement, step: self._inputs.forgive_masks(
-                agreement, step, self._consensus.any_rank
-            ),
-            decide=self._decide,
-            health=self._health,
-            log_nonfinite=self._decision.log_nonfinite,
-            capture=self._evidence.capture_late,
-            stop_error=self._decision.stop_error,
-        )
-
-    # -- decision -------------------------------------------------------------------------
-
-    def _take_losses(self) -> list[Tensor]:
-        return self._losses.take()
-
-    def _agreed(self, agreement: Agreement, steps_ago: int) -> None:
-        if self._stream is not None:
-            self._stream.agreed(agreement, steps_ago)
-
-    def _health(self, step: int, agreement: Agreement) -> None:
-        """The cross-rank health rules, from the agreed numbers (the same on every rank)."""
-        if self.world_size == 1:
-            return  # no other rank: no straggler, no replica to compare
-        self.stragglers.observe(step, agreement.data_times, agreement.compute_times)
-        self._lrs.observe(step, agreement.lrs, agreement.lrs_differ)
-        self.replicas.observe(step, agreement.fingerprints)
-
-    def _decide(self, agreement: Agreement) -> Decision:
-        return decide(agreement, self.config, self.state.consecutive_nonfinite)
 
     # -- taking the parts down ------------------------------------------------------------
 

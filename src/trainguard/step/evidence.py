@@ -41,7 +41,7 @@ Rng = RngSnapshot | dict[str, Any] | None
 
 @dataclass
 class EvidenceParts:
-    """What the evidence reads of the guard (handed over explicitly, as ``SyncFreeParts``)."""
+    """What the evidence reads of the guard (handed over explicitly)."""
 
     config: GuardConfig
     model: nn.Module
@@ -57,10 +57,6 @@ class EvidenceParts:
     rerun_verdict: Callable[[], str | None] | None
     """The last rerun's verdict, with ``Guard(rerun=...)``."""
     phase: Callable[[str], contextlib.AbstractContextManager[None]]
-    loss_known: Callable[[], bool]
-    """False while ``check_gradients()`` decides (``trainguard run``): the step's loss was
-    never seen, and a bundle says so (``loss``/``loss_finite`` None) instead of recording the
-    agreement's placeholder 0.0 as a finite loss."""
 
 
 class StepEvidence:
@@ -122,10 +118,12 @@ class StepEvidence:
         step: int,
         pending: PendingStep | None = None,
         spike: bool = False,
+        loss_known: bool = True,
     ) -> Path | None:
         """Every rank writes its part of the bundle when one is due; never raises; the same
         path on every rank. ``pending``: a sync-free step read late brings its own batches,
-        RNG and losses."""
+        RNG and losses; ``loss_known`` False: the step's loss was not seen
+        (``check_gradients``)."""
         parts = self._parts
         if not parts.config.capture or not parts.capturer.due(decision, spike):
             return None
@@ -139,7 +137,7 @@ class StepEvidence:
             forward_args = parts.start.forward_inputs(step)
         forward = forward_findings(forward_args, batches)
         evidence = step_evidence(step, decision, agreement, stats, batches, rng, losses)
-        if not parts.loss_known():
+        if not loss_known:
             evidence.extra.update(loss=None, loss_finite=None, micro_losses=[])
         if self.loss_source is not None:
             evidence.extra["loss_source"] = self.loss_source
@@ -162,15 +160,3 @@ class StepEvidence:
             evidence.extra["rerun"] = parts.rerun_verdict()
         with parts.phase("capture"):
             return parts.capturer.capture(parts.model, parts.optimizer, evidence, spike)
-
-    def capture_late(
-        self,
-        decision: Decision,
-        agreement: Agreement,
-        stats: GradStats,
-        step: int,
-        pending: PendingStep,
-        spike: bool,
-    ) -> Path | None:
-        """``capture`` of a sync-free step read a step late (``SyncFreeParts.capture``)."""
-        return self.capture(decision, agreement, stats, step, pending, spike)

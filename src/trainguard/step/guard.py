@@ -1,11 +1,10 @@
-"""Guard: the per-step lifecycle. It composes the parts; each part lives in its own module
-(built and wired to each other by ``assembly.GuardAssembly``).
+"""Guard: the loop's API. It composes the parts; each part lives in its own module (built
+and wired to each other by ``assembly.GuardAssembly``).
 
-``watch()`` (batch_stream.BatchStream) -> user forward/backward -> ``check()``:
-detect (local flags, one fused gradient pass) -> consensus (one small all-reduce) ->
-policy (one decision, identical on every rank) -> apply (clear, clip, raise) + events.
-A world of one's usual step (every value finite, nothing special) is checked, recorded and
-applied in few calls (``single_process.LoneStep``); every other step takes the full path.
+``watch()`` (batch_stream.BatchStream) -> user forward/backward -> ``check()`` or ``step()``:
+the one per-step pipeline (``step/pipeline.py``): measure -> agree -> decide -> record ->
+apply, the same stages for every entry point; the sync-free ``step()`` runs the last three a
+step later (``step/syncfree.py``).
 """
 
 from __future__ import annotations
@@ -14,14 +13,14 @@ import contextlib
 import inspect
 import logging
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 from trainguard.config import (
     DivergenceAction,
@@ -33,17 +32,15 @@ from trainguard.config import (
 )
 from trainguard.errors import ConfigError
 from trainguard.recovery.snapshot import TrainingObjects, stateful_objects
-from trainguard.step import amp
 from trainguard.step.assembly import GuardAssembly, check_pair
 from trainguard.step.batch_stream import BatchStream
 from trainguard.step.deferred import StepOutcome
-from trainguard.step.detect import GradStats
 from trainguard.step.guard_state_dict import guard_state_dict, load_guard_state
 from trainguard.step.internals import GuardInternals
 from trainguard.step.join import join_error, shadowed_in_join
 from trainguard.step.losses import LossLike
 from trainguard.step.rerun import LossFn
-from trainguard.step.types import DROPPED_BY_LOOP, DROPPED_WITH_SCALER, Agreement, Decision
+from trainguard.step.types import DROPPED_BY_LOOP, DROPPED_WITH_SCALER, USUAL_CALL, StepCall
 
 logger = logging.getLogger(__name__)
 
@@ -172,8 +169,7 @@ class Guard(GuardAssembly):
         )
         if recovery is not None and resumed is not None:
             recovery.watch(self._stream, iterable, resumed.epoch)
-        if self._lone is not None:
-            self._lone.stream = self._stream
+        self._pipeline.watching(self._stream)
         return self._watched(iter(self._stream))
 
     def _watched(self, batches: Iterator[Any]) -> Iterator[Any]:
@@ -199,30 +195,17 @@ class Guard(GuardAssembly):
         """``check()`` where the loss is not at hand (``trainguard run`` sees the optimizer,
         not the loss): the gradients alone decide. The agreement's loss columns carry 0.0,
         but the step's record (history, metrics log, ``metrics()``) holds no loss: unknown,
-        not zero. ``backward_ran=False``: the step ran no backward on any rank by design (a
-        Lightning ``training_step`` that returned None): it has no gradient, and the warning
-        of a ``check()`` called before ``backward()`` does not apply."""
-        return self._without_loss(self.check, backward_ran, 0.0)
+        not zero. ``backward_ran=False``: the step ran no backward by design (a Lightning
+        ``training_step`` that returned None): it has no gradient, and the warning of a
+        ``check()`` called before ``backward()`` does not apply."""
+        return self._checked(torch.zeros(()), StepCall(loss_known=False, backward_ran=backward_ran))
 
     def _check_dropped(self, scaled: bool) -> bool:
-        """``check_gradients()`` of a step this rank's loop left out itself, on the full path,
-        its row saying so (``trainguard run``: ``attach/drops.py``). Returns False."""
+        """``check_gradients()`` of a step this rank's loop left out itself, its row saying
+        so (``trainguard run``: ``attach/drops.py``). Returns False."""
         dropped = DROPPED_WITH_SCALER if scaled else DROPPED_BY_LOOP
-        self._without_loss(self._check, True, dropped)
+        self._checked(torch.zeros(()), StepCall(loss_known=False, dropped=dropped))
         return False
-
-    def _without_loss(
-        self, check: Callable[[LossLike], bool], backward_ran: bool, dropped: float
-    ) -> bool:
-        """``check`` of a step whose loss was not seen (the record holds none), this rank's
-        row saying whether it ran a backward and left the update out (``LocalReport``)."""
-        self._loss_known, self._dropped = False, dropped
-        self._no_grads.backward_ran = backward_ran
-        try:
-            return check(torch.zeros(()))
-        finally:
-            self._loss_known, self._dropped = True, 0.0
-            self._no_grads.backward_ran = True
 
     def check(self, loss: LossLike | None = None) -> bool:
         """After backward, before the optimizer step. True only when the loss and every
@@ -231,55 +214,14 @@ class Guard(GuardAssembly):
         ``record_loss()`` in this step (``step/losses.py``)."""
         if loss is None:
             loss = self._losses.last_recorded()
-        lone = self._lone
-        if lone is not None and self.scaler is None and isinstance(loss, Tensor):
-            if self._sync_free is not None:
-                self._sync_free.resolve()
-            usual = lone.take(loss, self._loss_known)  # a world of one's usual step
-            if usual is not None:
-                return usual
-        return self._check(loss)
+        return self._checked(loss, USUAL_CALL)
 
-    def _check(self, loss: LossLike) -> bool:
-        """``check()``'s full path: every step of a world of ranks, and the steps of a world
-        of one that are not the usual one (``step/single_process.py``)."""
+    def _checked(self, loss: LossLike, call: StepCall) -> bool:
+        """The pipeline on the step in progress (``call``: how the loop handed it over)."""
         loss = self._losses.tensor(loss, self._consensus.device)
         self._refuse_join()
         self._resolve_pending()
-        step = self.state.step
-        self.progress.enter("check", step)
-        stats, agreement = self._agree(loss, step)
-        decision = self._decide(agreement)
-        spike = None
-        if decision is Decision.OK:
-            spike = self._decision.judge_spike(
-                step, agreement.mean_loss, agreement.grad_norm(), agreement.lr
-            )
-        self._agreed(agreement, 0)
-        self.history.record(step, agreement, spike or decision, self.optimizer, self._loss_known)
-        self.state.step = step + 1
-        try:
-            applied = self._decision.apply(decision, agreement, stats, step, spike)
-            self._health(step, agreement)  # after a skip's restore: a resync is not undone
-            return applied
-        finally:
-            self._losses.clear()
-            self._evidence.taken(step)
-            self.progress.enter("step", step + 1)
-
-    def _agree(self, loss: Tensor, step: int) -> tuple[GradStats, Agreement]:
-        """``check()``'s full path: this rank's measure, the agreement over the ranks and, on
-        a bad step with ``rerun=``, the rerun's verdict."""
-        if self._start.step != step:
-            self._start.missed(step)
-        if self.scaler is not None:
-            amp.unscale(self.scaler, self.optimizer)
-        stats, report, sharded = self._measure(loss, readback=True)
-        agreement = self._consensus.agree(report, sharded)
-        agreement = self._inputs.forgive_masks(agreement, step, self._consensus.any_rank)
-        if agreement.bad and self._transient is not None:
-            agreement, stats = self._transient.rerun(step, agreement, stats)
-        return stats, agreement
+        return self._pipeline.check(loss, call)
 
     def step(self, loss: LossLike | None = None) -> StepOutcome:
         """``check()``, then the optimizer step (when good) and ``zero_grad`` in one call

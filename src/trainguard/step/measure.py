@@ -30,7 +30,7 @@ from trainguard.step.inputs import InputCheck, max_abs
 from trainguard.step.losses import StepLosses
 from trainguard.step.no_gradients import NoGradientsCheck
 from trainguard.step.step_start import StepStart
-from trainguard.step.types import LocalReport
+from trainguard.step.types import USUAL_CALL, LocalReport, StepCall
 
 
 @dataclass
@@ -48,15 +48,12 @@ class MeasureParts:
     timer: StepTimer | None
     evidence: StepEvidence
     stream: Callable[[], BatchStream | None]
-    step_of: Callable[[], int]
+    """The ``watch()`` stream of the loop (set at ``watch()``), None without one."""
+    optimizer: torch.optim.Optimizer
+    """Read for the row's ``lr`` column: the rules see the LR agreed, never this rank's."""
     fold: bool = False
     """A world of one: a row read back at once (``check()``, not the sync-free step) may be
     folded on the host (``folded_row``)."""
-    dropped: Callable[[], float] = float
-    """The row's ``dropped`` column (``LocalReport.dropped``): 0.0 unless the loop left this
-    step's update out on this rank (``Guard._check_dropped``)."""
-    optimizer: torch.optim.Optimizer | None = None
-    """Read for the row's ``lr`` column: the rules see the LR agreed, never this rank's."""
     scaler: Any = None
     """Its scale goes into the row's ``loss_scale`` column (on the device)."""
 
@@ -69,22 +66,24 @@ class StepMeasure:
         self._is_sharded: bool | None = None
         self._mixed_grads = False  # sparse/float64 gradients seen: grad_stats' mixed pass
 
-    def __call__(self, loss: Tensor, readback: bool = False) -> tuple[GradStats, LocalReport, bool]:
-        """Learn the buffers, take the one gradient pass, build this rank's report.
-        ``readback``: the report is read back at once (``Consensus.agree``), never reduced
-        on the device (the sync-free step's ``Consensus.reduce``)."""
+    def __call__(
+        self, loss: Tensor, step: int, readback: bool = False, call: StepCall = USUAL_CALL
+    ) -> tuple[GradStats, LocalReport, bool]:
+        """Learn the buffers, take the one gradient pass, build this rank's report of
+        ``step``. ``readback``: the report is read back at once (``Consensus.agree``), never
+        reduced on the device (the sync-free step's ``Consensus.reduce``); ``call``: how the
+        loop handed the step over (its ``dropped`` column, whether a backward ran)."""
         parts = self._parts
-        step = parts.step_of()
         parts.start.buffers.learn(step)
         sharded = self._sharded()
         folding = self._fold_pieces(step, loss) if readback and parts.fold and not sharded else None
         inputs = folding[1] if folding is not None else None
         stats = grad_stats(parts.params, parts.device, sharded, self._mixed_grads, inputs)
         self._mixed_grads = stats.mixed  # stays True once seen
-        parts.no_grads.seen(stats, step)  # check() before backward(): warn once
+        parts.no_grads.seen(stats, step, call.backward_ran)  # check() before backward()
         if folding is not None:
-            return stats, self._folded(stats, *folding), sharded
-        return stats, self._report(stats, loss, step), sharded
+            return stats, self._folded(stats, *folding, call), sharded
+        return stats, self._report(stats, loss, step, call), sharded
 
     def _sharded(self) -> bool:
         """Whether the gradients are FSDP2 shards; looked up once, at the first gradients."""
@@ -95,7 +94,7 @@ class StepMeasure:
             self._is_sharded = is_sharded(params)
         return self._is_sharded
 
-    def _report(self, stats: GradStats, loss: Tensor, step: int) -> LocalReport:
+    def _report(self, stats: GradStats, loss: Tensor, step: int, call: StepCall) -> LocalReport:
         parts = self._parts
         device = parts.device
         checked = parts.losses.checked(loss)  # ends with the loss, detached (or its twin)
@@ -105,7 +104,7 @@ class StepMeasure:
         inputs = parts.inputs.value(step, batches, device)
         fingerprint = parts.replicas.fingerprint(step, device)
         values = torch.stack([reported, check, stats.norm, inputs, fingerprint])  # one kernel
-        return self._host_fields(values, stream, None)
+        return self._host_fields(values, stream, None, call)
 
     def _fold_pieces(self, step: int, loss: Tensor) -> tuple[list[Tensor], list[Tensor]] | None:
         """The step's losses and input tensors for a folded row ([] inputs: unchecked), or
@@ -118,7 +117,9 @@ class StepMeasure:
         inputs = parts.inputs.foldable(step, batches, parts.device)
         return None if inputs is None else (checked, inputs)
 
-    def _folded(self, stats: GradStats, losses: list[Tensor], inputs: list[Tensor]) -> LocalReport:
+    def _folded(
+        self, stats: GradStats, losses: list[Tensor], inputs: list[Tensor], call: StepCall
+    ) -> LocalReport:
         """The row of a world of one, its reductions left to the host (``folded_row``)."""
         device = self._parts.device
 
@@ -126,10 +127,10 @@ class StepMeasure:
             return float(max_abs(inputs, device))
 
         values, layout = fold(losses, stats.per_param, stats.input_norms, confirm)
-        return self._host_fields(values, self._parts.stream(), layout)
+        return self._host_fields(values, self._parts.stream(), layout, call)
 
     def _host_fields(
-        self, values: Tensor, stream: BatchStream | None, layout: FoldedRow | None
+        self, values: Tensor, stream: BatchStream | None, layout: FoldedRow | None, call: StepCall
     ) -> LocalReport:
         timer = self._parts.timer
         data_time, compute_time = timer.take() if timer is not None else (0.0, 0.0)
@@ -140,7 +141,7 @@ class StepMeasure:
             data_time=data_time,
             compute_time=compute_time,
             layout=layout,
-            dropped=self._parts.dropped(),
-            lr=row_lr(self._parts.optimizer) if self._parts.optimizer is not None else 0.0,
+            dropped=call.dropped,
+            lr=row_lr(self._parts.optimizer),
             loss_scale=amp.scale_tensor(self._parts.scaler),
         )

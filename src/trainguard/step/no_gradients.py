@@ -35,13 +35,12 @@ class NoGradientsCheck:
         self._events = events
         self._rank = rank
         self.warned = False
-        self.backward_ran = True
-        """False while a step that ran no backward by design is checked
-        (``Guard.check_gradients(backward_ran=False)``): no gradient is expected there."""
 
-    def seen(self, stats: GradStats, step: int) -> None:
-        """After the gradient pass of ``step``: warn (once) when it read no gradient."""
-        if self.warned or stats.grads or not self.backward_ran:
+    def seen(self, stats: GradStats, step: int, backward_ran: bool = True) -> None:
+        """After the gradient pass of ``step``: warn (once) when it read no gradient.
+        ``backward_ran`` False: the step ran no backward by design
+        (``Guard.check_gradients(backward_ran=False)``): no gradient is expected there."""
+        if self.warned or stats.grads or not backward_ran:
             return
         if not any(param.requires_grad for _, param in self._params):
             return  # frozen: nothing to check, nothing forgotten

@@ -36,6 +36,16 @@ Staged = tuple[Tensor, "torch.cuda.Event | None"]
 """A verdict copied (or being copied) to the host, and the event that says it is there."""
 
 
+def staged_verdict(staged: Staged) -> list[list[float]]:
+    """The device rule's verdict of a step (``SpikeWatch.on_device``), read on the host a
+    step late (``SpikeWatch.read`` decides from it)."""
+    host, ready = staged
+    if ready is not None:
+        ready.synchronize()
+    verdict: list[list[float]] = host.tolist()
+    return verdict
+
+
 def rule_of(config: SpikeConfig) -> SpikeRule:
     return SpikeRule(
         z_threshold=config.z, ratio=config.ratio, beta=config.beta, warmup=config.warmup
@@ -75,23 +85,16 @@ class SpikeWatch:
     # -- check(): host floats ------------------------------------------------------------
 
     def judge(self, agreement: Agreement, step: int) -> Decision | None:
-        """A finite, agreed step: None (go on), ``SPIKE`` (skip it) or ``ESCALATE``."""
-        return self.judge_values(agreement.mean_loss, agreement.grad_norm(), agreement.lr, step)
-
-    def judge_values(
-        self, loss_value: float, grad_norm: float, lr: float | None, step: int
-    ) -> Decision | None:
-        """``judge`` from the agreed values themselves: the mean loss, the global gradient
-        norm and the learning rate (``Agreement.lr``; a world of one's own:
-        ``step/single_process.py``).
-        Never a rank's own learning rate: the ranks would judge apart exactly when one
-        rank's LR went wrong."""
+        """A finite, agreed step: None (go on), ``SPIKE`` (skip it) or ``ESCALATE``. From
+        the agreed values: the mean loss, the global gradient norm and the learning rate
+        (``Agreement.lr``), never a rank's own learning rate: the ranks would judge apart
+        exactly when one rank's LR went wrong."""
         if not self.enabled:
             return None
         detector = self.detector
-        judging = detector.grace.judging(lr)
-        loss = detector.observe_one("loss", loss_value, judging)
-        norm = detector.observe_one("grad_norm", grad_norm, judging)
+        judging = detector.grace.judging(agreement.lr)
+        loss = detector.observe_one("loss", agreement.mean_loss, judging)
+        norm = detector.observe_one("grad_norm", agreement.grad_norm(), judging)
         if loss is None and norm is None:  # the usual case
             self.consecutive = 0
             return None
@@ -121,13 +124,6 @@ class SpikeWatch:
             spike = verdict[:, 0].amax().to(found_inf.device, found_inf.dtype, non_blocking=True)
             torch.maximum(found_inf, spike, out=found_inf)
         return self._stager.stage(verdict)
-
-    def read_staged(self, staged: Staged, step: int) -> Decision | None:
-        """The device verdict of ``step``, read on the host a step late: events, decision."""
-        host, ready = staged
-        if ready is not None:
-            ready.synchronize()
-        return self.read(host.tolist(), step)
 
     def read(self, verdict: list[list[float]], step: int) -> Decision | None:
         """The device verdict read on the host (a step late): events and the decision."""

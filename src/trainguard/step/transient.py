@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 SUSPECT_WINDOW = 1000
 """Steps over which ``rerun.suspect_host_after`` counts a host's transient faults."""
 
-Measure = Callable[[Tensor], tuple[GradStats, LocalReport, bool]]
+Measure = Callable[[Tensor, int], tuple[GradStats, LocalReport, bool]]
 
 
 def origin_ranks(first: Agreement, world_size: int) -> list[int]:
@@ -57,14 +57,14 @@ def origin_ranks(first: Agreement, world_size: int) -> list[int]:
 
 @dataclass
 class RerunParts:
-    """What a rerun uses of the guard (handed over explicitly, as ``SyncFreeParts``)."""
+    """What a rerun uses of the guard (handed over explicitly)."""
 
     config: GuardConfig
     consensus: Consensus
     events: EventLog
     losses: StepLosses
     measure: Measure
-    """The gradient pass and this rank's report for a loss (``Guard._measure``)."""
+    """The gradient pass and this rank's report for a loss and step (``StepMeasure``)."""
     batches_of: Callable[[int], list[Any]]
     """A step's micro-batches as the guard saw them."""
     exit_suspect: Callable[[], None]
@@ -102,7 +102,7 @@ class TransientFaults:
         result = self._rerun.run(step, batches)
         rerun = [*result.micro_losses, result.loss]
         parts.losses.replace(rerun[-recorded:] if recorded else rerun)  # the same basis
-        stats, report, sharded = parts.measure(result.loss)
+        stats, report, sharded = parts.measure(result.loss, step)
         agreement = parts.consensus.agree(report, sharded)
         self.verdict = "persistent" if agreement.bad else "transient"
         hosts = self._host_names()

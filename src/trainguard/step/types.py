@@ -1,6 +1,7 @@
 """The shared types of the step path, in one place: what a rank measured (``LocalReport``),
 a started agreement (``Reduced``), the step as every rank sees it (``Agreement``: the record
-the rules decide from, agreed values only) and the decision (``Decision``).
+the rules decide from, agreed values only), the decision (``Decision``) and how the loop
+handed the step over (``StepCall``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,26 @@ DROPPED_BY_LOOP = 1.0
 DROPPED_WITH_SCALER = 2.0
 """``LocalReport.dropped``: as ``DROPPED_BY_LOOP``, in a process whose GradScaler scales the
 loss (``scaler.step`` leaves the optimizer out after an fp16 overflow)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepCall:
+    """How the loop handed a step to the pipeline: arguments of that one call, never state
+    the guard keeps between calls (``Guard.check`` and its variants)."""
+
+    loss_known: bool = True
+    """False: the loss was not seen (``check_gradients``): the record holds none, the bundle
+    says so."""
+    dropped: float = 0.0
+    """The row's ``dropped`` column (``LocalReport.dropped``): 0.0 unless this rank's loop
+    left the step's update out itself (``trainguard run``)."""
+    backward_ran: bool = True
+    """False: the step ran no backward by design (a Lightning ``training_step`` that returned
+    None): finding no gradient is not a forgotten ``backward()``."""
+
+
+USUAL_CALL = StepCall()
+"""``check(loss)``: the loss seen, the update going on, a backward ran."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,217 @@
+"""The one per-step path: measure -> agree -> decide -> record -> apply.
+
+Every way a step reaches the guard runs it: ``check()`` (and ``check_gradients()``, the
+framework callbacks, ``trainguard run``) runs the five stages in turn; the sync-free
+``step()`` (``step/syncfree.py``) runs the first two at once and the other three a step
+later, when the host reads the agreed flags. A process alone is a mode of the same stages,
+not a copy of them: its agreement is its own row, and its usual step is measured in one
+fused pass read straight back (``single_process.AloneMeasure``).
+
+- **measure**: this rank's row (``StepMeasure``): the losses, the gradient norms, the input
+  column, the replica fingerprint, the data state, the timings, the learning rate, the loss
+  scale.
+- **agree**: one all-reduce of the rows (``Consensus``; none with one rank), the masks
+  forgiven (``InputCheck.forgive_masks``), a bad step rerun and agreed again
+  (``TransientFaults``).
+- **decide**: from the ``Agreement`` and the guard's replicated state only (its count of bad
+  steps in a row, the spike rule's statistics): ``policy.decide``, then the spike rule. No
+  optimizer, rank or clock reaches it: what a rule needs of a rank rides the row.
+- **record**: the stream told the agreed data state, the step's record (``StepHistory``).
+- **apply**: ``DecisionApply`` (counters, recovery, clipping, dropping, capture, raising),
+  then the cross-rank health rules (``HealthRules``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trainguard.config import GuardConfig
+from trainguard.events import EventLog
+from trainguard.hang.progress import Progress
+from trainguard.health.learning_rates import LrAgreement
+from trainguard.health.replicas import ReplicaWatch
+from trainguard.health.stragglers import StragglerWatch
+from trainguard.step import amp
+from trainguard.step.apply import DecisionApply
+from trainguard.step.batch_stream import BatchStream
+from trainguard.step.consensus import Consensus
+from trainguard.step.deferred import PendingStep
+from trainguard.step.detect import GradStats
+from trainguard.step.evidence import StepEvidence
+from trainguard.step.history import StepHistory
+from trainguard.step.inputs import InputCheck
+from trainguard.step.losses import StepLosses
+from trainguard.step.measure import StepMeasure
+from trainguard.step.policy import decide
+from trainguard.step.single_process import AloneMeasure
+from trainguard.step.spikewatch import SpikeWatch
+from trainguard.step.state import GuardState
+from trainguard.step.step_start import StepStart
+from trainguard.step.transient import TransientFaults
+from trainguard.step.types import USUAL_CALL, Agreement, Decision, StepCall
+
+
+class StepPipeline:
+    """The stages of a step, and ``check()``, the driver that runs them in turn."""
+
+    def __init__(
+        self,
+        config: GuardConfig,
+        state: GuardState,
+        progress: Progress,
+        consensus: Consensus,
+        start: StepStart,
+        losses: StepLosses,
+        measure: StepMeasure,
+        alone: AloneMeasure | None,
+        inputs: InputCheck,
+        spikes: SpikeWatch,
+        history: StepHistory,
+        apply: DecisionApply,
+        evidence: StepEvidence,
+        health: HealthRules,
+        events: EventLog,
+        optimizer: torch.optim.Optimizer,
+        scaler: Any,
+    ) -> None:
+        self.config = config
+        self.state = state
+        self.progress = progress
+        self.consensus = consensus
+        self.start = start
+        self.losses = losses
+        self.measure = measure
+        self.alone = alone
+        """A world of one's measure of its usual step (None with other ranks)."""
+        self.inputs = inputs
+        self.spikes = spikes
+        self.history = history
+        self.evidence = evidence
+        self.optimizer = optimizer
+        self.events = events
+        self.health = health
+        self._apply = apply
+        self._scaler = scaler
+        self.transient: TransientFaults | None = None
+        """``rerun=``: the agree stage reruns a bad step (``step/transient.py``)."""
+        self.stream: BatchStream | None = None
+        """The ``watch()`` stream of the loop (``Guard.watch`` sets it), None without one."""
+
+    def watching(self, stream: BatchStream) -> None:
+        """The loop's ``watch()`` stream from now on (its data state rides the row)."""
+        self.stream = stream
+        if self.alone is not None:
+            self.alone.stream = stream
+
+    # -- the driver of check() -------------------------------------------------------------
+
+    def check(self, loss: Tensor, call: StepCall = USUAL_CALL) -> bool:
+        """The five stages on the step in progress: ``check()``'s answer (True: the optimizer
+        may step, the same on every rank)."""
+        step = self.state.step
+        self.progress.enter("check", step)
+        measured = self._alone(loss, step, call)
+        agreement, stats = measured if measured is not None else self.agree(loss, step, call)
+        decision, spike = self.decide(agreement, step)
+        self.record(step, agreement, spike or decision, call)
+        self.state.step = step + 1
+        try:
+            return self.apply(decision, spike, agreement, stats, step, call)
+        finally:
+            self.losses.clear()
+            self.evidence.taken(step)
+            self.progress.enter("step", step + 1)
+
+    def _alone(self, loss: Tensor, step: int, call: StepCall) -> tuple[Agreement, GradStats] | None:
+        alone = self.alone
+        if alone is None or self._scaler is not None:
+            return None
+        return alone.take(loss, step, call.dropped)
+
+    # -- the stages --------------------------------------------------------------------------
+
+    def agree(self, loss: Tensor, step: int, call: StepCall) -> tuple[Agreement, GradStats]:
+        """Measure this rank's row and agree on it: the ``Agreement`` every rank reads the same,
+        and this rank's gradient stats (the norms, for clipping and for naming parameters)."""
+        if self.start.step != step:
+            self.start.missed(step)
+        if self._scaler is not None:
+            amp.unscale(self._scaler, self.optimizer)
+        stats, report, sharded = self.measure(loss, step, readback=True, call=call)
+        agreement = self.consensus.agree(report, sharded)
+        agreement = self.inputs.forgive_masks(agreement, step, self.consensus.any_rank)
+        if agreement.bad and self.transient is not None:
+            agreement, stats = self.transient.rerun(step, agreement, stats)
+        return agreement, stats
+
+    def decide(
+        self, agreement: Agreement, step: int, device_verdict: list[list[float]] | None = None
+    ) -> tuple[Decision, Decision | None]:
+        """The step's decision and, on an OK step, the spike rule's verdict (None: no spike
+        to act on). From the agreement and the guard's replicated state only.
+        ``device_verdict``: the sync-free step's device spike rule, judged on the agreed
+        values on the device and read on the host (``spikewatch.staged_verdict``)."""
+        decision = decide(agreement, self.config, self.state.consecutive_nonfinite)
+        if decision is not Decision.OK:
+            return decision, None
+        if device_verdict is not None:
+            return decision, self.spikes.read(device_verdict, step)
+        return decision, self.spikes.judge(agreement, step)
+
+    def record(
+        self,
+        step: int,
+        agreement: Agreement,
+        decision: Decision,
+        call: StepCall = USUAL_CALL,
+        steps_ago: int = 0,
+    ) -> None:
+        """The stream learns the agreed data state; the step's record is written
+        (``steps_ago``: how far behind the step in progress ``step`` is)."""
+        stream = self.stream
+        if stream is not None:
+            stream.agreed(agreement, steps_ago)
+        self.history.record(step, agreement, decision, self.optimizer, call.loss_known)
+
+    def apply(
+        self,
+        decision: Decision,
+        spike: Decision | None,
+        agreement: Agreement,
+        stats: GradStats,
+        step: int,
+        call: StepCall = USUAL_CALL,
+        late: PendingStep | None = None,
+        raise_errors: bool = True,
+    ) -> bool:
+        """Act on the decision (``DecisionApply``), then the cross-rank health rules.
+        ``late``: a sync-free step read a step late (its update already decided on the
+        device); ``raise_errors`` False: no capture, no error (the run is unwinding)."""
+        applied = self._apply.apply(
+            decision, agreement, stats, step, spike, call.loss_known, late, raise_errors
+        )
+        self.health.observe(step, agreement)  # after a skip's restore: a resync stays
+        return applied
+
+
+class HealthRules:
+    """The cross-rank health rules on a step's agreement (the same numbers on every rank):
+    stragglers, the ranks' learning rates, the replicas' fingerprints. None with one rank."""
+
+    def __init__(
+        self, stragglers: StragglerWatch, lrs: LrAgreement, replicas: ReplicaWatch, world_size: int
+    ) -> None:
+        self._stragglers = stragglers
+        self._lrs = lrs
+        self._replicas = replicas
+        self._alone = world_size == 1
+
+    def observe(self, step: int, agreement: Agreement) -> None:
+        if self._alone:
+            return  # no other rank: no straggler, no replica to compare
+        self._stragglers.observe(step, agreement.data_times, agreement.compute_times)
+        self._lrs.observe(step, agreement.lrs, agreement.lrs_differ)
+        self._replicas.observe(step, agreement.fingerprints)
