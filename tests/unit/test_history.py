@@ -13,7 +13,8 @@ import torch
 from tg_models import TinyNet, loss_fn, make_batches
 
 import trainguard as tg
-from trainguard.step.history import StepHistory, learning_rate
+from trainguard.step.history import StepHistory
+from trainguard.step.hyperparams import recorded_lrs
 from trainguard.step.metrics_log import MetricsLog, metrics_path, rate_stride, stride_at
 from trainguard.step.types import Agreement, Decision
 from trainguard.testing import Fault, FaultPlan
@@ -69,9 +70,20 @@ def test_history_steps_is_validated() -> None:
 
 def test_learning_rate_of_a_device_tensor_is_not_read() -> None:
     opt = torch.optim.SGD(TinyNet().parameters(), lr=torch.tensor(0.25))
-    assert learning_rate(opt) == 0.25
+    assert recorded_lrs(opt) == (0.25, None)
     opt.param_groups[0]["lr"] = torch.tensor(0.25, device="meta")
-    assert learning_rate(opt) is None
+    assert recorded_lrs(opt) == (None, None)
+
+
+def test_every_groups_learning_rate_is_read_alike() -> None:
+    """The first group's LR and every group's are read by the same rule: a CPU tensor LR is
+    a host number in both (the per-group list once held None for it)."""
+    net = TinyNet()
+    groups = [{"params": [p], "lr": torch.tensor(0.5)} for p in net.parameters()]
+    groups[1]["lr"] = 0.25
+    opt = torch.optim.SGD(groups, lr=0.1)
+    first, every = recorded_lrs(opt)
+    assert first == 0.5 and every is not None and every[:2] == [0.5, 0.25]
 
 
 def test_metrics_log_of_a_short_run(tmp_path: Path) -> None:

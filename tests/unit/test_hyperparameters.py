@@ -92,5 +92,10 @@ def test_every_scalar_hyper_parameter_is_looked_at() -> None:
     found = nonfinite_hyperparameters(opt)
     assert {(h["group"], h["name"]) for h in found} == {(0, "betas[1]"), (0, "weight_decay")}
     opt.param_groups[0]["betas"], opt.param_groups[0]["weight_decay"] = (0.9, 0.999), 0.0
-    opt.param_groups[0]["lr"] = torch.tensor(0.1)  # a tensor LR (capturable): not read
+    opt.param_groups[0]["lr"] = torch.tensor(0.1)  # a CPU tensor LR: a host number
+    assert row_lr(opt) == float(torch.tensor(0.1)) and nonfinite_hyperparameters(opt) == []
+    opt.param_groups[0]["lr"] = torch.tensor(math.nan)  # read alike: a NaN one is found
+    assert math.isnan(row_lr(opt))
+    assert [(h["group"], h["name"]) for h in nonfinite_hyperparameters(opt)] == [(0, "lr")]
+    opt.param_groups[0]["lr"] = torch.tensor(0.1, device="meta")  # a device one: not read
     assert row_lr(opt) == 0.0 and nonfinite_hyperparameters(opt) == []

@@ -345,3 +345,32 @@ def test_spike_statistics_travel_in_the_guard_state_dict(tmp_path: Path, sync_fr
         assert a["baseline"] == pytest.approx(b["baseline"], rel=1e-3)
         assert a["score"] == pytest.approx(b["score"], rel=1e-3)
     assert spikes["fresh"] == []  # without the statistics: still in its warm-up
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_an_escalated_spike_stops_the_run_alike_on_both_steps(
+    tmp_path: Path, sync_free: bool
+) -> None:
+    """``check()``'s step and the sync-free one run the same apply stage: three spikes in a
+    row raise SpikeError at the third and leave the stop record a restart is refused by
+    (the sync-free step once kept its own copy of that stage, which wrote none)."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=sync_free)
+    config = tg.GuardConfig(run_dir=tmp_path, on_spike="skip", hang_timeout=0)
+    guard = tg.Guard(model, opt, config=config)
+    assert (guard._sync_free is not None) is sync_free
+    gen = torch.Generator().manual_seed(1)
+    with pytest.raises(SpikeError) as raised:
+        for step, x in enumerate(
+            guard.watch([torch.randn(6, 8, generator=gen) for _ in range(125)])
+        ):
+            target = torch.ones(6, 4) * (20.0 if step in (110, 111, 112) else 1.0)
+            loss = (model(x) - target).pow(2).mean()
+            loss.backward()
+            guard.step(loss)
+        guard.close()
+    guard.close()
+    assert raised.value.step == 112
+    record = json.loads((tmp_path / "stop.json").read_text())
+    assert record["cause"] == "spike" and record["step"] == 112

@@ -87,7 +87,7 @@ class DecisionApply:
                 return self.apply_spike(
                     spike, agreement, stats, step, loss_known, late, raise_errors
                 )
-            return self.apply_good(step, agreement.mean_loss, agreement.grad_norm(), stats.grads)
+            return self.apply_good(step, agreement.mean_loss, agreement.grad_norm, stats.grads)
         if decision is Decision.DROPPED:
             return self.apply_dropped(agreement, step)
         if parts.scaler is not None:

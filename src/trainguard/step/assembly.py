@@ -302,7 +302,11 @@ class GuardAssembly:
             history=self.history,
             apply=DecisionApply(self._apply_parts()),  # acting on it: step/apply.py
             evidence=self._evidence,
-            health=HealthRules(self.stragglers, self._lrs, self.replicas, self.world_size),
+            health=(
+                HealthRules(self.stragglers, self._lrs, self.replicas)
+                if self.world_size > 1
+                else None  # no other rank: no straggler, no replica to compare
+            ),
             events=self.events,
             optimizer=self.optimizer,
             scaler=self.scaler,

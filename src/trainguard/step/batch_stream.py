@@ -43,12 +43,6 @@ from trainguard.step.types import Agreement, LocalReport
 logger = logging.getLogger(__name__)
 
 
-_RUNNING = Agreement(
-    loss_ranks=[], grad_ranks=[], exhausted_ranks=[], batches=[0], losses=[0.0], global_grad_norm=0
-)
-"""What the stream reads of a world of one's usual step: no rank ran out (not changed)."""
-
-
 def iterable_length(iterable: Any) -> int:
     """``len(iterable)`` (batches, for a DataLoader), or -1 when it has none."""
     try:
@@ -151,12 +145,10 @@ class BatchStream:
 
     def agreed(self, agreement: Agreement, steps_ago: int = 0) -> None:
         """The guard hands over a step's agreement: the step in progress, or ``steps_ago``."""
-        self._set_agreement(agreement, self._in_step - steps_ago)
-
-    def agreed_running(self) -> None:
-        """A world of one's usual step (``single_process.py``): decided, and its own stream, the
-        only one, is not used up."""
-        self._set_agreement(_RUNNING, self._in_step)
+        step = self._in_step - steps_ago
+        if step >= self._agreement_step:  # ``_set_agreement``, without the call (every step)
+            self._agreement = agreement
+            self._agreement_step = step
 
     def _set_agreement(self, agreement: Agreement, step: int) -> None:
         if step >= self._agreement_step:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from trainguard.config import (
     DivergenceAction,
@@ -214,13 +214,22 @@ class Guard(GuardAssembly):
         ``record_loss()`` in this step (``step/losses.py``)."""
         if loss is None:
             loss = self._losses.last_recorded()
-        return self._checked(loss, USUAL_CALL)
+        if not isinstance(loss, Tensor) or not loss.numel():  # a tensor: no call (as_loss)
+            loss = self._losses.tensor(loss, self._consensus.device)
+        if self.world_size > 1:
+            self._refuse_join()
+        if self._sync_free is not None:
+            self._sync_free.resolve()
+        return self._pipeline.check(loss, USUAL_CALL)  # ``_checked``, without the call
 
     def _checked(self, loss: LossLike, call: StepCall) -> bool:
         """The pipeline on the step in progress (``call``: how the loop handed it over)."""
-        loss = self._losses.tensor(loss, self._consensus.device)
-        self._refuse_join()
-        self._resolve_pending()
+        if not isinstance(loss, Tensor) or not loss.numel():  # a tensor: no call (as_loss)
+            loss = self._losses.tensor(loss, self._consensus.device)
+        if self.world_size > 1:
+            self._refuse_join()
+        if self._sync_free is not None:
+            self._sync_free.resolve()
         return self._pipeline.check(loss, call)
 
     def step(self, loss: LossLike | None = None) -> StepOutcome:
@@ -253,7 +262,7 @@ class Guard(GuardAssembly):
     def _refuse_join(self) -> None:
         """Raise (every rank, before the all-reduce) in a DDP ``Join`` that would shadow the
         guard's collectives out of step: a loop not fed by ``watch()`` (``step/join.py``)."""
-        if self.world_size > 1 and self._stream is None and shadowed_in_join(self.model):
+        if self._stream is None and self.world_size > 1 and shadowed_in_join(self.model):
             raise join_error()
 
     @property

@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
 
-from trainguard.step.hyperparams import group_lrs
+from trainguard.step.hyperparams import recorded_lrs
 from trainguard.step.metrics_log import MetricsLog
 from trainguard.step.types import Agreement, Decision
 
@@ -57,7 +56,7 @@ class StepRecord:
     compute_times: list[float] = field(default_factory=list)
     """Every rank's seconds of its own compute (forward) in the step (empty: not timed)."""
     lrs: list[float | None] | None = None
-    """Every param group's learning rate (``hyperparams.group_lrs``); None with one group
+    """Every param group's learning rate (``hyperparams.recorded_lrs``); None with one group
     (``lr`` is it)."""
 
     def bundle_fields(self) -> dict[str, Any]:
@@ -169,21 +168,6 @@ def loss_summary(losses: list[float]) -> dict[str, Any]:
     }
 
 
-def learning_rate(optimizer: torch.optim.Optimizer) -> float | None:
-    """The first param group's learning rate as a host float, without a device sync."""
-    groups = optimizer.param_groups
-    if not groups:
-        return None
-    lr = groups[0].get("lr")
-    if type(lr) is float:  # the usual case
-        return lr
-    if isinstance(lr, (int, float)) and not isinstance(lr, bool):
-        return float(lr)
-    if isinstance(lr, Tensor) and lr.device.type == "cpu" and lr.numel() == 1:
-        return float(lr.item())
-    return None  # a device tensor (capturable optimizers): reading it would sync
-
-
 class StepHistory:
     """The ring of the last ``capacity`` step records; forwards each to the metrics log."""
 
@@ -204,55 +188,37 @@ class StepHistory:
         optimizer: torch.optim.Optimizer,
         loss_known: bool = True,
     ) -> StepRecord:
-        """Record a step whose decision was just read (host values only). ``loss_known``
-        False (``Guard.check_gradients``): the record holds no loss, rather than a made-up one."""
-        return self.add(
-            step,
-            list(agreement.losses) if loss_known else [],
-            agreement.grad_norm(),
-            decision.value,
-            learning_rate(optimizer),
-            agreement.data_times,
-            agreement.compute_times,
-            group_lrs(optimizer),
-        )
-
-    def add(
-        self,
-        step: int,
-        losses: list[float],
-        grad_norm: float,
-        decision: str,
-        lr: float | None,
-        data_times: list[float],
-        compute_times: list[float],
-        lrs: list[float | None] | None = None,
-    ) -> StepRecord:
-        """``record`` from the values themselves (``step/single_process.py``: a world of one's usual
-        step builds no ``Agreement``); a decision other than ``"ok"`` is written out at once."""
+        """Record a step whose decision was just read (host values only); a decision other
+        than ``"ok"`` is written out at once. ``loss_known`` False
+        (``Guard.check_gradients``): the record holds no loss, rather than a made-up one. The
+        learning rates are this rank's, as its optimizer step uses them (a record, not a
+        decision: the rules read ``Agreement.lr``)."""
         now = time.perf_counter()
         last, self._last_clock = self._last_clock, now
+        lr, lrs = recorded_lrs(optimizer)
         factor = self.lr_factor
         if factor is not None and lr is not None:
-            lr *= factor(step)
+            scale = factor(step)
+            lr *= scale
             if lrs is not None:
-                lrs = [None if x is None else x * factor(step) for x in lrs]
+                lrs = [None if x is None else x * scale for x in lrs]
+        label: str = decision._value_  # ``.value`` is a descriptor: two calls a step
         rec = StepRecord(
             step,
-            losses,
-            grad_norm,
-            decision,
+            list(agreement.losses) if loss_known else [],
+            agreement.grad_norm,
+            label,
             lr,
             None if last is None else now - last,
             time.time(),
-            data_times,
-            compute_times,
+            agreement.data_times,
+            agreement.compute_times,
             lrs,
         )
         self._ring.append(rec)
         metrics = self._metrics
         if metrics is not None:
-            metrics.add(rec, urgent=decision != "ok")  # fields built at the flush
+            metrics.add(rec, urgent=label != "ok")  # fields built at the flush
         return rec
 
     def records(self) -> list[StepRecord]:

@@ -72,7 +72,7 @@ class StepPipeline:
         history: StepHistory,
         apply: DecisionApply,
         evidence: StepEvidence,
-        health: HealthRules,
+        health: HealthRules | None,
         events: EventLog,
         optimizer: torch.optim.Optimizer,
         scaler: Any,
@@ -93,6 +93,7 @@ class StepPipeline:
         self.optimizer = optimizer
         self.events = events
         self.health = health
+        """The cross-rank health rules; None with one rank (no other rank to compare)."""
         self._apply = apply
         self._scaler = scaler
         self.transient: TransientFaults | None = None
@@ -112,8 +113,9 @@ class StepPipeline:
         """The five stages on the step in progress: ``check()``'s answer (True: the optimizer
         may step, the same on every rank)."""
         step = self.state.step
-        self.progress.enter("check", step)
-        measured = self._alone(loss, step, call)
+        alone, measured = self.alone, None
+        if alone is not None and self._scaler is None:  # a scaler unscales first: agree()
+            measured = alone.take(loss, step, call.dropped)
         agreement, stats = measured if measured is not None else self.agree(loss, step, call)
         decision, spike = self.decide(agreement, step)
         self.record(step, agreement, spike or decision, call)
@@ -125,17 +127,12 @@ class StepPipeline:
             self.evidence.taken(step)
             self.progress.enter("step", step + 1)
 
-    def _alone(self, loss: Tensor, step: int, call: StepCall) -> tuple[Agreement, GradStats] | None:
-        alone = self.alone
-        if alone is None or self._scaler is not None:
-            return None
-        return alone.take(loss, step, call.dropped)
-
     # -- the stages --------------------------------------------------------------------------
 
     def agree(self, loss: Tensor, step: int, call: StepCall) -> tuple[Agreement, GradStats]:
         """Measure this rank's row and agree on it: the ``Agreement`` every rank reads the same,
         and this rank's gradient stats (the norms, for clipping and for naming parameters)."""
+        self.progress.enter("check", step)  # a collective may run: a hang is reported here
         if self.start.step != step:
             self.start.missed(step)
         if self._scaler is not None:
@@ -193,25 +190,23 @@ class StepPipeline:
         applied = self._apply.apply(
             decision, agreement, stats, step, spike, call.loss_known, late, raise_errors
         )
-        self.health.observe(step, agreement)  # after a skip's restore: a resync stays
+        if self.health is not None:  # after a skip's restore: a resync stays
+            self.health.observe(step, agreement)
         return applied
 
 
 class HealthRules:
     """The cross-rank health rules on a step's agreement (the same numbers on every rank):
-    stragglers, the ranks' learning rates, the replicas' fingerprints. None with one rank."""
+    stragglers, the ranks' learning rates, the replicas' fingerprints."""
 
     def __init__(
-        self, stragglers: StragglerWatch, lrs: LrAgreement, replicas: ReplicaWatch, world_size: int
+        self, stragglers: StragglerWatch, lrs: LrAgreement, replicas: ReplicaWatch
     ) -> None:
         self._stragglers = stragglers
         self._lrs = lrs
         self._replicas = replicas
-        self._alone = world_size == 1
 
     def observe(self, step: int, agreement: Agreement) -> None:
-        if self._alone:
-            return  # no other rank: no straggler, no replica to compare
         self._stragglers.observe(step, agreement.data_times, agreement.compute_times)
         self._lrs.observe(step, agreement.lrs, agreement.lrs_differ)
         self._replicas.observe(step, agreement.fingerprints)

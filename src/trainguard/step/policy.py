@@ -11,9 +11,9 @@ _ACTION = {"skip": Decision.SKIP, "warn": Decision.WARN, "raise": Decision.RAISE
 def decide(agreement: Agreement, config: GuardConfig, consecutive_before: int) -> Decision:
     """Decide a step from the agreed record, the options and the guard's replicated count of
     bad steps in a row (the GradScaler's scale too comes agreed: ``Agreement.loss_scale``)."""
-    scaler_scale = agreement.loss_scale
     if not agreement.bad:
         return Decision.DROPPED if agreement.drops and agreement.dropped_ranks else Decision.OK
+    scaler_scale = agreement.loss_scale
     if agreement.scaler_dropped and not (agreement.input_ranks or agreement.hyper_ranks):
         return Decision.OVERFLOW  # every rank's scaler left out a step whose gradients overflowed
     other = agreement.loss_ranks or agreement.input_ranks or agreement.hyper_ranks

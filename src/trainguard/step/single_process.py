@@ -14,9 +14,10 @@ the step's losses (those recorded with ``record_loss`` and ``check()``'s,
 ``StepLosses.checked``) in one go: on the CPU, where a read is no device sync, value by value
 (``Tensor.item``: a ``stack`` costs more than a few reads), elsewhere one ``stack`` and one
 read. These are the values the folded row of the full measure holds (``folded_row``),
-reduced by the same ``reduce_row``, and the agreement is the one ``Consensus`` builds for a
-world of one (``alone_agreement``). The pipeline then decides, records and applies it like
-any other step.
+reduced as ``reduce_row`` reduces a finite row, into the agreement ``Consensus`` builds for a
+world of one (``alone_agreement``; ``tests/unit/test_lone.py`` runs a loop both ways and
+compares every record). The pipeline then decides, records and applies it like any other
+step.
 
 It returns None, having changed nothing the full measure does not set again (the step's
 losses, ``StepLosses.checked``), when the step is not the usual one; the full measure
@@ -44,10 +45,9 @@ from torch import Tensor, nn
 
 from trainguard.health.timing import StepTimer
 from trainguard.step.batch_stream import BatchStream
-from trainguard.step.consensus import alone_agreement
 from trainguard.step.detect import GradStats, is_sharded, local_grads
 from trainguard.step.evidence import StepEvidence
-from trainguard.step.folded_row import foldable_losses, reduce_row
+from trainguard.step.folded_row import foldable_losses, total_norm
 from trainguard.step.hyperparams import row_lr
 from trainguard.step.inputs import InputCheck
 from trainguard.step.losses import StepLosses
@@ -58,10 +58,6 @@ ITEM_READS = 24
 """On the CPU a value is read without a device sync: up to this many values are read one by
 one (``Tensor.item``, about 0.3 us each), which costs less than ``stack`` and one read; past
 it, and on every other device, one ``stack`` and one read."""
-
-
-def _unused() -> float:
-    raise AssertionError("a usual step's input norms are finite: nothing to confirm")
 
 
 class AloneMeasure:
@@ -127,15 +123,24 @@ class AloneMeasure:
         values, norms = read
         count, cut = len(losses), len(grads)
         data_time, compute_time = self._timer.take() if self._timer is not None else (0.0, 0.0)
-        agreement = alone_agreement(
-            reduce_row(values, count, cut, _unused),
-            exhausted=False,
-            batches=stream.batches_seen if stream is not None else 0,
-            data_time=data_time,
-            compute_time=compute_time,
-            dropped=dropped,
-            lr=lr,
-        )
+        # ``folded_row.reduce_row`` of a row read finite: the check is the losses' sum, the
+        # reported loss their mean, the input column's finiteness is known (0: checked)
+        check = values[0] if count == 1 else sum(values[:count])
+        agreement = Agreement(
+            loss_ranks=[],
+            grad_ranks=[],
+            exhausted_ranks=[],
+            batches=[stream.batches_seen if stream is not None else 0],
+            losses=[check if count == 1 else check / count],
+            global_grad_norm=total_norm(values[count : count + cut]),
+            input_ranks=[],
+            data_times=[data_time],
+            compute_times=[compute_time],
+            fingerprints=[0.0],
+            drops=[dropped] if dropped else [],
+            lrs=[lr],
+            loss_scales=[0.0],
+        )  # ``consensus.alone_agreement`` of those values, built here: a call less a step
         names = self._names if cut == len(self._names) else local_grads(self._named, False)[0]
         return agreement, GradStats(names, norms[:cut], grads, device, input_norms=norms[cut:])
 

@@ -89,12 +89,12 @@ class SpikeWatch:
         the agreed values: the mean loss, the global gradient norm and the learning rate
         (``Agreement.lr``), never a rank's own learning rate: the ranks would judge apart
         exactly when one rank's LR went wrong."""
-        if not self.enabled:
+        if self.action == "off":  # not ``enabled``: a call less on every step
             return None
         detector = self.detector
         judging = detector.grace.judging(agreement.lr)
         loss = detector.observe_one("loss", agreement.mean_loss, judging)
-        norm = detector.observe_one("grad_norm", agreement.grad_norm(), judging)
+        norm = detector.observe_one("grad_norm", agreement.grad_norm, judging)
         if loss is None and norm is None:  # the usual case
             self.consecutive = 0
             return None

@@ -151,7 +151,8 @@ class SyncFreeStep:
         if forgiven.input_ranks:
             return False
         pipeline.record(pending.step, forgiven, Decision.SKIP, steps_ago=steps_ago)
-        pipeline.health.observe(pending.step, forgiven)
+        if pipeline.health is not None:
+            pipeline.health.observe(pending.step, forgiven)
         pending.ok = False
         pipeline.events.write("skip", pending.step, reason="input_mask")
         return True

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from trainguard.numerics import norm_or_inf
 from trainguard.step.folded_row import FoldedRow
 
 
@@ -140,21 +139,39 @@ class Agreement:
     hyper-parameter of that rank's optimizer is not finite)."""
     loss_scales: list[float] = field(default_factory=list)
     """Per rank: its GradScaler's scale (0.0: no scaler)."""
+    mean_loss: float = field(init=False)
+    """The mean of the ranks' losses (computed once: every stage reads it)."""
+    grad_norm: float = field(init=False)
+    """The global gradient norm as reported: ``global_grad_norm``, Inf when it is not finite
+    (``numerics.norm_or_inf``; computed once: every stage reads it)."""
+
+    def __post_init__(self) -> None:
+        losses = self.losses
+        self.mean_loss = sum(losses) / len(losses)
+        norm = self.global_grad_norm
+        self.grad_norm = norm if math.isfinite(norm) else math.inf  # norm_or_inf, inline
 
     @property
     def hyper_ranks(self) -> list[int]:
         """Ranks with a non-finite scalar hyper-parameter (an LR, a weight decay...): the
         update would write it into the weights."""
-        return [rank for rank, lr in enumerate(self.lrs) if not math.isfinite(lr)]
+        lrs = self.lrs
+        if math.isfinite(sum(lrs)):  # the usual case (and no rank's LR overflows a sum)
+            return []
+        return [rank for rank, lr in enumerate(lrs) if not math.isfinite(lr)]
 
     @property
     def lr(self) -> float | None:
         """The learning rate every rank's rules read: the smallest rank's, so a jump counts
         only when every rank's LR jumped (a schedule's warm restart, not a one-rank fault);
         None when some rank's is unknown."""
-        if not self.lrs or not all(0.0 < lr < math.inf for lr in self.lrs):
+        lrs = self.lrs
+        if len(lrs) == 1:  # a world of one: no generator
+            only = lrs[0]
+            return only if 0.0 < only < math.inf else None
+        if not lrs or not all(0.0 < lr < math.inf for lr in lrs):
             return None  # NaN fails the comparison too
-        return min(self.lrs)
+        return min(lrs)
 
     @property
     def lrs_differ(self) -> bool:
@@ -187,7 +204,10 @@ class Agreement:
 
     @property
     def bad(self) -> bool:
-        return bool(self.loss_ranks or self.grad_ranks or self.input_ranks or self.hyper_ranks)
+        if self.loss_ranks or self.grad_ranks or self.input_ranks:
+            return True
+        # ``hyper_ranks``, its usual case without the call (a sum that overflows is not one)
+        return not math.isfinite(sum(self.lrs)) and bool(self.hyper_ranks)
 
     @property
     def ranks(self) -> list[int]:
@@ -204,14 +224,7 @@ class Agreement:
             return "grad"
         return "input" if self.input_ranks else "hyperparameter"
 
-    @property
-    def mean_loss(self) -> float:
-        return sum(self.losses) / len(self.losses)
-
     def steps_available(self, accumulation_steps: int) -> float:
         """How many optimizer steps the data allows: set by the ranks whose data ran out."""
         totals = [self.batches[r] // accumulation_steps for r in self.exhausted_ranks]
         return min(totals) if totals else math.inf
-
-    def grad_norm(self) -> float:
-        return norm_or_inf(self.global_grad_norm)
