@@ -163,7 +163,7 @@ MODES: dict[str, ModeSpec] = {
         group="features",
     ),
     "guard+replicas": ModeSpec(
-        "guard, replica_check_every=1 (default 100)",
+        "guard, replica_check_every=1 (default 5)",
         "guard",
         guard={"replica_check_every": 1},
         min_world=2,
@@ -183,7 +183,7 @@ FEATURES: dict[str, tuple[str, str]] = {
     "spike rule (on_spike='warn')": ("guard", "guard-spikes"),
     "buffer restore (restore_buffers)": ("guard", "guard-restore"),
     "straggler timing (health.detect_stragglers)": ("guard", "guard-stragglers"),
-    "replica check every 100 steps": ("guard", "guard-replicas"),
+    "replica check every 5 steps (the default)": ("guard", "guard-replicas"),
     "replica check every step": ("guard+replicas", "guard"),
     "rerun=loss_fn, good steps": ("guard+rerun", "guard"),
 }

@@ -95,9 +95,38 @@ def _run(
     return {"state": _state(inner, opt), "error": error, "diverged_at": guard.replicas.diverged_at}
 
 
+WRECK_STEP = 7
+"""The step whose update the odd rank takes at 50x its learning rate (a finite wreck)."""
+
+
+def _wreck(rank: int, run_dir: Path) -> dict[str, Any]:
+    """A one-rank finite weight wreck (its LR x50 for one update) under the default options:
+    the replicas must be seen to differ within the default cadence."""
+    torch.manual_seed(0)
+    inner = BNNet()
+    model = DDP(inner, broadcast_buffers=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = tg.Guard(model, opt, run_dir=run_dir)
+    default_every = guard.config.health.replica_check_every
+    try:
+        for batch in guard.watch(make_batches(14, seed=0)):
+            wrecked = rank == ODD_RANK and guard.state.step == WRECK_STEP
+            loss = model(batch).pow(2).mean()
+            loss.backward()
+            if guard.check(loss):
+                opt.param_groups[0]["lr"] = 0.5 if wrecked else 1e-2
+                opt.step()
+                opt.param_groups[0]["lr"] = 1e-2
+            opt.zero_grad()
+    finally:
+        guard.close()
+    return {"every": default_every, "diverged_at": guard.replicas.diverged_at}
+
+
 def _job(rank: int, world_size: int, root: str) -> dict[str, Any]:
     base = Path(root)
     return {
+        "wreck": _wreck(rank, base / "wreck"),
         "healthy": _run(rank, base / "healthy", None),
         "warn": _run(rank, base / "warn", 8),
         "resync": _run(rank, base / "resync", 8, on_divergence="resync"),
@@ -133,6 +162,13 @@ def _identical(states: list[dict[str, Tensor]]) -> list[str]:
 @pytest.mark.timeout(120)
 def test_replica_divergence_four_ranks(tmp_path: Path) -> None:
     runs = values(run_ranks(_job, WORLD, str(tmp_path), timeout=110))
+
+    for rank in range(WORLD):  # the default cadence sees a finite one-rank wreck in a few steps
+        wreck = runs[rank]["wreck"]
+        assert wreck["every"] <= 5
+        (event,) = _divergences(tmp_path / "wreck", rank)[:1]
+        assert WRECK_STEP < event["step"] <= WRECK_STEP + wreck["every"]
+        assert event["ranks"] == [ODD_RANK] and wreck["diverged_at"] == event["step"]
 
     for rank in range(WORLD):  # healthy: checked at 0, 4, 8, never differs
         assert _divergences(tmp_path / "healthy", rank) == []

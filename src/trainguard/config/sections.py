@@ -140,7 +140,7 @@ class HealthConfig:
     """Cross-rank health on the agreed numbers (docs/health.md); read by ``health/``.
     ``Guard(replica_check_every=, on_divergence=)`` set the first two."""
 
-    replica_check_every: int = 100
+    replica_check_every: int = 5
     """Steps between checks that the replicated weights (DDP) agree across ranks: a
     fingerprint rides the step's agreement (0: off). Not for FSDP2 shards."""
     on_divergence: DivergenceAction = "warn"

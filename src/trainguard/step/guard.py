@@ -73,7 +73,7 @@ class Guard(GuardAssembly):
         extra_state: Mapping[str, Any] | None = None,
         resume: bool = False,
         on_spike: SpikeAction = "warn",
-        replica_check_every: int = 100,
+        replica_check_every: int = 5,
         on_divergence: DivergenceAction = "warn",
         rerun: LossFn | None = None,
         run: str | None = None,
