@@ -310,6 +310,45 @@ def test_sigkilled_rank_is_reported_by_the_survivors(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(90)
+def test_a_frozen_rank_is_named_frozen_and_the_job_ends_in_seconds(tmp_path: Path) -> None:
+    """A SIGSTOPped rank cannot run its watchdog, handle a launcher's SIGTERM or write its
+    stacks: a survivor on its host ends it with SIGKILL, so every process is gone within the
+    hang timeout + 10 s, and the report, its events and its stack file say "frozen"."""
+    timeout = 3.0
+    procs = launch(3, tmp_path, "--timeout", str(timeout), "--steps", "5000")
+    deadline = time.monotonic() + 75
+    wait_for_step(tmp_path / "progress-rank1", 5, deadline)
+    stopped = time.time()
+    procs[1].send_signal(signal.SIGSTOP)
+    try:
+        exits = wait_all(procs, deadline)
+    finally:
+        if procs[1].poll() is None:
+            procs[1].send_signal(signal.SIGCONT)
+    assert [p.returncode for p in procs] == [
+        tg.EXIT_PEER_FAILURE,
+        -signal.SIGKILL,
+        tg.EXIT_PEER_FAILURE,
+    ]
+    assert max(exits) - stopped < timeout + SLACK_S
+    report = only_report(tmp_path)
+    assert report["kind"] == "peer_failure" and report["culprits"] == [1]
+    assert "rank 1 is frozen: its process" in report["reason"]
+    assert "stopped (SIGSTOP" in report["reason"]
+    note = (tmp_path / "hangs" / report["id"] / "rank-1.txt").read_text()
+    assert "no stack dump from rank 1: rank 1 is frozen" in note
+    frozen = [e for r in (0, 2) for e in tg.read_events(tmp_path, r) if e["kind"] == "frozen_rank"]
+    assert frozen and {(e["rank"], e["process_state"]) for e in frozen} == {(1, "T")}
+    text = subprocess.run(
+        [sys.executable, "-m", "trainguard", "report", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert "frozen" in text and "ended before it could write one" not in text
+
+
+@pytest.mark.timeout(90)
 def test_a_sigkilled_watcher_is_reported_by_the_other_watcher(tmp_path: Path) -> None:
     """Ranks 0 and 2 read every heartbeat (the watchers of 4 ranks), ranks 1 and 3 only
     theirs. Watcher 2 is killed: watcher 0 names it and every survivor exits 92 (the test

@@ -6,6 +6,8 @@
    disarms the faulthandler fallback (``stacks.FrozenDump``),
 2. acknowledges the verdict in the store (``ack``), so the rank serving the store knows it
    was read,
+   and ends with SIGKILL the frozen culprits on this host (``frozen.py``): a stopped
+   process that no launcher's SIGTERM can end would keep the job waiting,
 3. dumps this process's stacks to ``run_dir/hangs/<id>/rank-<r>.txt`` and counts the dump
    in the store (``dumped``),
 4. writes ``report.json`` when this rank is the verdict's reporter, and a ``hang`` /
@@ -25,6 +27,7 @@ An ``offline`` verdict (the store itself stopped answering) skips the store's co
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -32,6 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +43,10 @@ from trainguard.events import EventLog
 from trainguard.exitcodes import EXIT_HANG, EXIT_PEER_FAILURE
 from trainguard.hang.channel import StoreChannel
 from trainguard.hang.collective_record import CollectiveRecord, describe
+from trainguard.hang.frozen import end, frozen_ranks, still_frozen, write_note
 from trainguard.hang.progress import Progress
 from trainguard.hang.report import stack_file, write_report
-from trainguard.hang.rules import HANG, PEER_FAILURE, Verdict
+from trainguard.hang.rules import HANG, PEER_FAILURE, Verdict, own_failure
 from trainguard.hang.signal_dump import SignalDump
 from trainguard.hang.stacks import FrozenDump, write_stack_dump
 
@@ -126,6 +131,10 @@ class ExitPath:
         self._pid = os.getpid()
         self.collective: dict[str, Any] | None = None
         """The collective this rank waits in (its latest record), for the stack dump."""
+        self.own_dump_grace = 4.0
+        """Seconds a frozen peer that is not stopped gets to dump its own stacks and exit
+        (its faulthandler fallback) before it is ended (the watchdog sets it from the
+        timeout: ``frozen_after - dead_after`` and a second)."""
         self.comm_error: Callable[[], str | None] = lambda: None
         """This rank's collective that failed under it, if one did (for the stack dump)."""
         self.before_exit: list[Callable[[], Any]] = []
@@ -154,6 +163,8 @@ class ExitPath:
             self.signals.close()  # a launcher's SIGTERM now ends a rank trainguard is ending
         if not offline:
             attempt(self.channel.ack)
+            verdict = attempt(lambda: self._end_frozen(verdict)) or verdict
+            self.verdict = verdict
         stacks, native = self._dump_stacks(verdict)
         if not offline:
             attempt(self.channel.dumped)
@@ -167,6 +178,36 @@ class ExitPath:
             self._await_failed_processes(verdict)
         self._exit_fn(code)
         safety.cancel()
+
+    def _end_frozen(self, verdict: Verdict) -> Verdict:
+        """Culprits of a peer failure whose heartbeats stopped while their process lives on
+        this host are frozen (``frozen.py``): each is ended with SIGKILL, a note stands in
+        for its stack dump, a ``frozen_rank`` event is written, and the verdict's reason
+        says so (the report's too, when this rank writes it)."""
+        if verdict.kind != PEER_FAILURE or own_failure(verdict.kind, verdict.culprits, verdict.by):
+            return verdict
+        beats, _ = self.channel.read(list(verdict.culprits))
+        found = still_frozen(frozen_ranks(beats, self._host, self._pid), self.own_dump_grace)
+        for rank in found:
+            ended = end(rank)
+            note = functools.partial(
+                write_note, self.folder / stack_file(rank.rank), rank, self.rank
+            )
+            attempt(note)
+            self.events.write(
+                "frozen_rank",
+                self.progress.step,
+                rank=rank.rank,
+                pid=rank.pid,
+                process_state=rank.state,
+                last_step=rank.step,
+                last_phase=rank.phase,
+                ended=ended,
+            )
+        if not found:
+            return verdict
+        said = "; ".join(rank.describe() for rank in found)
+        return replace(verdict, reason=f"{verdict.reason}; {said}; ended with SIGKILL")
 
     def _await_failed_processes(self, verdict: Verdict) -> None:
         """A rank that failed with an exception published it and goes on ending its own

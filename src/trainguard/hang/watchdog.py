@@ -288,6 +288,8 @@ class Watchdog:
                 return
             verdict = self.channel.propose(verdict)
         if not self._failures.failed:  # set before this rank publishes its own failure
+            # a frozen peer that is not stopped gets to dump its own stacks first (frozen.py)
+            self._exit.own_dump_grace = timing.frozen_after(self.timeout) - self.dead_after + 1
             self._exit.act(verdict)
 
     def _stalled(self, now: float) -> bool:
