@@ -40,6 +40,8 @@ def _example() -> Any:
 
 
 def _read(log_dir: Path) -> EventAccumulator:
+    if not list(log_dir.glob("events.out.*")):  # the default: a directory per trainguard run
+        (log_dir,) = [d for d in log_dir.iterdir() if d.is_dir()]
     acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     return acc
@@ -242,3 +244,30 @@ def test_the_sync_free_steps_last_numbers_are_written_at_the_guards_close(tmp_pa
     assert skipped[steps - 1] == 1 and max(skipped) == steps - 1
     (skip_at,) = [s for s, t in _texts(acc) if t.startswith("**skip**")]
     assert skip_at == steps - 1
+
+
+def test_two_runs_in_one_run_dir_are_two_tensorboard_runs(tmp_path: Path) -> None:
+    """The default log directory is the run's own (``run_dir/tensorboard/<run id>``): a
+    second run in the same ``run_dir`` does not write its steps into the first one's."""
+    ids = []
+    for _ in range(2):
+        model = nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        guard = tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0)
+        with TensorBoardLogger(guard) as tb:
+            for x in guard.watch([torch.ones(4, 2)] * 3):
+                loss = model(x).pow(2).mean()
+                loss.backward()  # type: ignore[no-untyped-call]
+                if guard.check(loss):
+                    opt.step()
+                opt.zero_grad()
+                tb.log()
+            guard.close()
+        assert guard.events.run is not None
+        ids.append(guard.events.run.id)
+    assert ids[0] != ids[1]
+    assert sorted(d.name for d in (tmp_path / "tensorboard").iterdir()) == sorted(ids)
+    for run in ids:
+        acc = EventAccumulator(str(tmp_path / "tensorboard" / run), size_guidance={"scalars": 0})
+        acc.Reload()
+        assert [s.step for s in acc.Scalars("trainguard/step")] == [0, 1, 2]  # each its own

@@ -14,7 +14,8 @@
 
 Needs ``tensorboard`` (extra ``trainguard[tensorboard]``); the writer is
 ``torch.utils.tensorboard.SummaryWriter`` (pass your own to share its event file), written to
-``run_dir/tensorboard`` by default, on rank 0 only (the numbers are the same on every rank).
+``run_dir/tensorboard/<run id>`` by default (``default_log_dir``: one TensorBoard run per
+trainguard run), on rank 0 only (the numbers are the same on every rank).
 
 Scalars: ``log(step)`` writes ``guard.metrics()`` (host numbers the guard already holds: no
 sync, no collective); call it as often as you log the rest. Events: the logger listens on the
@@ -92,6 +93,15 @@ def summary_writer(log_dir: Path | str) -> Writer:
     return writer
 
 
+def default_log_dir(guard: Guard) -> Path:
+    """``run_dir/tensorboard/<run id>``: one TensorBoard run per trainguard run. A torchrun
+    restart or a ``resume`` of the run goes on in its directory; another run in the same
+    ``run_dir`` gets its own, so two runs' steps never land in one TensorBoard run."""
+    base = Path(guard.run_dir) / "tensorboard"
+    run = guard.events.run
+    return base / run.id if run is not None else base
+
+
 def write_scalars(writer: Writer, metrics: dict[str, float | int], step: int) -> None:
     """``guard.metrics()`` (or any flat dict of numbers) as scalars at ``step``."""
     for key, value in metrics.items():
@@ -111,8 +121,9 @@ class TensorBoardLogger:
     """Writes ``guard.metrics()`` as scalars (``log``) and the guard's notable events as text.
 
     ``writer``: a ``SummaryWriter`` to share (it stays open at ``close``); default: one of its
-    own in ``log_dir`` (default ``run_dir/tensorboard``). ``events``: the kinds written as
-    text. ``all_ranks``: every rank writes (give each its own ``log_dir``); default rank 0.
+    own in ``log_dir`` (default ``default_log_dir``: ``run_dir/tensorboard/<run id>``).
+    ``events``: the kinds written as text. ``all_ranks``: every rank writes (give each its
+    own ``log_dir``); default rank 0.
     """
 
     def __init__(
@@ -134,7 +145,7 @@ class TensorBoardLogger:
         """The guard's step whose metrics ``log`` wrote last (None: ``log`` never called)."""
         if all_ranks or guard.rank == 0:
             if writer is None:
-                writer = summary_writer(log_dir or Path(guard.run_dir) / "tensorboard")
+                writer = summary_writer(log_dir or default_log_dir(guard))
                 self._owned = True
             self.writer = writer
             guard.events.add_listener(self._on_event)

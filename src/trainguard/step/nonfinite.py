@@ -41,7 +41,8 @@ def log_nonfinite(
         loss_ranks=agreement.loss_ranks,
         grad_ranks=agreement.grad_ranks,
         params=stats.bad_names(),
-        loss=agreement.losses[rank],
+        loss=agreement.mean_loss,  # agreed: NaN when any rank's is (as the loss scalar)
+        losses=agreement.losses,  # every rank's
         action=decision.value,
         consecutive=consecutive,
         **found,
