@@ -63,7 +63,10 @@ def test_replay_calls_a_diverged_run_divergence_from_the_bundle_history(diverged
     assert "learning rate" in r["advice"]
 
 
-def test_without_history_the_same_step_is_no_divergence(diverged: Path, tmp_path: Path) -> None:
+def test_without_history_the_weights_still_say_divergence(diverged: Path, tmp_path: Path) -> None:
+    """No history.json (no growth, no learning rate to read): the weights before the step,
+    far past any trained model's, still say the updates ran away (issue 53: it said
+    ``numerical`` then)."""
     copy = tmp_path / diverged.name
     shutil.copytree(diverged, copy)
     manifest = json.loads((copy / "manifest.json").read_text())
@@ -71,7 +74,10 @@ def test_without_history_the_same_step_is_no_divergence(diverged: Path, tmp_path
     (copy / "manifest.json").write_text(json.dumps(manifest))
     (copy / "history.json").unlink()
     assert tg.load_bundle(copy).history is None
-    assert tg.replay(copy, _regression_factory).verdict == "numerical"
+    r = tg.replay(copy, _regression_factory).to_dict()
+    assert r["verdict"] == "divergence" and "growth" not in r
+    assert r["summary"].startswith("The run diverged: the weights reached |w| = ")
+    assert r["runaway"]["lr"] is None and r["runaway"]["largest_weight"] >= 1e4
     assert "history   not captured" in inspect_text(inspect_bundle(copy))
 
 

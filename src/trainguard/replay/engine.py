@@ -42,8 +42,10 @@ from trainguard.replay.verdicts import (
     ADVICE,
     SPIKE_NOT_REPRODUCED_ADVICE,
     Growth,
+    Runaway,
     classify,
     growth,
+    runaway,
     verdict_sentence,
 )
 from trainguard.replay.weights import weights_evidence
@@ -113,10 +115,12 @@ def diagnose_runs(
     float32 = float32_reproduces(runner)
     only_half = runner.autocast.half if float32 is False else None
     grew = growth(history)
+    ran_away = None if finding.parameter_origins else runaway(history, largest_weight(runner.model))
     some_read = finding.weights is not None and finding.weights.sample_specific
-    whole_step = grew is not None or (bool(finding.parameter_origins) and not some_read)
+    diverged = grew is not None or ran_away is not None
+    whole_step = diverged or (bool(finding.parameter_origins) and not some_read)
     culprits = _culprits(runner, finding) if bisect and not whole_step else Culprits(searched=False)
-    report = report_of(finding, culprits, deterministic, grew, only_half)
+    report = report_of(finding, culprits, deterministic, grew, only_half, ran_away)
     if len(bad) < len(runs):
         report.summary += f" (Non-finite in {len(bad)} of {len(runs)} replays: nondeterministic.)"
     report.details.update(replayed, bisection_runs=culprits.runs, float32_reproduced=float32)
@@ -218,12 +222,14 @@ def report_of(
     deterministic: bool,
     grew: Growth | None,
     only_half: str | None = None,
+    ran_away: Runaway | None = None,
 ) -> ReplayReport:
     """The report of a reproduced, traced step (``only_half``: the autocast dtype the step
-    is non-finite under while finite in float32)."""
+    is non-finite under while finite in float32; ``ran_away``: the updates before it ran
+    away)."""
     batch_level = culprits.batch_level and not culprits.samples
-    verdict = classify(finding, batch_level, grew, culprits.batch_size, only_half)
-    lead = verdict_sentence(verdict, finding, grew, only_half)
+    verdict = classify(finding, batch_level, grew, culprits.batch_size, only_half, ran_away)
+    lead = verdict_sentence(verdict, finding, grew, only_half, ran_away)
     every = batch_level and culprits.every_alone and verdict != "batch_statistics"
     complete = culprits.complete if culprits.searched else None
     summary = summarize(finding, culprits.samples, batch_level, complete, every)
@@ -252,7 +258,26 @@ def report_of(
     )
     if grew is not None:
         report.details["growth"] = grew.to_dict()
+    if ran_away is not None:
+        report.details["runaway"] = ran_away.to_dict()
     return report
+
+
+def largest_weight(model: nn.Module) -> tuple[str, float] | None:
+    """The largest finite |value| among the model's floating-point parameters and its name
+    (the weights before the step, as the bundle holds them); None without any."""
+    best: tuple[str, float] | None = None
+    for name, param in model.named_parameters():
+        if not param.is_floating_point() or param.numel() == 0:
+            continue
+        values = param.detach().abs()
+        finite = values[values.isfinite()]
+        if finite.numel() == 0:
+            continue
+        top = float(finite.max())
+        if best is None or top > best[1]:
+            best = (name, top)
+    return best
 
 
 def finding_details(finding: Finding | None) -> dict[str, Any]:

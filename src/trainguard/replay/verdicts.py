@@ -31,7 +31,10 @@ The classes, checked in this order:
   covers only partly, and made a real inf or NaN of it: the loss at a target the mask forbids
   (masked_reads.py).
 - ``divergence``: the loss or the gradient norm grew over the recent steps (the bundle's
-  history) until it overflowed.
+  history, two finite steps are enough) until it overflowed; or the updates ran away
+  (``Runaway``): the learning rate jumped in the last few steps, or the weights before the
+  step are larger than a healthy run's (``RUNAWAY_WEIGHT``); the sentence names the learning
+  rate and the largest weight.
 - ``overflow_fp16`` / ``overflow_bf16``: the step is non-finite under float16 / bfloat16
   autocast and finite in float32 (the replay runs it once more without autocast) at an op
   that is no domain op (a domain op there, ``log(1 - sigmoid(x))`` with ``sigmoid`` rounded
@@ -55,6 +58,7 @@ The classes, checked in this order:
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -298,14 +302,15 @@ def _series(records: list[dict[str, Any]], metric: str) -> list[tuple[int | None
 def growth(history: list[dict[str, Any]] | None, window: int = 64) -> Growth | None:
     """The loss's or the gradient norm's growth before the bad step, when it diverged: it
     grew at least ``GROWTH`` times from the window's low to its last finite value, the last
-    value being the window's highest."""
+    value being the window's highest (two finite steps are enough: an early blow-up is one
+    too)."""
     if not history or len(history) < 3:
         return None
     before = history[:-1][-window:]
     best: Growth | None = None
     for metric in ("grad_norm", "loss"):
         series = _series(before, metric)
-        if len(series) < 3:
+        if len(series) < 2:
             continue
         low = min(range(len(series)), key=lambda i: series[i][1])
         (first, start), (last, end) = series[low], series[-1]
@@ -317,12 +322,86 @@ def growth(history: list[dict[str, Any]] | None, window: int = 64) -> Growth | N
     return best
 
 
+LR_JUMP = 10.0
+"""A learning rate this many times its value one step before is a jump (a warm-up grows it
+by far less a step)."""
+LR_JUMP_STEPS = 3
+"""A jump in the last this many updates before the bad step counts."""
+RUNAWAY_WEIGHT = 1e4
+"""A finite weight this large before the step: the updates ran away (trained weights are of
+order one; an embedding or a norm's scale rarely reaches 100)."""
+
+
+@dataclass
+class Runaway:
+    """The updates ran away before the bad step: the learning rate jumped, the weights grew
+    past ``RUNAWAY_WEIGHT``, or both (``runaway``)."""
+
+    lr: float | None
+    """The learning rate of the last update before the bad step (history.json)."""
+    lr_before: float | None = None
+    """The learning rate one update before a jump (None: no jump)."""
+    jump_step: int | None = None
+    """The step whose update ran at the jumped learning rate."""
+    weight: float | None = None
+    """The largest finite |weight| before the step, when past ``RUNAWAY_WEIGHT``."""
+    param: str | None = None
+
+    def text(self) -> str:
+        said = []
+        if self.lr_before is not None and self.lr is not None:
+            said.append(
+                f"the learning rate jumped {self.lr / self.lr_before:.3g}x at step "
+                f"{self.jump_step} (from {self.lr_before:.3g} to {self.lr:.3g})"
+            )
+        elif self.lr is not None:
+            said.append(f"the learning rate was {self.lr:.3g}")
+        if self.weight is not None:
+            said.append(f"the weights reached |w| = {self.weight:.3g} ({self.param})")
+        return " and ".join(said)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "lr": self.lr,
+            "lr_before": self.lr_before,
+            "jump_step": self.jump_step,
+            "largest_weight": self.weight,
+            "param": self.param,
+        }
+
+
+def runaway(
+    history: list[dict[str, Any]] | None, largest: tuple[str, float] | None
+) -> Runaway | None:
+    """Whether the updates before the bad step ran away: a learning-rate jump (``LR_JUMP``
+    times the step before, in the last ``LR_JUMP_STEPS`` updates) or a weight past
+    ``RUNAWAY_WEIGHT`` (``largest``: the largest finite |weight| and its parameter)."""
+    records = [r for r in (history or [])[:-1] if _number(r.get("lr")) is not None]
+    lr = _number(records[-1].get("lr")) if records else None
+    jump = None
+    for before, after in itertools.pairwise(records[-LR_JUMP_STEPS - 1 :]):
+        low, high = _number(before.get("lr")), _number(after.get("lr"))
+        if low and high and low > 0 and high >= LR_JUMP * low:
+            jump = (low, after.get("step"))
+    big = largest if largest is not None and largest[1] >= RUNAWAY_WEIGHT else None
+    if jump is None and big is None:
+        return None
+    return Runaway(
+        lr,
+        jump[0] if jump else None,
+        jump[1] if jump else None,
+        big[1] if big else None,
+        big[0] if big else None,
+    )
+
+
 def classify(
     finding: Finding,
     batch_level: bool,
     grew: Growth | None,
     batch_size: int | None = None,
     only_half: str | None = None,
+    ran_away: Runaway | None = None,
 ) -> str:
     """The verdict of a reproduced step. ``batch_level``: bisection found no sample to blame
     (``batch_size``: the bisected batch's size). ``only_half``: the autocast dtype the step
@@ -337,7 +416,7 @@ def classify(
         return "masked_row"
     if finding.origin is not None and finding.origin.masked_read is not None:
         return "masked_position"
-    if grew is not None:
+    if grew is not None or ran_away is not None:
         return "divergence"
     if only_half in HALF_DTYPES:  # a domain op: the half dtype's rounding, no overflow
         return "numerical" if finding.op in DOMAIN_OPS else HALF_DTYPES[only_half]
@@ -369,7 +448,11 @@ def _overflow(finding: Finding) -> str | None:
 
 
 def verdict_sentence(
-    verdict: str, finding: Finding | None, grew: Growth | None, only_half: str | None = None
+    verdict: str,
+    finding: Finding | None,
+    grew: Growth | None,
+    only_half: str | None = None,
+    ran_away: Runaway | None = None,
 ) -> str:
     """A sentence that leads the summary for the classes whose cause is not the op itself."""
     if verdict in HALF_DTYPES.values() and only_half is not None and finding is not None:
@@ -389,8 +472,9 @@ def verdict_sentence(
             "forms the rounded value (logsigmoid, binary_cross_entropy_with_logits, "
             "log_softmax)."
         )
-    if verdict == "divergence" and grew is not None:
-        return f"The run diverged: {grew.text()}."
+    if verdict == "divergence" and (grew is not None or ran_away is not None):
+        said = [part.text() for part in (ran_away, grew) if part is not None]
+        return f"The run diverged: {'; '.join(said)}."
     if verdict in WEIGHTS and finding is not None and finding.weights is not None:
         return finding.weights.lead()
     if verdict == "nonfinite_weights" and finding is not None:
