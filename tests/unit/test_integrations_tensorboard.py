@@ -193,9 +193,10 @@ def test_after_a_rollback_events_stay_beside_the_loops_scalars(tmp_path: Path) -
     assert any(f"at step {s} " not in t for s, t in texts)  # the text keeps the guard's step
 
 
-def test_log_without_a_step_writes_the_numbers_at_the_step_they_are_of(tmp_path: Path) -> None:
-    """``log()`` with no step: at the step the numbers describe. After a rollback the guard's
-    own step is the restored one: the escalating step's numbers still go at that step."""
+def test_log_without_a_step_writes_an_axis_that_only_goes_forward(tmp_path: Path) -> None:
+    """``log()`` with no step: at the step the numbers describe, plus the steps the rollbacks
+    made the run take again. The escalating step's numbers go at that step; the steps taken
+    again after it follow it, not go back (issue 53: steps 20-31 were drawn twice)."""
     from tg_recovery import make_data
 
     model, opt, guard = _rolling_back_guard(tmp_path)
@@ -215,8 +216,17 @@ def test_log_without_a_step_writes_the_numbers_at_the_step_they_are_of(tmp_path:
     )]  # fmt: skip
     first = next(step for step, value in scalars if value == 1)
     assert first == escalated
-    losses = [(s.step, s.value) for s in _read(tmp_path / "tensorboard").Scalars("trainguard/loss")]
+    acc = _read(tmp_path / "tensorboard")
+    losses = [(s.step, s.value) for s in acc.Scalars("trainguard/loss")]
     assert math.isnan(next(v for step, v in losses if step == escalated))  # its first point
+    xs = [step for step, _ in losses]
+    assert xs == list(range(len(xs)))  # forward only
+    assert guard.global_step < len(xs)  # though the guard's own steps went back
+    texts = _texts(acc)
+    (rolled,) = [x for x, text in texts if text.startswith("**rollback**")]
+    assert rolled == escalated  # the text beside its scalars
+    skips = [x for x, text in texts if text.startswith("**skip**")]
+    assert skips == sorted(set(skips))  # every skip at its own place on the axis
 
 
 def test_the_sync_free_steps_last_numbers_are_written_at_the_guards_close(tmp_path: Path) -> None:

@@ -25,9 +25,10 @@ text under the tag ``trainguard/events`` and flushes: no file is read,
 and nothing is done on a step without such an event. ``hang`` and ``peer_failure`` events
 are written by the hang watchdog's thread just before the process exits; the flush makes
 them reach the file first. An event is placed where the scalars of its step are: at the
-guard's step plus the offset between your counter and the guard's at the last ``log(step)``
-(a rollback sends the guard's step back, your counter goes on; the text still says the
-guard's step).
+guard's step plus the offset between your counter and the guard's at the last ``log(step)``,
+or, when ``log()`` is given no step, plus the steps the rollbacks so far made the run take
+again: the x axis only goes forward (a rollback sends the guard's step back; the text still
+says the guard's step).
 """
 
 from __future__ import annotations
@@ -143,6 +144,14 @@ class TensorBoardLogger:
         """Your step minus the guard's, at the last ``log(step)``: where events go."""
         self._logged: int | None = None
         """The guard's step whose metrics ``log`` wrote last (None: ``log`` never called)."""
+        self._own_steps = False
+        """``log(step)`` was given the loop's counter (then ``_offset`` places everything)."""
+        self._taken_again = 0
+        """Steps the run took again after its rollbacks so far (``log()`` without a step:
+        the guard's step plus this is the x axis, which only goes forward)."""
+        self._pending: tuple[int, object] | None = None
+        """A rollback not yet passed: the steps it makes the run take again, and the record
+        of the step that escalated (the steps decided after it count them)."""
         if all_ranks or guard.rank == 0:
             if writer is None:
                 writer = summary_writer(log_dir or default_log_dir(guard))
@@ -162,9 +171,20 @@ class TensorBoardLogger:
         metrics = self.guard.metrics()
         decided = self._decided(metrics)
         if step is not None:
+            self._own_steps = True
             self._offset = step - decided
+        else:
+            self._pass_rollback()
+            self._offset = self._taken_again
         self._logged = decided
-        write_scalars(writer, metrics, decided if step is None else step)
+        write_scalars(writer, metrics, decided + self._offset)
+
+    def _pass_rollback(self) -> None:
+        """A rollback seen and a step decided after it: from now on, x counts its steps."""
+        pending = self._pending
+        if pending is not None and self.guard.history.last() is not pending[1]:
+            self._taken_again += pending[0]
+            self._pending = None
 
     def _decided(self, metrics: dict[str, float | int]) -> int:
         """The guard's step that ``metrics`` describe: the newest record of its history."""
@@ -175,14 +195,26 @@ class TensorBoardLogger:
         writer = self.writer
         if writer is None:
             return
-        if record.get("kind") == "close":
+        kind = record.get("kind")
+        if kind == "close":
             self._log_unlogged(writer)
-        if record.get("kind") not in self.events:
-            return
         step = record.get("step")
-        at = step + self._offset if isinstance(step, int) else 0
+        after = self._pending is not None and not self._own_steps  # past a rollback
+        offset = self._offset + (self._pending[0] if after and self._pending else 0)
+        if kind == "rollback":
+            self._rolled_back(record)
+        if kind not in self.events:
+            return
+        at = step + offset if isinstance(step, int) else 0
         writer.add_text(TEXT_TAG, event_text(record), global_step=at)
         writer.flush()  # rare; and a hang's event must be on disk before the exit
+
+    def _rolled_back(self, record: dict[str, Any]) -> None:
+        """The steps from the restored one to the escalating one are taken again."""
+        step, restored = record.get("step"), record.get("restored_step")
+        if isinstance(step, int) and isinstance(restored, int) and not self._own_steps:
+            self._pass_rollback()
+            self._pending = (step + 1 - restored, self.guard.history.last())
 
     def _log_unlogged(self, writer: Writer) -> None:
         """At the guard's close: the numbers of a step decided after the last ``log`` (the
