@@ -60,6 +60,7 @@ from trainguard.attach.discovery import (
     optimizer_params,
 )
 from trainguard.attach.drops import DropWatch
+from trainguard.attach.loss_inputs import LossInputs
 from trainguard.attach.options import RunOptions
 from trainguard.attach.prestart import PreStart, batch_of
 from trainguard.attach.replace import HANDOVER, adopt_start, hand_over, made_anew
@@ -144,6 +145,7 @@ class Attacher:
         self._prestart = PreStart(on_manual_update=self._updated_by_hand)
         self._clip = ClipWatch()
         self._drops = DropWatch()
+        self._loss_inputs = LossInputs()  # criterion(model(x), y): y joins the micro-batch
         self._handles: list[RemovableHandle | HookHandle] = []
         self._restore_destroy: Callable[[], None] | None = None
 
@@ -195,6 +197,7 @@ class Attacher:
         self._prestart.remove()
         self._clip.remove()
         self._drops.remove()
+        self._loss_inputs.disarm()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -346,7 +349,7 @@ class Attacher:
         prestart.calls.clear()
         # a Hook: a copy of the model (EMA, torch.save) carries an inert one; run eagerly
         # around a model compiled in place (user_hooks.add_forward_hooks)
-        self._handles.append(add_forward_hooks(model, pre=self._model_pre))
+        self._handles.append(add_forward_hooks(model, pre=self._model_pre, post=self._model_post))
         atexit.register(self.close)
         self._announce(guard, optimizer, model)
         return True
@@ -391,6 +394,7 @@ class Attacher:
         return True
 
     def _model_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._loss_inputs.disarm()  # the model's next call: the last one's loss was not seen
         guard = self.guard
         if guard is None:
             return
@@ -400,6 +404,14 @@ class Attacher:
         self._clip.forward()
         self._drops.forward()
         guard.record_batch(batch_of(args, kwargs))
+
+    def _model_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """After a training call: the loss call that takes its output adds its targets to
+        the micro-batch (``attach/loss_inputs.py``)."""
+        guard = self.guard
+        if guard is None or not torch.is_grad_enabled() or not in_training(module):
+            return
+        self._loss_inputs.arm(output, guard.internals.recorded_batches())
 
     def _announce(self, guard: Guard, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
         world = guard.world_size

@@ -32,6 +32,7 @@ from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
 from trainguard.attach.discovery import in_training
+from trainguard.attach.loss_inputs import LossInputs
 from trainguard.capture.rng import rng_state
 from trainguard.step.buffers import BufferKeeper
 from trainguard.step.recorded_batches import RecordedBatches
@@ -118,6 +119,8 @@ class PreStart:
         """Told of a recorded module whose parameters changed between two training calls
         with no optimizer step (the module docstring)."""
         self.calls: dict[int, StepZero] = {}
+        self.loss_inputs = LossInputs()
+        """The first step's loss call adds its targets to the micro-batch (``loss_inputs``)."""
         self._depth = 0
         self._traced = 0
         """Calls inside a compile wrapper that ``_pre`` left alone and ``_post`` has not seen."""
@@ -135,6 +138,7 @@ class PreStart:
         ]
 
     def remove(self) -> None:
+        self.loss_inputs.disarm()
         with_kwargs = getattr(module_hooks, "_global_forward_hooks_with_kwargs", {})
         for handle in self._handles:
             handle.remove()
@@ -185,6 +189,7 @@ class PreStart:
             recording = self._recording
             if self._depth == 1 and recording is not None:
                 recording.recorded.record(batch_of(args, kwargs), 0)
+                self.loss_inputs.arm(output, recording.recorded)
                 self._recording = None
             self._depth -= 1
 

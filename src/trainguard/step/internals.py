@@ -57,6 +57,11 @@ class GuardInternals:
     def __init__(self, guard: Guard) -> None:
         self._guard = guard
 
+    def recorded_batches(self) -> RecordedBatches:
+        """The step's micro-batches as ``record_batch`` kept them (``trainguard run`` adds the
+        loss's own inputs to them: ``attach/loss_inputs.py``)."""
+        return self._guard._recorded
+
     def started_step(self) -> int | None:
         """The step whose first forward the guard's hook saw last (None: none yet)."""
         return self._guard._start.step

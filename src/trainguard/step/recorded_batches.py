@@ -69,6 +69,15 @@ class RecordedBatches:
             batch = map_tensors(batch, copy_of)
         self.current.append(batch)
 
+    def add_loss_inputs(self, index: int, extra: list[Any]) -> None:
+        """The loss's own inputs join micro-batch ``index`` (``attach/loss_inputs.py``: the
+        targets of ``criterion(model(x), y)``): it becomes ``(batch, *extra)``."""
+        if not 0 <= index < len(self.current):
+            return
+        if self.copying:
+            extra = [map_tensors(item, copy_of) for item in extra]
+        self.current[index] = (self.current[index], *extra)
+
     def _refills(self, batch: Any) -> bool:
         """Whether ``batch`` was copied into the buffer of an earlier micro-batch of the step
         (``refill.refills``): the earlier one is gone."""
