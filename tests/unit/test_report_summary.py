@@ -117,6 +117,32 @@ def test_events_written_by_every_rank_are_merged(tmp_path: Path) -> None:
     assert summary.nonfinite_cells() == [(1, 3)]
 
 
+def test_the_passes_of_a_rolled_back_run_follow_each_other(tmp_path: Path) -> None:
+    """Steps 5 and 6 go bad, the run rolls back to 4 and steps 5 and 6 go bad again: the
+    report lists the first pass, the rollback, then the second pass, not both step 5s
+    together (issue 53: the passes came out interleaved by step number)."""
+    bad = {"kind": "nonfinite", "where": "loss", "ranks": [0], "action": "skip"}
+    _two_ranks_wrote(
+        tmp_path,
+        {"time": 1.0, "step": 0, "kind": "start", "world_size": 2},
+        {**bad, "time": 2.0, "step": 5},
+        {**bad, "time": 2.1, "step": 6, "action": "escalate"},
+        {"time": 2.2, "step": 6, "kind": "rollback", "restored_step": 4},
+        {**bad, "time": 3.0, "step": 5},
+        {**bad, "time": 3.1, "step": 6},
+        {"time": 4.0, "step": 9, "kind": "close"},
+    )
+    summary = summarize(tmp_path)
+    assert [(e["step"], e["action"]) for e in summary.nonfinite] == [
+        (5, "skip"),
+        (6, "escalate"),
+        (5, "skip"),
+        (6, "skip"),
+    ]
+    text = report_text(summary)
+    assert text.index("step 6: loss on ranks [0] -> escalate") < text.rindex("step 5: loss")
+
+
 def test_a_capture_that_failed_is_reported_with_its_error(tmp_path: Path) -> None:
     """Every capture failed (e.g. an optimizer whose state_dict() raised): the report says
     so instead of 'captures none', once per step, with the error."""

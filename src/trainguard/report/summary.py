@@ -308,9 +308,10 @@ def _losses(rec: dict[str, Any]) -> tuple[float | None, list[int]]:
 def _merged(
     events: list[dict[str, Any]], *kinds: str, keys: tuple[str, ...] = _KEY_FIELDS
 ) -> list[dict[str, Any]]:
-    """One copy of each event written by several ranks (the lowest rank's), by step. A step
-    number seen again after a rollback is a new event: the n-th of a kind at a step on one
-    rank is merged with the n-th on the others."""
+    """One copy of each event written by several ranks (the lowest rank's), in the order they
+    happened. A step number seen again after a rollback is a new event: the n-th of a kind at
+    a step on one rank is merged with the n-th on the others, and the passes follow each other
+    (the first pass's steps, then the second's), never interleaved by step number."""
     seen: dict[tuple[Any, ...], dict[str, Any]] = {}
     occurrences: Counter[tuple[Any, ...]] = Counter()
     for event in events:  # in time order
@@ -322,7 +323,7 @@ def _merged(
         key = (*key, occurrences[(rank, key)])
         if key not in seen or rank < int_of(seen[key].get("rank")):
             seen[key] = event
-    return sorted(seen.values(), key=lambda e: (int_of(e.get("step")), float_of(e.get("time"))))
+    return sorted(seen.values(), key=lambda e: (float_of(e.get("time")), int_of(e.get("step"))))
 
 
 def _with_every_ranks_tensors(
