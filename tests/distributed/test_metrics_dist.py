@@ -6,7 +6,9 @@ test_step_budget.py (DDP's own gradient all-reduces run in its C++ reducer: not 
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,3 +69,33 @@ def test_every_rank_gets_the_same_metrics_without_a_collective(tmp_path: Path) -
     assert [m["trainguard/skipped_steps"] for m in zero] == [0, 0, 1, 1, 1, 1]
     assert math.isnan(zero[BAD]["trainguard/loss"])  # the mean over the ranks: rank 1's NaN
     assert math.isfinite(zero[-1]["trainguard/loss"])
+
+
+def _stalled_job(rank: int, world: int, root: str) -> list[int]:
+    """Five steps, then a long pause without a step (an evaluation that calls no forward, a
+    wait): what rank 0's metrics log holds by then, before the guard closes."""
+    torch.manual_seed(0)
+    model = DDP(TinyNet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = tg.Guard(model, opt, run_dir=Path(root), hang_timeout=30, capture=False)
+    for x in guard.watch([torch.randn(6, 8) for _ in range(5)]):
+        loss = (model(x) - 1.0).pow(2).mean()
+        loss.backward()
+        if guard.check(loss):
+            opt.step()
+        opt.zero_grad()
+    time.sleep(2.5)  # the watchdog ticks; a kill now must not cost the buffered lines
+    path = Path(root) / "metrics" / "rank-0.jsonl"
+    steps = (
+        [json.loads(line)["step"] for line in path.read_text().splitlines()] if rank == 0 else []
+    )
+    guard.close()
+    return steps
+
+
+@pytest.mark.timeout(90)
+def test_the_watchdog_writes_the_lines_of_a_stalled_loop(tmp_path: Path) -> None:
+    """A loop that stops stepping (then is killed) used to leave its last lines in the buffer:
+    the hang watchdog's thread writes them a second after they wait (issue 53, item 10)."""
+    steps = values(run_ranks(_stalled_job, 2, str(tmp_path), timeout=80))
+    assert steps[0] == [0, 1, 2, 3, 4]

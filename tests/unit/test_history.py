@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,43 @@ def test_metrics_batching_and_thinning(tmp_path: Path) -> None:
     log.close()
     steps = [json.loads(line)["step"] for line in log.path.read_text().splitlines()]
     assert steps == [*range(10), 10, 20, 30, 33]
+
+
+def test_a_stalled_loops_lines_are_written_from_another_thread(tmp_path: Path) -> None:
+    """The hang watchdog's thread writes the lines a loop left waiting (a long evaluation,
+    then a kill): ``flush_if_stale``, a second after the last flush."""
+    clock = _Clock()
+    log = MetricsLog(tmp_path / "m.jsonl", clock=clock)
+    for step in range(3):
+        log.add(_Line(step))
+    log.flush_if_stale()  # not stale yet
+    assert not log.path.exists()
+    clock.now += 1.5
+    writer = threading.Thread(target=log.flush_if_stale)
+    writer.start()
+    writer.join()
+    assert [json.loads(line)["step"] for line in log.path.read_text().splitlines()] == [0, 1, 2]
+
+
+def test_flushes_on_two_threads_lose_and_repeat_no_line(tmp_path: Path) -> None:
+    log = MetricsLog(
+        tmp_path / "m.jsonl", flush_every=7, dense_steps=10**6, max_lines_per_second=math.inf
+    )
+    done = threading.Event()
+
+    def flush_often() -> None:
+        while not done.is_set():
+            log.flush()
+
+    writer = threading.Thread(target=flush_often)
+    writer.start()
+    for step in range(20_000):
+        log.add(_Line(step))
+    done.set()
+    writer.join()
+    log.close()
+    steps = [json.loads(line)["step"] for line in log.path.read_text().splitlines()]
+    assert steps == list(range(20_000))
 
 
 class _Clock:

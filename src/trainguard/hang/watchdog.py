@@ -110,6 +110,9 @@ class Watchdog:
         self._step0 = progress.step
         self._stalls = StallMeter(learner, now)
         self._probe = probe
+        self.on_tick: list[Callable[[], Any]] = []
+        """Called every tick on the watchdog's thread (errors logged): the metrics log's
+        stale lines are written (``StepHistory.flush_if_stale``)."""
         self.on_stall: list[Callable[[], Any]] = []
         """Called at each tick once the loop has stalled for ``record_after`` (the guard's
         ``BusyProbe.arm``: work on another module between steps is progress)."""
@@ -267,6 +270,11 @@ class Watchdog:
             self._frozen.arm(timing.frozen_after(self.timeout))
         self._stalls.observe(self.progress, self.steps_done(), now)
         self._log_timeout()
+        for call in self.on_tick:
+            try:
+                call()
+            except Exception as exc:  # monitoring must not take the job down
+                logger.debug("trainguard watchdog: a tick's call failed: %s", exc)
         if self.on_stall and self._stalled(now):
             for arm in self.on_stall:
                 arm()

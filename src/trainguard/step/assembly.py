@@ -193,6 +193,7 @@ class GuardAssembly:
         )
         if self._watchdog is not None:  # a hang exits with os._exit: keep the metrics
             self._watchdog.before_exit(self.history.flush)
+            self._watchdog.on_tick.append(self.history.flush_if_stale)  # and before a kill
         self._saves: SaveMarking | None = None  # torch.save here: a "save" phase (saves.py)
         if self._watchdog is not None and self.config.hang.mark_saves:
             self._saves = SAVES.watch(self.progress)

@@ -237,6 +237,12 @@ class StepHistory:
         if self._metrics is not None:
             self._metrics.flush()
 
+    def flush_if_stale(self) -> None:
+        """The metrics log's lines that waited a second, written (``MetricsLog.flush_if_stale``:
+        the hang watchdog's thread calls it every tick)."""
+        if self._metrics is not None:
+            self._metrics.flush_if_stale()
+
     def close(self) -> None:
         if self._metrics is not None:
             self._metrics.close()

@@ -45,6 +45,7 @@ import itertools
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -137,7 +138,11 @@ class MetricsLog:
         self.max_lines_per_second = max_lines_per_second
         self.rate_free_steps = rate_free_steps
         self._lines: list[LogRecord] = []
-        """The buffered records (their fields are built at the flush)."""
+        """The buffered records (their fields are built at the flush). Only ever appended to
+        and cut from the front, never replaced: a flush on another thread
+        (``flush_if_stale``) takes the records there were, an append meanwhile stays."""
+        self._flush_lock = threading.Lock()
+        """Flushes from two threads write one after the other, in order."""
         self._clock = clock
         self._last_flush = clock()
         self._failed = False
@@ -181,13 +186,29 @@ class MetricsLog:
             return
         self.stride_by_rate = rate_stride(count / elapsed, self.max_lines_per_second)
 
+    def flush_if_stale(self) -> None:
+        """Flush when lines have waited ``flush_seconds`` (the hang watchdog's thread calls
+        it every tick): a loop that stops adding (a long evaluation, a collective that never
+        returns) then a kill loses at most that much of its log, not every line since its
+        last flush."""
+        if self._lines and self._clock() - self._last_flush >= self.flush_seconds:
+            self.flush()
+
     def flush(self) -> None:
-        """Append the buffered lines to the file (never raises: the run goes on)."""
+        """Append the buffered lines to the file (never raises: the run goes on). Safe from
+        another thread than ``add``'s (``flush_if_stale``)."""
+        with self._flush_lock:
+            self._flush()
+
+    def _flush(self) -> None:
         self._last_flush = now = self._clock()
         self._measure_rate(now)
-        if not self._lines:
+        lines = self._lines
+        count = len(lines)
+        if not count:
             return
-        records, self._lines = self._lines, []
+        records = lines[:count]  # a slice and a del, each atomic: an append between them
+        del lines[:count]  # (the loop's thread) lands after ``count`` and stays
         text = "".join([_text_of(record) + "\n" for record in records])
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
