@@ -322,6 +322,21 @@ def test_replicas_two_ranks_name_both_and_a_nan_copy() -> None:
     assert check_replicas(_Bundle(same), ["fc.weight", "fc.bias"]).mismatches == []  # type: ignore[arg-type]
 
 
+def test_replicas_whose_nans_differ_only_in_their_bits_agree() -> None:
+    """NaNs at the same places are the same value, whatever sign or payload the op that made
+    them chose (a blown-up DDP run's replicas); a NaN where the other rank holds a number,
+    or any other difference, is still a mismatch."""
+    states = _states(2)
+    for rank, nan in ((0, float("nan")), (1, -float("nan"))):
+        states[rank]["fc.bias"][0] = nan
+    assert torch.isnan(states[1]["fc.bias"][0]) and states[1]["fc.bias"].signbit()[0]
+    check = check_replicas(_Bundle(states), ["fc.weight", "fc.bias"])  # type: ignore[arg-type]
+    assert check.mismatches == []
+    states[1]["fc.bias"][1] += 1e-3
+    check = check_replicas(_Bundle(states), ["fc.weight", "fc.bias"])  # type: ignore[arg-type]
+    assert [m.name for m in check.mismatches] == ["fc.bias"]
+
+
 def test_replicas_of_a_sharded_or_one_rank_bundle_are_not_compared() -> None:
     assert not check_replicas(_Bundle(_states(2), sharded=True), ["fc.weight"]).checked  # type: ignore[arg-type]
     assert not check_replicas(_Bundle(_states(1)), ["fc.weight"]).checked  # type: ignore[arg-type]

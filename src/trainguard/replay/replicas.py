@@ -174,10 +174,17 @@ def _compare(bundle: Bundle, ranks: list[int], names: list[str]) -> list[Mismatc
 
 
 def _equal(a: Tensor, b: Tensor) -> bool:
-    """Bit for bit (NaN equals the same NaN)."""
+    """Bit for bit, but for NaNs: a NaN equals any NaN at the same place (a blown-up run's
+    NaNs carry a sign or payload that the op that made them chose, the same value to the
+    optimizer; counting those as a disagreement called an LR blow-up ``replica_mismatch``)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return bool(torch.equal(_bits(a), _bits(b)))
+    if torch.equal(_bits(a), _bits(b)):
+        return True
+    if not a.is_floating_point():
+        return False
+    both_nan = torch.isnan(a) & torch.isnan(b)
+    return bool(both_nan.any()) and bool(((a == b) | both_nan).all())
 
 
 def _bits(t: Tensor) -> Tensor:
