@@ -214,13 +214,7 @@ class Guard(GuardAssembly):
         ``record_loss()`` in this step (``step/losses.py``)."""
         if loss is None:
             loss = self._losses.last_recorded()
-        if not isinstance(loss, Tensor) or not loss.numel():  # a tensor: no call (as_loss)
-            loss = self._losses.tensor(loss, self._consensus.device)
-        if self.world_size > 1:
-            self._refuse_join()
-        if self._sync_free is not None:
-            self._sync_free.resolve()
-        return self._pipeline.check(loss, USUAL_CALL)  # ``_checked``, without the call
+        return self._checked(loss, USUAL_CALL)
 
     def _checked(self, loss: LossLike, call: StepCall) -> bool:
         """The pipeline on the step in progress (``call``: how the loop handed it over)."""
