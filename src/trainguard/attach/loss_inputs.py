@@ -15,6 +15,7 @@ seen: the micro-batch stays the model's input.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch import Tensor, nn
@@ -23,6 +24,8 @@ from torch.utils.hooks import RemovableHandle
 
 from trainguard.capture import batchtree
 from trainguard.step.recorded_batches import RecordedBatches
+
+logger = logging.getLogger(__name__)
 
 
 def _from(arg: Tensor, outputs: list[Tensor]) -> bool:
@@ -45,9 +48,14 @@ class LossInputs:
         self._index = -1
 
     def arm(self, output: Any, recorded: RecordedBatches) -> None:
-        """After a training call of the model whose micro-batch ``recorded`` holds last."""
+        """After a training call of the model whose micro-batch ``recorded`` holds last.
+        Never raises: at worst the micro-batch stays the model's input."""
         self.disarm()
-        outputs = batchtree.tensors(output)
+        try:
+            outputs = batchtree.tensors(output)
+        except Exception as exc:  # an output the walk cannot take apart
+            logger.debug("trainguard run: the model's output not followed: %s", exc)
+            return
         if not outputs or not recorded.current:
             return
         self._outputs, self._recorded = outputs, recorded
@@ -61,6 +69,14 @@ class LossInputs:
         self._outputs, self._recorded = [], None
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """Every module call while armed: never raises into the script's call."""
+        try:
+            self._seen(args)
+        except Exception as exc:
+            logger.debug("trainguard run: a loss call not read: %s", exc)
+            self.disarm()
+
+    def _seen(self, args: tuple[Any, ...]) -> None:
         outputs, recorded = self._outputs, self._recorded
         if recorded is None:
             return
