@@ -65,3 +65,16 @@ def test_a_functional_loss_leaves_the_micro_batch_as_it_was() -> None:
     nn.functional.cross_entropy(out, torch.tensor([0, 2]))  # no module call
     loss_inputs.disarm()  # the model's next call does this
     assert recorded.current == [x] and not module_hooks._global_forward_pre_hooks
+
+
+def test_a_model_that_returns_its_own_loss_arms_nothing() -> None:
+    """nanoGPT's ``logits, loss = model(X, Y)``: the targets are the model's inputs already,
+    and no hook is left for the backward's module calls (activation checkpointing)."""
+    recorded = RecordedBatches()
+    model, loss_inputs = _armed(recorded)
+    x = recorded.current[0]
+    logits = model(x)
+    loss_inputs.arm((logits, logits.pow(2).mean()), recorded)
+    assert not module_hooks._global_forward_pre_hooks
+    nn.CrossEntropyLoss()(logits, torch.tensor([0, 2]))
+    assert recorded.current == [x]

@@ -254,6 +254,7 @@ class Attacher:
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self.aside:
             return None
+        self._loss_inputs.disarm()  # a functional loss: no loss call came; nothing to read
         if self.optimizer is not None and optimizer is not self.optimizer:
             if self.model is None or not made_anew(optimizer, self.optimizer, self.model):
                 self.stand_aside(second_optimizer_reason(optimizer, self.optimizer))

@@ -7,10 +7,13 @@ So after each training call of the model a process-wide module pre-hook is armed
 output (the tensor itself, a view of it, or a tensor of a tuple or dict output), the call's
 other tensor arguments are the loss's own inputs, and the micro-batch becomes
 ``(inputs, *loss_inputs)``: what a replay factory's ``loss_fn(model, batch)`` takes apart as
-``x, y = batch``. The hook is removed there, or at the model's next call (``disarm``): the
-modules inside the model's forward never see it, and a module call costs nothing extra the
-rest of the step. A functional loss (``F.cross_entropy(out, y)``) calls no module and is not
-seen: the micro-batch stays the model's input.
+``x, y = batch``. The hook is removed there, or at the model's next call or the optimizer
+step (``disarm``): the modules inside the model's forward never see it, and a module call
+costs nothing extra the rest of the step. A model whose output holds its own loss (a 0-d
+tensor that requires grad: nanoGPT's ``(logits, loss)``, a Hugging Face output's ``loss``)
+arms nothing: its targets are among its inputs already. A functional loss
+(``F.cross_entropy(out, y)``) calls no module and is not seen: the micro-batch stays the
+model's input.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class LossInputs:
             return
         if not outputs or not recorded.current:
             return
+        if any(out.dim() == 0 and out.requires_grad for out in outputs):
+            return  # the loss is the model's own (nanoGPT's, HF's): its targets are its inputs
         self._outputs, self._recorded = outputs, recorded
         self._index = len(recorded.current) - 1
         self._handle = register_module_forward_pre_hook(self._pre)
