@@ -16,10 +16,15 @@ import pytest
 from trainguard.hang.frozen import end, frozen_ranks, process_state, still_frozen, write_note
 from trainguard.hang.heartbeat import Heartbeat
 
+JOB = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29411", "WORLD_SIZE": "3"}
+"""The launch variables of the job the test plays (the frozen ranks' and the survivor's)."""
+
 
 @pytest.fixture
 def child() -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    """Rank 1 of the job ``JOB``."""
+    env = {**os.environ, **JOB, "RANK": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
     yield proc
     if proc.poll() is None:
         proc.kill()
@@ -48,7 +53,7 @@ def test_a_stopped_peer_on_this_host_is_frozen_and_ended(
         3: _beat(child.pid, state="failed"),  # its own failure: it ends by itself
         4: None,
     }
-    (found,) = frozen_ranks(beats, "here", os.getpid())
+    (found,) = frozen_ranks(beats, "here", os.getpid(), JOB)
     assert (found.rank, found.state, found.step, found.phase) == (1, "T", 12, "step")
     assert "stopped (SIGSTOP" in found.describe() and "step 12" in found.describe()
     started = time.monotonic()
@@ -66,7 +71,7 @@ def test_a_stopped_peer_on_this_host_is_frozen_and_ended(
 def test_a_peer_that_ends_by_itself_within_the_grace_is_left_alone(
     child: subprocess.Popen[bytes],
 ) -> None:
-    (found,) = frozen_ranks({1: _beat(child.pid)}, "here", os.getpid())
+    (found,) = frozen_ranks({1: _beat(child.pid)}, "here", os.getpid(), JOB)
     assert found.state in ("S", "R")  # alive, not stopped (a blocked interpreter)
     ender = subprocess.Popen(
         [sys.executable, "-c", f"import os, time; time.sleep(0.3); os.kill({child.pid}, 15)"]
@@ -80,4 +85,16 @@ def test_a_peer_that_ends_by_itself_within_the_grace_is_left_alone(
 def test_a_dead_peer_is_not_frozen() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait(timeout=30)
-    assert frozen_ranks({1: _beat(proc.pid)}, "here", os.getpid()) == []
+    assert frozen_ranks({1: _beat(proc.pid)}, "here", os.getpid(), JOB) == []
+
+
+def test_a_process_of_another_job_or_rank_is_never_ended(
+    child: subprocess.Popen[bytes],
+) -> None:
+    """The same host name and a live pid are not enough (another machine named alike,
+    another container's pid namespace): the process must be that rank of this job."""
+    beat = {1: _beat(child.pid)}
+    assert frozen_ranks(beat, "here", os.getpid(), {**JOB, "MASTER_PORT": "1"}) == []
+    assert frozen_ranks({2: _beat(child.pid)}, "here", os.getpid(), JOB) == []  # rank 1's
+    assert frozen_ranks(beat, "here", os.getpid(), {}) == []  # nothing to compare: not ours
+    assert frozen_ranks(beat, "here", os.getpid(), JOB) != []

@@ -70,10 +70,40 @@ class FrozenRank:
         )
 
 
-def frozen_ranks(beats: dict[int, Heartbeat | None], host: str, own_pid: int) -> list[FrozenRank]:
+JOB_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "WORLD_SIZE")
+"""The launch variables a rank of this job shares with every other: a process whose own
+differ (or cannot be read) is not ended, whatever its pid (another machine with the same
+host name, another container's pid namespace)."""
+
+
+def same_job(pid: int, rank: int, environ: dict[str, str]) -> bool:
+    """Whether process ``pid`` is rank ``rank`` of the job this process belongs to: its
+    ``RANK`` is ``rank`` and its launch variables (``JOB_VARIABLES``) are ours. False when
+    its environment cannot be read."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    theirs = dict(
+        entry.split("=", 1) for entry in raw.decode(errors="replace").split("\0") if "=" in entry
+    )
+    if theirs.get("RANK") != str(rank):
+        return False
+    shared = [name for name in JOB_VARIABLES if name in environ]
+    return bool(shared) and all(theirs.get(name) == environ[name] for name in shared)
+
+
+def frozen_ranks(
+    beats: dict[int, Heartbeat | None],
+    host: str,
+    own_pid: int,
+    environ: dict[str, str] | None = None,
+) -> list[FrozenRank]:
     """The ranks among ``beats`` (culprits whose heartbeats stopped) whose process is on
-    ``host`` and still exists: frozen, not dead. A rank that published its own failure or
+    ``host``, still exists and is that rank of this job (``same_job``; ``environ``: ours,
+    default ``os.environ``): frozen, not dead. A rank that published its own failure or
     closed its guard is none of them (its state is not ``running``)."""
+    env = dict(os.environ) if environ is None else environ
     found = []
     for rank, beat in sorted(beats.items()):
         if beat is None or beat.state != "running" or beat.host != host:
@@ -81,7 +111,7 @@ def frozen_ranks(beats: dict[int, Heartbeat | None], host: str, own_pid: int) ->
         if not beat.pid or beat.pid == own_pid:
             continue
         state = process_state(beat.pid)
-        if state is not None:
+        if state is not None and same_job(beat.pid, rank, env):
             found.append(FrozenRank(rank, beat.pid, state, beat.step, beat.phase))
     return found
 
