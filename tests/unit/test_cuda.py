@@ -401,7 +401,7 @@ import json, pickle, sys, time
 import torch
 import torch.distributed as dist
 from trainguard.hang import flight_recorder as fr
-from trainguard.hang.watchdog import group_name
+from trainguard.hang.watchdog_start import group_name
 
 store = dist.FileStore(sys.argv[1], 1)
 dist.init_process_group("nccl", store=store, rank=0, world_size=1)

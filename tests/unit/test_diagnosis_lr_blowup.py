@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 import trainguard as tg
-from trainguard.replay.verdicts import RUNAWAY_WEIGHT, runaway
+from trainguard.replay.divergence import RUNAWAY_WEIGHT, runaway
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,7 +6,8 @@ import nan_cases as nc
 import pytest
 
 import trainguard as tg
-from trainguard.replay.verdicts import ADVICE, VERDICTS, growth
+from trainguard.replay.divergence import growth
+from trainguard.replay.verdicts import ADVICE, VERDICTS
 
 pytestmark = pytest.mark.timeout(60)
 

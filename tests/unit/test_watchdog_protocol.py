@@ -12,9 +12,10 @@ import pytest
 import trainguard as tg
 from trainguard.events import EventLog, read_events
 from trainguard.hang.channel import StoreChannel
+from trainguard.hang.keys import store_prefix
 from trainguard.hang.progress import Progress
 from trainguard.hang.timeout import TimeoutLearner, record_after
-from trainguard.hang.watchdog import Watchdog, store_prefix
+from trainguard.hang.watchdog import Watchdog
 
 
 class FakeStore:

@@ -26,6 +26,7 @@ Offers: ``Watchdog``, ``start_watchdog``. Imports only the shared base modules
 (``progress``, ``events``, ``exitcodes``, ``errors``).
 """
 
-from trainguard.hang.watchdog import Watchdog, start_watchdog
+from trainguard.hang.watchdog import Watchdog
+from trainguard.hang.watchdog_start import start_watchdog
 
 __all__ = ["Watchdog", "start_watchdog"]

@@ -34,6 +34,7 @@ from trainguard.replay.diagnosis import (
     unread_culprits,
     unread_input_verdict,
 )
+from trainguard.replay.divergence import Growth, Runaway, growth, runaway
 from trainguard.replay.optimizer import OptimizerView
 from trainguard.replay.report import ReplayReport
 from trainguard.replay.sentences import summarize
@@ -41,11 +42,7 @@ from trainguard.replay.stepper import RunResult, StepRunner
 from trainguard.replay.verdicts import (
     ADVICE,
     SPIKE_NOT_REPRODUCED_ADVICE,
-    Growth,
-    Runaway,
     classify,
-    growth,
-    runaway,
     verdict_sentence,
 )
 from trainguard.replay.weights import weights_evidence

@@ -36,7 +36,6 @@ import math
 import sys
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,6 +49,7 @@ from trainguard.replay.external import argument_name, lazy_origin
 from trainguard.replay.hops import NOT_ROOTS, Hop, Origin, hop_for, union
 from trainguard.replay.masked_reads import keeps_mask, masked_read
 from trainguard.replay.masks import MaskedRow
+from trainguard.replay.op_calls import FRESH, MAX_COPY, OpCall, mutated_args
 from trainguard.replay.rows import lead_rows, rows_read
 from trainguard.replay.sites import ModuleStack, OpSite, user_frame
 from trainguard.replay.values import (
@@ -64,52 +64,6 @@ from trainguard.replay.values import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["Hop", "NonFiniteTracer", "Origin"]
-
-MAX_COPY = 1 << 24
-"""In-place ops on tensors up to this many elements are described with copies of their
-operands taken before they ran (larger ones with the values they left)."""
-
-FRESH = frozenset(("aten.lift_fresh", "aten.lift_fresh_copy"))
-"""A tensor literal (``torch.tensor([1.0, -inf])``) entering the trace: made in the step."""
-
-
-def _mutated_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return []
-    out: list[Tensor] = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        out.extend(float_tensors(value))
-    return out
-
-
-@dataclass
-class _Call:
-    """One op call as the tracer judges it."""
-
-    func: Any
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    before: dict[int, tuple[bool, bool]] = field(default_factory=dict)
-    """Tensors the op writes: ``(non-finite, NaN)`` before it ran, by ``id``."""
-    copies: dict[int, Tensor] = field(default_factory=dict)
-    """... and copies of them, taken before it ran (up to ``MAX_COPY`` elements)."""
-
-    @property
-    def operands(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return self.args, self.kwargs
-
-    @property
-    def flat(self) -> list[Any]:
-        flat, _ = tree_flatten((self.args, self.kwargs))
-        return flat
-
-    @property
-    def name(self) -> str:
-        return masks.op_name(self.func)
 
 
 class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -191,13 +145,13 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        call = _Call(func, args, kwargs or {})
+        call = OpCall(func, args, kwargs or {})
         if self.auto_phase:
             running = torch._C._current_autograd_node() is not None
             if running != (self._phase == "backward"):
                 self.phase = "backward" if running else "forward"
         self._flush()
-        for t in _mutated_args(func, args, call.kwargs):
+        for t in mutated_args(func, args, call.kwargs):
             finite = all_finite(t)
             call.before[id(t)] = (not finite, not finite and has_nan(t))
             if t.numel() <= MAX_COPY:
@@ -241,7 +195,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         module, in_model = self.modules.current()
         return OpSite(op, str(func), "forward", module, in_model, source, code)
 
-    def _after(self, call: _Call, out: Any) -> None:
+    def _after(self, call: OpCall, out: Any) -> None:
         outs = float_tensors(out)
         site: OpSite | None = None
         if self._phase == "forward" and outs:
@@ -278,7 +232,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
             else:
                 self._masks.pop(t, None)  # type: ignore[no-untyped-call]
 
-    def _deliberate(self, call: _Call, flat: list[Any], bad: list[Tensor]) -> bool:
+    def _deliberate(self, call: OpCall, flat: list[Any], bad: list[Tensor]) -> bool:
         """The op's non-finite outputs are mask values: a mask op's infinite or huge
         constant, or an overflow of huge mask values (``finfo.min + finfo.min``)."""
         if masks.mask_constant(call.func, flat) is not None:
@@ -288,7 +242,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         marked = [t for t in float_tensors(call.operands) if t in self._masks]
         return masks.explained_by_masks(bad, marked)
 
-    def _hop(self, call: _Call, bad: list[Tensor], site: OpSite | None) -> Hop:
+    def _hop(self, call: OpCall, bad: list[Tensor], site: OpSite | None) -> Hop:
         """The hop of this op's non-finite outputs: a new root, a NaN-maker or a carrier."""
         out_nan = any(has_nan(t) for t in bad)
         nan_in, nonfinite_in, parents, carrier = self._inputs(call, out_nan)
@@ -334,7 +288,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def _carry(
         self,
-        call: _Call,
+        call: OpCall,
         flat: list[Any],
         bad: list[Tensor],
         site: OpSite | None,
@@ -359,7 +313,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.latest[id(carrier.origin)] = hop
         return hop
 
-    def _note_read(self, call: _Call, out: Tensor, carrier: Hop, hop: Hop) -> None:
+    def _note_read(self, call: OpCall, out: Tensor, carrier: Hop, hop: Hop) -> None:
         """Values from before the step: the samples that hold them, and what the first op
         that read the tensor itself read of it (the argument, the table's rows)."""
         hop.lead = lead_rows(out)
@@ -374,7 +328,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def _masked_row_root(
         self,
-        call: _Call,
+        call: OpCall,
         flat: list[Any],
         bad: list[Tensor],
         row: MaskedRow,
@@ -394,7 +348,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def _masked_read_root(
         self,
-        call: _Call,
+        call: OpCall,
         flat: list[Any],
         bad: list[Tensor],
         site: OpSite | None,
@@ -415,7 +369,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         )
         return self._root(origin, bad[0], site)
 
-    def _inputs(self, call: _Call, out_nan: bool) -> tuple[bool, bool, list[Hop], Hop | None]:
+    def _inputs(self, call: OpCall, out_nan: bool) -> tuple[bool, bool, list[Hop], Hop | None]:
         """``(nan_in, nonfinite_in, parents, carrier)`` of an op's inputs: the hops of its
         non-finite inputs, and the one its output continues (one from a real cause rather
         than a deliberate -inf, and a NaN one for a NaN output)."""
@@ -441,7 +395,7 @@ class NonFiniteTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     carrier, best = known, rank
         return nan_in, nonfinite_in, parents, carrier
 
-    def _made_before(self, call: _Call, tensor: Tensor) -> Hop | None:
+    def _made_before(self, call: OpCall, tensor: Tensor) -> Hop | None:
         """A non-finite input that nothing tagged and no traced op made: made before the
         step (external.py); tagged now, at its first read. Not in the backward pass, whose
         inputs the forward made, nor a model's weight or buffer (seeded when non-finite

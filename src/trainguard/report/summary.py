@@ -11,7 +11,6 @@ and counted in ``RunSummary.skipped``.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,14 @@ from trainguard.events import number
 from trainguard.report.crashes import read_crashes, with_comm_errors
 from trainguard.report.decisions import decision_counts, metric_decisions, metric_nonfinite
 from trainguard.report.ending import ending
+from trainguard.report.merged_events import (
+    escalations,
+    hang_events,
+    host_counts,
+    live_steps,
+    merged,
+    with_every_ranks_tensors,
+)
 from trainguard.report.readers import (
     Skipped,
     float_of,
@@ -33,7 +40,6 @@ from trainguard.report.runs import ALL, RunInfo, Timeline, latest, list_runs, ru
 from trainguard.report.starts import run_starts
 from trainguard.report.timing import StepTimes, phase_summary, rank_table, step_times
 
-_KEY_FIELDS = ("metric", "hang_id", "path", "reason")
 _CHECKPOINT_KINDS = ("checkpoint", "checkpoint_good", "checkpoint_damaged", "resume")
 
 
@@ -211,7 +217,7 @@ def _summary(found: _RunDir, run: str | None) -> RunSummary:
     summary.timing, summary.timing_summary = rank_table(times), phase_summary(times)
     _fill_from_events(summary, events)
     summary.captures = own(found.captures, "run")
-    summary.hangs = _live_steps(own(found.hangs, None), events) or _hang_events(events)
+    summary.hangs = live_steps(own(found.hangs, None), events) or hang_events(events)
     summary.crashes = with_comm_errors(own(found.crashes, None), events)
     summary.ended = ending(events, summary.hangs, own(found.records, None), summary.crashes)
     starts = run_starts(events, own(found.records, None))
@@ -221,9 +227,9 @@ def _summary(found: _RunDir, run: str | None) -> RunSummary:
     summary.starts = len(starts)
     summary.first_step = starts[0].begin if starts else 0
     summary.steps_run = sum(s.steps for s in starts)
-    others = {kind: len(_merged(events, kind)) for kind in ("overflow", "dropped")}
+    others = {kind: len(merged(events, kind)) for kind in ("overflow", "dropped")}
     # the sync-free step's skips before a mask in the batch was learned: no nonfinite event
-    others["skip"] = sum(e.get("reason") == "input_mask" for e in _merged(events, "skip"))
+    others["skip"] = sum(e.get("reason") == "input_mask" for e in merged(events, "skip"))
     summary.decisions = decision_counts(
         summary.nonfinite, others, summary.spikes, summary.steps_run, summary.steps
     )
@@ -305,67 +311,29 @@ def _losses(rec: dict[str, Any]) -> tuple[float | None, list[int]]:
     return (sum(finite) / len(finite) if finite else None), bad
 
 
-def _merged(
-    events: list[dict[str, Any]], *kinds: str, keys: tuple[str, ...] = _KEY_FIELDS
-) -> list[dict[str, Any]]:
-    """One copy of each event written by several ranks (the lowest rank's), in the order they
-    happened. A step number seen again after a rollback is a new event: the n-th of a kind at
-    a step on one rank is merged with the n-th on the others, and the passes follow each other
-    (the first pass's steps, then the second's), never interleaved by step number."""
-    seen: dict[tuple[Any, ...], dict[str, Any]] = {}
-    occurrences: Counter[tuple[Any, ...]] = Counter()
-    for event in events:  # in time order
-        if event["kind"] not in kinds:
-            continue
-        rank = int_of(event.get("rank"))
-        key = (event["kind"], event.get("step"), *(str(event.get(f)) for f in keys))
-        occurrences[(rank, key)] += 1
-        key = (*key, occurrences[(rank, key)])
-        if key not in seen or rank < int_of(seen[key].get("rank")):
-            seen[key] = event
-    return sorted(seen.values(), key=lambda e: (float_of(e.get("time")), int_of(e.get("step"))))
-
-
-def _with_every_ranks_tensors(
-    merged: list[dict[str, Any]], events: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """Each merged ``bad_input`` with the tensors every rank named (a rank names its own bad
-    entries only: the lowest rank's copy alone would often name none), each with its rank."""
-    named: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
-    for event in events:
-        if event["kind"] == "bad_input":
-            key = (event.get("step"), event.get("run"))
-            for tensor in event.get("tensors") or []:
-                if isinstance(tensor, dict):
-                    entry = {**tensor, "rank": event.get("rank")}
-                    if entry not in named.setdefault(key, []):
-                        named[key].append(entry)
-    return [{**e, "tensors": named.get((e.get("step"), e.get("run")), [])} for e in merged]
-
-
 def _fill_from_events(summary: RunSummary, events: list[dict[str, Any]]) -> None:
     start = next((e for e in events if e["kind"] == "start"), None)
     if start is not None and isinstance(start.get("world_size"), int):
         summary.world_size = start["world_size"]
-    nonfinite = _merged(events, "nonfinite")
+    nonfinite = merged(events, "nonfinite")
     fields = ("step", "where", "ranks", "action", "params")
     summary.nonfinite = [{k: e.get(k) for k in fields} for e in nonfinite]
     if nonfinite:  # the first in time (after a rollback a lower step number comes later)
         first = min(nonfinite, key=lambda e: float_of(e.get("time")))
         summary.first_bad = {k: first.get(k) for k in fields}
-    summary.spikes = _merged(events, "spike")
-    summary.rollbacks = _merged(events, "rollback", "rollback_refused")
-    summary.checkpoints = _merged(events, *_CHECKPOINT_KINDS)
-    summary.escalations = _escalations(events)
-    summary.bad_input = _with_every_ranks_tensors(_merged(events, "bad_input"), events)
-    summary.capture_failures = _merged(events, "capture_failed", keys=())
-    summary.stood_aside = _merged(events, "stand_aside", keys=())
-    summary.uneven_data = _merged(events, "uneven_data", "partial_step")
-    summary.failed_too = _merged(events, "failed_too", keys=("rank",))
-    summary.stragglers = _merged(events, "straggler", keys=("phase",))
-    summary.replicas = _merged(events, "replica_divergence")
-    summary.reruns = _merged(events, "rerun")
-    summary.hosts = _host_counts(summary.reruns, _merged(events, "suspect_host"))
+    summary.spikes = merged(events, "spike")
+    summary.rollbacks = merged(events, "rollback", "rollback_refused")
+    summary.checkpoints = merged(events, *_CHECKPOINT_KINDS)
+    summary.escalations = escalations(events)
+    summary.bad_input = with_every_ranks_tensors(merged(events, "bad_input"), events)
+    summary.capture_failures = merged(events, "capture_failed", keys=())
+    summary.stood_aside = merged(events, "stand_aside", keys=())
+    summary.uneven_data = merged(events, "uneven_data", "partial_step")
+    summary.failed_too = merged(events, "failed_too", keys=("rank",))
+    summary.stragglers = merged(events, "straggler", keys=("phase",))
+    summary.replicas = merged(events, "replica_divergence")
+    summary.reruns = merged(events, "rerun")
+    summary.hosts = host_counts(summary.reruns, merged(events, "suspect_host"))
 
 
 def _fill_from_metrics(summary: RunSummary) -> None:
@@ -376,92 +344,9 @@ def _fill_from_metrics(summary: RunSummary) -> None:
     summary.decisions = metric_decisions(summary.points, summary.steps_run, summary.steps)
 
 
-def _escalations(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Escalations that stopped the run (``escalate`` events) and those answered by a
-    rollback (a ``rollback`` event; its cause from the step's non-finite or spike event)."""
-    stops = [{**e, "outcome": "stopped"} for e in _merged(events, "escalate")]
-    rolled = [
-        {
-            **e,
-            "kind": "escalate",
-            **_cause(events, e),
-            "outcome": f"rolled back to step {e.get('restored_step')}",
-        }
-        for e in _merged(events, "rollback")
-    ]
-    return sorted([*stops, *rolled], key=lambda e: (int_of(e.get("step")), float_of(e.get("time"))))
-
-
-def _cause(events: list[dict[str, Any]], rollback: dict[str, Any]) -> dict[str, Any]:
-    """Why a rollback happened: the same rank's last non-finite or spike event of its step."""
-    found = [
-        e
-        for e in events
-        if e["kind"] in ("nonfinite", "spike")
-        and e.get("rank") == rollback.get("rank")
-        and e.get("step") == rollback.get("step")
-        and float_of(e.get("time")) <= float_of(rollback.get("time"))
-    ]
-    if not found:
-        return {"reason": "escalation"}
-    last = found[-1]
-    reason = "spike" if last["kind"] == "spike" else "non-finite"
-    return {"reason": reason, "consecutive": last.get("consecutive")}
-
-
-def _live_steps(hangs: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each hang at the lowest step its ranks' own ``hang`` / ``peer_failure`` events name
-    (each rank's step when it acted) rather than the heartbeats' (a second old: a rank that
-    failed in its first second read as step 0); a rank that wrote none is not counted."""
-    for hang in hangs:
-        steps = [
-            int_of(e.get("step"))
-            for e in events
-            if e["kind"] in ("hang", "peer_failure") and e.get("hang_id") == hang.get("id")
-        ]
-        if steps:
-            hang["step"] = min(steps)
-    return hangs
-
-
-def _hang_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Hangs known from events only (the report folder is missing or unreadable)."""
-    return [
-        {
-            "id": e.get("hang_id"),
-            "kind": e["kind"],
-            "culprits": e.get("culprits", []),
-            "reason": e.get("reason"),
-            "step": e.get("step"),
-            "time": e.get("time"),
-            "path": None,
-        }
-        for e in _merged(events, "hang", "peer_failure")
-    ]
-
-
-def _host_counts(
-    reruns: list[dict[str, Any]], suspects: list[dict[str, Any]]
-) -> dict[str, dict[str, int]]:
-    """Reruns per host of the ranks whose first run went bad, and the suspect hosts."""
-    counts: dict[str, dict[str, int]] = {}
-    for event in reruns:
-        verdict = str(event.get("verdict"))
-        if verdict not in ("transient", "persistent"):
-            continue
-        for host in event.get("hosts") or []:
-            row = counts.setdefault(str(host), {"transient": 0, "persistent": 0, "suspect": 0})
-            row[verdict] += 1
-    for event in suspects:
-        for host in event.get("hosts") or []:
-            row = counts.setdefault(str(host), {"transient": 0, "persistent": 0, "suspect": 0})
-            row["suspect"] = 1
-    return dict(sorted(counts.items()))
-
-
 def _count_steps(events: list[dict[str, Any]], points: list[StepPoint]) -> int:
     counts = [int_of(e.get("step")) for e in events if e["kind"] == "close"]
     counts += [int_of(e.get("step")) + 1 for e in events if e["kind"] in ("nonfinite", "spike")]
     counts += [p.step + 1 for p in points[-1:]]
-    counts += [int_of(h.get("step")) for h in _hang_events(events)]
+    counts += [int_of(h.get("step")) for h in hang_events(events)]
     return max(counts, default=0)

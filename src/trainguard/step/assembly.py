@@ -27,7 +27,8 @@ from trainguard.events import EventLog
 from trainguard.hang.busy import BusyProbe
 from trainguard.hang.progress import Progress
 from trainguard.hang.saves import SAVES, SaveMarking
-from trainguard.hang.watchdog import Watchdog, start_watchdog
+from trainguard.hang.watchdog import Watchdog
+from trainguard.hang.watchdog_start import start_watchdog
 from trainguard.health.learning_rates import LrAgreement
 from trainguard.health.replicas import ReplicaWatch
 from trainguard.health.stragglers import StragglerWatch
