@@ -43,7 +43,7 @@ from trainguard.events import EventLog
 from trainguard.exitcodes import EXIT_HANG, EXIT_PEER_FAILURE
 from trainguard.hang.channel import StoreChannel
 from trainguard.hang.collective_record import CollectiveRecord, describe
-from trainguard.hang.frozen import end, frozen_ranks, still_frozen, write_note
+from trainguard.hang.frozen import end, frozen_ranks, process_state, still_frozen, write_note
 from trainguard.hang.progress import Progress
 from trainguard.hang.report import stack_file, write_report
 from trainguard.hang.rules import HANG, PEER_FAILURE, Verdict, own_failure
@@ -79,17 +79,6 @@ def attempt(action: Callable[[], Any]) -> Any:
     except Exception as exc:
         logger.warning("trainguard watchdog: %s", exc)
         return None
-
-
-def process_running(pid: int) -> bool:
-    """Whether process ``pid`` runs (Linux ``/proc``: an exited one not yet reaped, a zombie,
-    has ended). Without ``/proc``: False (nothing to wait for)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    fields = stat.rpartition(")")[2].split()
-    return bool(fields) and fields[0] not in ("Z", "X")
 
 
 class ExitPath:
@@ -228,7 +217,7 @@ class ExitPath:
             return
         deadline = time.monotonic() + FAILED_EXIT_WAIT_S
         while pids and time.monotonic() < deadline:
-            pids = [pid for pid in pids if process_running(pid)]
+            pids = [pid for pid in pids if process_state(pid) is not None]
             if pids:
                 time.sleep(0.05)
         # then long enough for the launcher to see that exit on its own (torchrun polls every

@@ -51,8 +51,11 @@ class SyncFreeStep:
         stats, report, sharded = pipeline.measure(loss, step)
         reduced = pipeline.consensus.reduce(report, sharded)
         found_inf = self._found_inf.of(reduced.buf, self._optimizer_device(stats))
-        if report.lr != report.lr:  # a hyper-parameter is not finite (a world of one's row
-            found_inf.fill_(1.0)  # holds no host column): skipped on the device, no sync
+        if pipeline.consensus.world_size == 1 and report.lr != report.lr:
+            # a hyper-parameter is not finite: a world of one's row is its agreement, and its
+            # device buffer holds no host column (with other ranks the reduced buffer carries
+            # the NaN, and found_inf has it on every rank): skipped on the device, no sync
+            found_inf.fill_(1.0)
         spike = pipeline.spikes.on_device(pipeline.consensus, reduced, found_inf)
         if pipeline.config.grad_clip is not None:
             norm = pipeline.consensus.global_grad_norm(reduced)
