@@ -186,6 +186,25 @@ class RngSnapshot:
         cls._last = snapshot if mark is not None else None
         return snapshot
 
+    def parts(self) -> tuple[Any, ...]:
+        """The raw states as bytes and plain values (picklable, cheap): ``from_parts`` makes
+        the snapshot again (a rank's step-start record, ``recovery/failure/mirror.py``)."""
+        cuda = [t.numpy().tobytes() for t in self._cuda] if self._cuda is not None else None
+        return (self._torch.numpy().tobytes(), self._python, self._numpy, cuda)
+
+    @classmethod
+    def from_parts(cls, parts: tuple[Any, ...]) -> RngSnapshot:
+        """The snapshot ``parts()`` came from (its ``state()`` as that one's)."""
+        torch_bytes, python, numpy, cuda = parts
+        snapshot = cls.__new__(cls)
+        snapshot._torch = _byte_tensor(torch_bytes)
+        snapshot._python = python
+        snapshot._numpy = numpy
+        snapshot._cuda = [_byte_tensor(b) for b in cuda] if cuda is not None else None
+        snapshot._state = None
+        snapshot._mark = None
+        return snapshot
+
     def state(self) -> dict[str, Any]:
         """``rng_state()``'s dict of the moment the snapshot was taken."""
         if self._state is None:
@@ -199,3 +218,7 @@ class RngSnapshot:
                 state["cuda"] = self._cuda
             self._state = state
         return self._state
+
+
+def _byte_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -84,6 +84,18 @@ class RecoveryConfig:
     """LR factor after the second rollback without progress (lr = schedule(step) x factor)."""
     lr_backoff_steps: int = 20
     """Steps over which the LR factor ramps back linearly to 1."""
+    save_at_failure: bool = True
+    """With ``resume=True``: when a peer fails, a hang is declared or the launcher ends this
+    rank (SIGTERM), write this rank's state at the start of the step in flight to
+    ``failure_state_dir``, and keep there a small record of each step's start (RNG states,
+    data position: a few microseconds a step); the restart resumes from the freshest state
+    every rank can be given (docs/recovery.md, "State at a failure")."""
+    failure_state_dir: str | None = None
+    """Where states at a failure are kept, in a per-job folder (mode 0700). None:
+    ``/dev/shm/trainguard-<uid>`` where ``/dev/shm`` exists, else ``run_dir/failure-state``."""
+    failure_save_seconds: float = 20.0
+    """How long a rank may take to write its state at a failure; past it, it leaves nothing
+    (torchrun's agent SIGKILLs its workers 30 s after its SIGTERM)."""
 
     def __post_init__(self) -> None:
         check_choice("on_escalation", self.on_escalation, EscalationAction)
@@ -94,6 +106,19 @@ class RecoveryConfig:
             check_integer(f"recovery.{name}", getattr(self, name), 0)
         for name in ("max_rollbacks", "lr_backoff_steps"):
             check_integer(f"recovery.{name}", getattr(self, name), 1)
+        check_flag("recovery.save_at_failure", self.save_at_failure)
+        if self.failure_state_dir is not None and not isinstance(self.failure_state_dir, str):
+            raise ConfigError(
+                "recovery.failure_state_dir",
+                f"got {self.failure_state_dir!r}; pass a folder path as a string, or None",
+            )
+        if not (
+            isinstance(self.failure_save_seconds, int | float) and self.failure_save_seconds > 0
+        ):
+            raise ConfigError(
+                "recovery.failure_save_seconds",
+                f"got {self.failure_save_seconds!r}; use a number of seconds > 0",
+            )
         if not 0 < self.lr_backoff <= 1:
             raise ConfigError(
                 "recovery.lr_backoff", f"got {self.lr_backoff!r}; use a factor in (0, 1]"

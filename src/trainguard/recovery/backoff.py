@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from trainguard.recovery.failure.boundary import StepBoundary
+
 
 @dataclass
 class Backoff:
@@ -55,8 +57,12 @@ class Backoff:
 class LrFactor:
     """Installs the pre/post step hooks on ``optimizer``; ``step_of()`` names the step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, boundary: StepBoundary | None = None
+    ) -> None:
         self.optimizer = optimizer
+        self._boundary = boundary
+        """Closed when an update begins (a state at a failure is a step's start only)."""
         self.backoff = Backoff()
         self.step = 0
         """The optimizer step the next ``optimizer.step()`` performs (set by the guard)."""
@@ -73,6 +79,8 @@ class LrFactor:
         return self.backoff.at(self.step)
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._boundary is not None:
+            self._boundary.update_begins()
         if self._saved is not None and self._is_scaled(optimizer):
             # A subclass's step() calling super().step(): torch runs the hooks of both
             # patched methods. The LR is scaled already; scaling again would square it.
@@ -94,6 +102,8 @@ class LrFactor:
         )
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._boundary is not None and not self._nested:
+            self._boundary.update_ends()
         if self._nested:
             self._nested -= 1
             return

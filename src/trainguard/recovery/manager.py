@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.capture.optim_state import clear_optimizer_state
-from trainguard.capture.rng import rng_state, set_rng_state
+from trainguard.capture.rng import RngSnapshot, rng_state, set_rng_state
 from trainguard.config import GuardConfig
 from trainguard.distributed.elastic import RESTART_HAZARD_FIX, restart_store_hazard
 from trainguard.events import EventLog
@@ -28,6 +29,8 @@ from trainguard.recovery import snapshot as snap
 from trainguard.recovery import target as targets
 from trainguard.recovery.agree import same_on_every_rank
 from trainguard.recovery.backoff import Backoff, LrFactor
+from trainguard.recovery.failure.boundary import Boundary
+from trainguard.recovery.failure.part import FailureState, world_size
 from trainguard.recovery.first_loss import FirstLossCheck
 from trainguard.recovery.ladder import Rung, rung_for
 from trainguard.recovery.ledger import SkipEntry, SkipLedger, SkippedPositions
@@ -91,7 +94,13 @@ class Recovery:
         self.state = RecoveryState()
         options = config.recovery
         self.snapshots = snap.SnapshotKeeper(options.snapshot_every, options.good_after)
-        self.lr = LrFactor(objects.optimizer)
+        self.failure = (
+            FailureState(config, objects, guard_state, self.state, events, rank, world_size(group))
+            if options.resume and options.save_at_failure
+            else None
+        )
+        """States at a failure (``failure/``): with ``resume=True`` only."""
+        self.lr = LrFactor(objects.optimizer, self.failure.boundary if self.failure else None)
         self.ledger = SkipLedger(Path(config.run_dir), rank)
         self.stream: Stream | None = None
         self._streams = 0
@@ -116,7 +125,8 @@ class Recovery:
         self.watched: Any = None
         """The iterable last given to ``watch()`` (its identity goes into the stop record)."""
         self._restart_checked = False
-        self._resume_rng: tuple[int, dict[str, Any]] | None = None
+        self._resume_rng: tuple[int, dict[str, Any], str] | None = None
+        """A resumed step's RNG states and the moment to put them back (``Boundary.at``)."""
         self._last_saved = -1
         self._good_steps: set[int] = set()
         """Steps whose checkpoint became good here (or was resumed from): not written again
@@ -152,7 +162,10 @@ class Recovery:
         self._dropped_at_start = skip
         if point is not None and epoch == point.epoch:
             self.first_loss.stream_started(point.position not in skip)
-        return StreamStart(source, epoch, start, skip, self.step_boundary, first, self._loader)
+        handout = self.handout if self.failure is not None else None
+        return StreamStart(
+            source, epoch, start, skip, self.step_boundary, first, self._loader, handout
+        )
 
     def _ledger_positions(self, epoch: int) -> frozenset[int]:
         """What this run skipped of ``epoch`` before the restart it resumes from."""
@@ -202,12 +215,14 @@ class Recovery:
         if stream is None:
             return
         resume_rng = self._resume_rng
-        if resume_rng is not None and resume_rng[0] == step:
+        if resume_rng is not None and resume_rng[0] == step and resume_rng[2] == "forward":
             # As the checkpointed run had it here: at the batch's hand-out, and again at the
             # step's first forward when a hook records it (the checkpoint's moment then).
             set_rng_state(resume_rng[1])
         elif resume_rng is not None and resume_rng[0] < step:
             self._resume_rng = None
+        if self.failure is not None:  # the step-start record (failure/boundary.py)
+            self.failure.step_start(self._boundary(step, stream, "forward"))
         if self._checkpoint_due(step):
             self._save_checkpoint(step, stream)
         elif stream.loader is not None:
@@ -225,8 +240,26 @@ class Recovery:
             )
         )
 
+    def handout(self) -> None:
+        """The hand-out of a step's first batch (states at a failure only): a resumed step's
+        RNG states taken at a hand-out go back here; the step's start may be recorded here."""
+        stream, step = self.stream, self.guard_state.step
+        resume_rng = self._resume_rng
+        if resume_rng is not None and resume_rng[0] == step and resume_rng[2] == "handout":
+            set_rng_state(resume_rng[1])
+            self._resume_rng = None
+        if stream is not None and self.failure is not None:
+            self.failure.handout(self._boundary(step, stream, "handout"))
+
+    def _boundary(self, step: int, stream: Stream, at: str) -> Boundary:
+        position = stream.view.step_position
+        loader = stream.loader.at(position) if stream.loader is not None else None
+        return Boundary(step, stream.epoch, position, loader, RngSnapshot.take(), at)
+
     def after_step(self, step: int, ok: bool, loss: float) -> None:
         """The agreed outcome of ``step`` (before the optimizer step, when ``ok``)."""
+        if self.failure is not None:
+            self.failure.boundary.decided(step, ok)
         self.lr.backoff = self.state.backoff
         self.lr.step = step
         self._judge_checkpoint(step, ok, loss)
@@ -326,35 +359,58 @@ class Recovery:
         self._finish_save()
 
     def resume(self) -> None:
-        """Collective, at construction: load the newest good checkpoint, if any."""
+        """Collective, at construction: load the freshest state every rank can be given (a
+        state at a failure: ``failure/``), else the newest good checkpoint, if any."""
         hazard = restart_store_hazard(os.environ)
         if hazard is not None:  # said on the first attempt, before a restart can fail
             logger.warning("%s; fix: %s", hazard, RESTART_HAZARD_FIX)
             self.events.write("restart_config", 0, message=hazard, fix=RESTART_HAZARD_FIX)
         run_dir = Path(self.config.run_dir)
+        if self.failure is not None:
+            good = ckpt.good_checkpoints(run_dir)
+            newest = ckpt.step_of(good[0]) if good else -1
+            fresh = self.failure.resume(self.group, self.device, newest)
+            if fresh is not None:
+                self._take_resumed(fresh.step, fresh.extras, None)
+                self._resumed_event(
+                    fresh.step,
+                    source="failure_state",
+                    saved_by=fresh.saved_by,
+                    from_records=fresh.from_records,
+                    source_rank=fresh.source,
+                )
+                return
         found = resume(run_dir, self.objects, self.events, self.group, self.device, self.rank)
         if found is None:
             return
-        extras = found.extras
         self.resumed_from = relative_checkpoint(run_dir, found.path)
+        self._take_resumed(found.step, found.extras, found.first_loss)
+        self._last_saved = found.step
+        self._good_steps.add(found.step)
+        self._resumed_event(found.step, path=str(found.path))
+
+    def _take_resumed(self, step: int, extras: dict[str, Any], loss: float | None) -> None:
+        """The guard's and recovery's state, the data position and RNG of a resumed step."""
         self.guard_state.load_state_dict(extras["guard"])
         self.state.load_state_dict(extras["recovery"])
         self._optimizer_steps = self.state.applied or 0
         data = extras["data"]
         loader = data.get("loader")
         self.resume_point = DataPoint(int(data["epoch"]), int(data["position"]), loader)
-        self._resume_rng = (found.step, extras["rng"])
-        self._last_saved = found.step
-        self._good_steps.add(found.step)
-        self.first_loss.resumed(found.step, found.first_loss)
+        self._resume_rng = (step, extras["rng"], extras.get("rng_at", "forward"))
+        self.first_loss.resumed(step, loss)
+
+    def _resumed_event(self, step: int, **fields: Any) -> None:
+        point = self.resume_point
+        assert point is not None  # set by _take_resumed
         self.events.write(
             "resume",
-            found.step,
-            from_step=found.step,
-            path=str(found.path),
-            epoch=self.resume_point.epoch,
-            position=self.resume_point.position,
-            loader_state=loader is not None,
+            step,
+            from_step=step,
+            epoch=point.epoch,
+            position=point.position,
+            loader_state=point.loader_state is not None,
+            **fields,
         )
 
     # -- rollback ----------------------------------------------------------------------------
@@ -418,7 +474,8 @@ class Recovery:
     def _restore(self, target: snap.Snapshot, attempt: int, rung: Rung, step: int) -> None:
         cumulative = self._cumulative()
         if not targets.from_disk(target):
-            snap.restore(self.objects, target)
+            with self._changing():
+                snap.restore(self.objects, target)
         self.guard_state.load_state_dict({**target.guard, **cumulative})
         self.state.applied = target.extra.get("recovery", {}).get("applied")
         self.snapshots.drop_after(target.step)
@@ -435,6 +492,10 @@ class Recovery:
             clear_optimizer_state(self.objects.optimizer)
         self.lr.backoff, self.lr.step = self.state.backoff, target.step  # the restored step's
         self.first_loss.rolled_back(target.step, target.first_loss)
+
+    def _changing(self) -> AbstractContextManager[None]:
+        """A restore outside a step: no state at a failure is copied meanwhile."""
+        return self.failure.boundary.changing() if self.failure is not None else nullcontext()
 
     def _skip_batches(self, target: snap.Snapshot, step: int) -> list[SkipEntry]:
         stream = self.stream

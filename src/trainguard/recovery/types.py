@@ -43,12 +43,15 @@ class StreamStart:
     """Position of the iterable's first item: a loader restored from its own state."""
     loader: LoaderStates | None = None
     """Records a stateful loader's state before each fetch (when checkpoints are on)."""
+    on_handout: Callable[[], None] | None = None
+    """Runs at the hand-out of each step's first batch (states at a failure)."""
 
     def stream_args(self) -> dict[str, Any]:
         return {
             "start_position": self.start_position,
             "skip_positions": self.skip_positions,
             "on_step_start": self.on_step_start,
+            "on_handout": self.on_handout,
             "first_position": self.first_position,
             "on_fetch": self.loader.before_fetch if self.loader is not None else None,
         }

@@ -179,6 +179,10 @@ class GuardAssembly:
             self.recovery.resync_replicas = self.replicas.resync_from  # holds diverged weights
             self.history.lr_factor = self.recovery.lr_factor  # the LR in force, recorded
         self._pipeline = self._step_pipeline()  # measure -> agree -> decide -> record -> apply
+        failure = self.recovery.failure if self.recovery is not None else None
+        if failure is not None:  # states at a failure: the step's start, its buffers
+            self._pipeline.boundary = failure.boundary
+            failure.start_buffers(self._start.buffers)
         # Recovery restores at step boundaries: it needs the decision before the update.
         sync_free = uses_fused(optimizer) and scaler is None
         sync_free = sync_free and not recovery_enabled(self.config) and rerun is None
@@ -194,6 +198,8 @@ class GuardAssembly:
         )
         if self._watchdog is not None:  # a hang exits with os._exit: keep the metrics
             self._watchdog.before_exit(self.history.flush)
+            if self.recovery is not None and self.recovery.failure is not None:
+                self._watchdog.before_exit(self.recovery.failure.save_for_exit)
             self._watchdog.on_tick.append(self.history.flush_if_stale)  # and before a kill
         self._saves: SaveMarking | None = None  # torch.save here: a "save" phase (saves.py)
         if self._watchdog is not None and self.config.hang.mark_saves:
@@ -342,6 +348,8 @@ class GuardAssembly:
         self.progress.enter("closed")
         if self._watchdog is not None:
             self._watchdog.stop()
+        if self.recovery is not None and self.recovery.failure is not None:
+            self.recovery.failure.end(ended_by)  # after the watchdog's SIGTERM dump is off
         for part in (self._saves, self._busy):  # torch.save as it was; no probe
             if part is not None:
                 part.close()

@@ -67,6 +67,7 @@ class BatchStream:
         skip_positions: frozenset[int] = frozenset(),
         on_step_start: Callable[[], None] | None = None,
         first_position: int = 0,
+        on_handout: Callable[[], None] | None = None,
         on_fetch: Callable[[int], None] | None = None,
         clock: StepTimer | None = None,
     ) -> None:
@@ -87,6 +88,8 @@ class BatchStream:
         self._start_position = start_position
         self._skip_positions = skip_positions
         self._on_step_start = on_step_start
+        self._on_handout = on_handout
+        """Recovery's hand-out of a step's first batch (states at a failure), or None."""
         self._to_drop = 0
         self.dropped: list[int] = []
         """Positions (in the iterable) of the batches dropped so far, in order."""
@@ -171,6 +174,8 @@ class BatchStream:
                 if not self._queue:  # dropped after a rollback: the data ran out
                     break
                 rng = None
+                if micro == 0 and self._on_handout is not None:
+                    self._on_handout()
                 if micro == 0 and self.start_at_yield:
                     if self._on_step_start is not None:
                         self._on_step_start()  # recovery: snapshot at the step boundary

@@ -34,6 +34,7 @@ from trainguard.hang.progress import Progress
 from trainguard.health.learning_rates import LrAgreement
 from trainguard.health.replicas import ReplicaWatch
 from trainguard.health.stragglers import StragglerWatch
+from trainguard.recovery.failure.boundary import StepBoundary
 from trainguard.step import amp
 from trainguard.step.apply import DecisionApply
 from trainguard.step.batch_stream import BatchStream
@@ -100,6 +101,8 @@ class StepPipeline:
         """``rerun=``: the agree stage reruns a bad step (``step/transient.py``)."""
         self.stream: BatchStream | None = None
         """The ``watch()`` stream of the loop (``Guard.watch`` sets it), None without one."""
+        self.boundary: StepBoundary | None = None
+        """Recovery's step boundary (states at a failure): closed when a decision begins."""
 
     def watching(self, stream: BatchStream) -> None:
         """The loop's ``watch()`` stream from now on (its data state rides the row)."""
@@ -117,6 +120,8 @@ class StepPipeline:
         if alone is not None and self._scaler is None:  # a scaler unscales first: agree()
             measured = alone.take(loss, step, call.dropped)
         agreement, stats = measured if measured is not None else self.agree(loss, step, call)
+        if self.boundary is not None:  # the guard's state changes from here
+            self.boundary.deciding(step)
         decision, spike = self.decide(agreement, step)
         self.record(step, agreement, spike or decision, call)
         self.state.step = step + 1

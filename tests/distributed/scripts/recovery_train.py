@@ -1,8 +1,9 @@
 """A deterministic 2-epoch DDP job for the torchrun restart test (CPU, gloo).
 
-``python recovery_train.py RUN_DIR OUT [--kill-at STEP]``: with ``--kill-at`` rank 1 SIGKILLs
-itself when step STEP's batch arrives, on the first attempt only (TORCHELASTIC_RESTART_COUNT
-0). torchrun restarts every rank, the guard resumes from the newest good checkpoint, and the
+``python recovery_train.py RUN_DIR OUT [--kill-at STEP] [--no-failure-state]``: with
+``--kill-at`` rank 1 SIGKILLs itself when step STEP's batch arrives, on the first attempt only
+(TORCHELASTIC_RESTART_COUNT 0). torchrun restarts every rank, the guard resumes from the
+newest good checkpoint (``--no-failure-state``: not from a state at the failure), and the
 final weights (rank 0 writes them to OUT) must be bitwise those of an uninterrupted run.
 """
 
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument("run_dir")
     parser.add_argument("out")
     parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--no-failure-state", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -40,16 +42,15 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.8)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    guard = tg.Guard(
-        model,
-        opt,
+    config = tg.GuardConfig(
         run_dir=args.run_dir,
         hang_timeout=0,
         checkpoint_every=3,
         keep_checkpoints=2,
-        scheduler=sched,
         resume=True,
+        recovery=tg.RecoveryConfig(save_at_failure=not args.no_failure_state),
     )
+    guard = tg.Guard(model, opt, scheduler=sched, config=config)
     with guard:
         for epoch in range(2):
             sampler.set_epoch(epoch)

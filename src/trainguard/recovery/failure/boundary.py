@@ -1,0 +1,141 @@
+"""The step in flight as this rank knows it, and whether its state is still the step's start.
+
+A state written at a failure must describe the start of a step: the weights and optimizer
+after the last applied update, the buffers and RNG states as the step began, its data
+position, the guard's state before the step's decision. ``StepBoundary`` holds what the
+step's start recorded and closes the boundary when the step's decision begins (``deciding``:
+the guard's state changes from there) or its update begins (``update_begins``: a loop that
+steps the optimizer without a decision).
+
+A step starts at its first training forward (``begin``: the moment checkpoints describe).
+The hand-out of its first batch opens it earlier (``handout``) when that is provably after
+the step before ended: decided, and its update done or skipped. A rank hung between the
+hand-out and the forward (a collective in the loop body, a stuck transform) so still has its
+step's start; its RNG states are those of the hand-out, which a resume then puts back at the
+hand-out (``Boundary.at``), so that the loop body draws the same numbers again.
+
+A state is written only while the boundary is open (``held``), under a lock the main thread
+takes at each of these points: while the state is copied the step cannot decide, update or
+start the next one. A rank hung in its loader (the step before decided, the next one's first
+batch not handed out) or half-way through an update has no open boundary and writes nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from trainguard.capture.rng import RngSnapshot
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What the start of step ``step`` recorded on this rank."""
+
+    step: int
+    epoch: int
+    position: int
+    """The data position of the step's first batch (the stream's ``step_position``)."""
+    loader_state: Any
+    """A stateful loader's own state at ``position`` (None: none)."""
+    rng: RngSnapshot
+    """The RNG states at the step's start."""
+    at: str = "forward"
+    """The moment ``rng`` was taken: ``"forward"`` (the step's first training forward) or
+    ``"handout"`` (its first batch's hand-out)."""
+
+
+class StepBoundary:
+    """The open or closed boundary of the step in flight (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._current: Boundary | None = None
+        self._closed = -1
+        """The last step whose decision or update began: its start is gone."""
+        self._decided = -1
+        """The last step decided."""
+        self._update_due = False
+        """The last step decided was OK and its update has not ended yet."""
+        self._updating = False
+
+    def begin(self, boundary: Boundary) -> None:
+        """At a step's first training forward (recovery's step boundary)."""
+        with self._lock:
+            self._current = boundary
+
+    def handout(self, boundary: Boundary) -> bool:
+        """At the hand-out of a step's first batch: opens the step when the step before has
+        ended (decided, its update done or skipped). Whether it did."""
+        with self._lock:
+            ended = self._decided == boundary.step - 1 and not self._update_due
+            if not ended or self._updating or self._closed >= boundary.step:
+                return False
+            current = self._current
+            if current is not None and current.step >= boundary.step:
+                return False  # a batch fetched ahead, during the step it already started
+            self._current = boundary
+            return True
+
+    def deciding(self, step: int) -> None:
+        """The step's decision begins: the guard's state changes from here."""
+        with self._lock:
+            self._closed = max(self._closed, step)
+            self._update_due = True  # until decided() says the step is not applied
+
+    def decided(self, step: int, ok: bool) -> None:
+        """The step's agreed outcome: OK (its update follows) or not (no update)."""
+        with self._lock:
+            self._decided = max(self._decided, step)
+            self._update_due = ok
+
+    def update_begins(self) -> None:
+        """``optimizer.step()`` begins: the weights change from here."""
+        with self._lock:
+            self._updating = True
+            current = self._current
+            if current is not None:
+                self._closed = max(self._closed, current.step)
+
+    def update_ends(self) -> None:
+        with self._lock:
+            self._updating = False
+            self._update_due = False
+
+    @property
+    def current(self) -> Boundary | None:
+        """The last step start recorded (open or closed)."""
+        return self._current
+
+    @contextmanager
+    def changing(self) -> Iterator[None]:
+        """The main thread changes the state outside a step (a rollback's restore)."""
+        with self._lock:
+            self._current = None
+            yield
+
+    @contextmanager
+    def held(self, timeout: float) -> Iterator[Boundary | None]:
+        """The open boundary, held (the step cannot move while the caller copies its state),
+        or None: none open, or the lock not had within ``timeout`` seconds."""
+        if not self._lock.acquire(timeout=max(timeout, 0.0)):
+            yield None
+            return
+        try:
+            current = self._current
+            yield current if current is not None and current.step > self._closed else None
+        finally:
+            self._lock.release()
+
+    def why_closed(self) -> str:
+        """Why no state can be written now (for the ``failure_state`` event)."""
+        current = self._current
+        if current is None:
+            return "no step has started"
+        return (
+            f"step {current.step}'s decision or update had begun (not at a step boundary): "
+            "its start cannot be proven"
+        )

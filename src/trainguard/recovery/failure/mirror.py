@@ -1,0 +1,152 @@
+"""Each rank's step-start record, kept where its restart finds it: ``mirror-rank-<r>.bin``.
+
+A rank killed outright (SIGKILL, the OOM killer, a segfault) writes nothing at its end; what
+only it knew about the step in flight dies with it: its RNG states and data position at the
+step's start. The weights and optimizer state of a data-parallel job a survivor holds, so
+this small record is all its restart misses. It is rewritten at every step's start: the RNG
+states' raw bytes (``RngSnapshot.parts``), the epoch, the data position, the pid, pickled
+into one of two slots of a memory-mapped file in turn (no system call; a few microseconds a
+step, docs/benchmarks.md). Each slot is framed by the same sequence number before and after
+its payload: a write cut short leaves the two different and the slot is not read, the other
+slot still holds the step before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import pickle
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainguard.capture.rng import RngSnapshot
+from trainguard.recovery.failure.boundary import Boundary
+
+_HEAD = struct.Struct("<QQ")  # sequence number, payload length
+_TAIL = struct.Struct("<Q")  # the sequence number again
+SLOT = 64 << 10
+
+
+def mirror_path(folder: Path, rank: int) -> Path:
+    return folder / f"mirror-rank-{rank}.bin"
+
+
+@dataclass(frozen=True)
+class MirrorRecord:
+    """A rank's step-start record as read back."""
+
+    step: int
+    epoch: int
+    position: int
+    pid: int
+    stateful_loader: bool
+    """The loader has a state of its own, which the record does not hold."""
+    rng: tuple[Any, ...]
+    """``RngSnapshot.parts()`` at the step's start."""
+    at: str
+    """``Boundary.at``: when ``rng`` was taken."""
+
+    def rng_state(self) -> dict[str, Any]:
+        return RngSnapshot.from_parts(self.rng).state()
+
+
+class StepMirror:
+    """Writes this rank's record at each step start (see the module docstring)."""
+
+    def __init__(self, folder: Path, rank: int) -> None:
+        self.path = mirror_path(folder, rank)
+        self._fd = -1
+        self._slot = SLOT
+        self._map: mmap.mmap | None = None
+        """Opened at the first write: a restart reads the killed attempt's records first."""
+        self._seq = 0
+        self._pid = os.getpid()
+        self._rng: tuple[RngSnapshot, tuple[Any, ...]] | None = None
+        """The last snapshot written and its parts (a step that drew no random number)."""
+
+    def write(self, boundary: Boundary) -> None:
+        rng = self._rng
+        if rng is None or rng[0] is not boundary.rng:
+            rng = self._rng = (boundary.rng, boundary.rng.parts())
+        record = (
+            boundary.step,
+            boundary.epoch,
+            boundary.position,
+            self._pid,
+            boundary.loader_state is not None,
+            rng[1],
+            boundary.at,
+        )
+        payload = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
+        size = _HEAD.size + len(payload) + _TAIL.size
+        if self._map is None:
+            self._open(size)
+        elif size > self._slot:
+            self._grow(size)
+        self._seq += 1
+        offset = (self._seq & 1) * self._slot
+        mapped: Any = self._map
+        _HEAD.pack_into(mapped, offset, self._seq, len(payload))
+        end = offset + _HEAD.size + len(payload)
+        mapped[offset + _HEAD.size : end] = payload
+        _TAIL.pack_into(mapped, end, self._seq)
+
+    def _open(self, size: int) -> None:
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._slot = max(size, self._slot)
+        os.ftruncate(self._fd, 2 * self._slot)
+        self._map = mmap.mmap(self._fd, 2 * self._slot)
+
+    def _grow(self, size: int) -> None:
+        if self._map is not None:
+            self._map.close()
+        self._slot = max(size, 2 * self._slot)
+        os.ftruncate(self._fd, 2 * self._slot)
+        self._map = mmap.mmap(self._fd, 2 * self._slot)
+
+    def close(self) -> None:
+        mapped, self._map = self._map, None
+        with contextlib.suppress(OSError, ValueError):
+            if mapped is not None:
+                mapped.close()
+            os.close(self._fd)
+
+
+def read_mirror(path: Path) -> list[MirrorRecord]:
+    """The intact records of a mirror file, newest first (none: no file, or both torn)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return []
+    records = []
+    half = len(data) // 2
+    for offset in (0, half):
+        record = _slot_record(data, offset, half)
+        if record is not None:
+            records.append(record)
+    return [r for _, r in sorted(records, key=lambda pair: -pair[0])]
+
+
+def _slot_record(data: bytes, offset: int, slot: int) -> tuple[int, MirrorRecord] | None:
+    if slot < _HEAD.size + _TAIL.size:
+        return None
+    seq, length = _HEAD.unpack_from(data, offset)
+    end = offset + _HEAD.size + length
+    if seq == 0 or end + _TAIL.size > offset + slot:
+        return None
+    if _TAIL.unpack_from(data, end)[0] != seq:
+        return None
+    try:
+        step, epoch, position, pid, loader, rng, at = pickle.loads(data[offset + _HEAD.size : end])
+    except Exception:  # a torn or foreign payload: not a record
+        return None
+    return seq, MirrorRecord(step, epoch, position, pid, bool(loader), tuple(rng), str(at))
+
+
+def writer_pid(path: Path) -> int | None:
+    """The pid that wrote a mirror file's newest record (None: unreadable)."""
+    records = read_mirror(path)
+    return records[0].pid if records else None

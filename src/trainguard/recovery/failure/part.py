@@ -1,0 +1,157 @@
+"""``FailureState``: what recovery composes for states at a failure (the package docstring).
+
+Built when ``resume=True`` and ``recovery.save_at_failure`` (only a job that resumes can use
+a state). Recovery calls ``step_start`` at each step boundary (the step-start record),
+``resume`` before the checkpoints on disk, and ``end`` when the guard closes; the guard
+closes the boundary when a step's decision begins; the launcher's SIGTERM, the watchdog's
+exit and an exception out of the ``with`` block call ``save``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainguard.config import GuardConfig
+from trainguard.errors import NonFiniteError
+from trainguard.events import EventLog
+from trainguard.recovery.failure import store
+from trainguard.recovery.failure.boundary import Boundary, StepBoundary
+from trainguard.recovery.failure.fresh import Fresh, fresh_resume
+from trainguard.recovery.failure.mirror import StepMirror
+from trainguard.recovery.failure.on_terminate import TerminateSave
+from trainguard.recovery.failure.writer import FailureWriter, StartBuffers, StateHolder
+from trainguard.recovery.snapshot import TrainingObjects
+from trainguard.recovery.types import Stateful
+
+logger = logging.getLogger(__name__)
+
+
+def world_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def replicated(model: nn.Module, world: int) -> bool:
+    """Whether every rank holds the same weights and optimizer state (DDP, or one rank): one
+    survivor's state then serves every rank."""
+    return world == 1 or type(model).__name__ == "DistributedDataParallel"
+
+
+def sharded(model: nn.Module) -> bool:
+    """Parameters sharded over the ranks (FSDP2's DTensors): not written at a failure yet."""
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+class FailureState:
+    """The boundary, the step-start record, the writer and its triggers, the resume."""
+
+    def __init__(
+        self,
+        config: GuardConfig,
+        objects: TrainingObjects,
+        guard_state: Stateful,
+        recovery_state: StateHolder,
+        events: EventLog,
+        rank: int,
+        world: int,
+    ) -> None:
+        options = config.recovery
+        self.folder = store.job_folder(Path(config.run_dir), options.failure_state_dir)
+        self.rank = rank
+        self.world = world
+        self.events = events
+        self.objects = objects
+        self.boundary = StepBoundary()
+        self.usable = store.open_folder(self.folder) is not None and not sharded(objects.model)
+        self._mirror = StepMirror(self.folder, rank) if self.usable else None
+        self.writer = FailureWriter(
+            self.folder,
+            rank,
+            world,
+            objects,
+            self.boundary,
+            None,
+            guard_state,
+            recovery_state,
+            events,
+            options.failure_save_seconds,
+        )
+        self._terminate = TerminateSave(self.writer) if self.usable else None
+        if self.usable:
+            store.sweep_stale(self.folder)
+
+    def start_buffers(self, buffers: StartBuffers) -> None:
+        """The step's buffer copies (the guard's ``BufferKeeper``): the buffers at its start."""
+        self.writer.buffers = buffers
+
+    def step_start(self, boundary: Boundary) -> None:
+        """At the step's first training forward."""
+        current = self.boundary.current
+        if (
+            current is not None
+            and current.step == boundary.step
+            and current.rng is boundary.rng
+            and current.at == "handout"
+        ):
+            return  # nothing drawn since the hand-out: its record stands
+        self.boundary.begin(boundary)
+        if self._mirror is not None:
+            self._mirror.write(boundary)
+
+    def handout(self, boundary: Boundary) -> None:
+        """The hand-out of a step's first batch: recorded when it opens the step."""
+        if self.boundary.handout(boundary) and self._mirror is not None:
+            self._mirror.write(boundary)
+
+    def save(self, trigger: str) -> None:
+        """Write the state at the failure (bounded, once; never raises)."""
+        if self.usable:
+            self.writer.save(trigger)
+
+    def save_for_exit(self) -> None:
+        """The watchdog ends this rank (a peer failed, or a hang was declared)."""
+        self.save("watchdog exit")
+
+    def resume(
+        self,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        newer_than: int,
+    ) -> Fresh | None:
+        """Collective: the freshest state at a failure, loaded; then the folder's states go."""
+        if not self.usable:
+            return None
+        found = fresh_resume(
+            self.folder,
+            self.objects,
+            self.events,
+            group,
+            device,
+            self.rank,
+            self.world,
+            replicated(self.objects.model, self.world),
+            newer_than,
+        )
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier(group=group)  # every rank read what it needed
+        if os.environ.get("LOCAL_RANK", str(self.rank)) == "0":
+            store.remove_states(self.folder)
+        return found
+
+    def end(self, ended_by: BaseException | None) -> None:
+        """The guard closes: after an exception (not the guard's own stop) the state is
+        written; a run that ended for good leaves nothing behind."""
+        if self._terminate is not None:
+            self._terminate.close()
+        if isinstance(ended_by, Exception) and not isinstance(ended_by, NonFiniteError):
+            self.save(f"exception: {type(ended_by).__name__}")
+            return
+        if self._mirror is not None:
+            self._mirror.close()
+        if self.usable and (ended_by is None or isinstance(ended_by, NonFiniteError)):
+            store.remove_rank(self.folder, self.rank)
