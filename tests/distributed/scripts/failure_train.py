@@ -29,6 +29,20 @@ def _steps(text: str) -> list[int]:
     return [int(s) for s in text.split(",") if s]
 
 
+def _corrupt_states(run_dir: str) -> None:
+    """Rank 0 of a restart flips a byte in the middle of every state at a failure."""
+    from pathlib import Path
+
+    from trainguard.recovery.failure.store import job_folder, states
+
+    if os.environ.get("RANK") != "0":
+        return
+    for state in states(job_folder(Path(run_dir), None)):
+        data = bytearray(state.path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        state.path.write_bytes(bytes(data))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
@@ -38,8 +52,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--hang-timeout", type=float, default=5.0)
     parser.add_argument("--no-failure-state", action="store_true")
+    parser.add_argument("--corrupt-states", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.corrupt_states and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        _corrupt_states(args.run_dir)  # before the rendezvous: no rank resumes before it
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -1,0 +1,120 @@
+"""A lost rank costs the step in flight: torchrun restarts resume from the state at the failure.
+
+Each test runs ``scripts/failure_train.py`` under torchrun (2 ranks, c10d rendezvous,
+``--max-restarts=2``): rank 1 is SIGKILLed or hangs at a step, the survivors write their state
+at the start of that step, the killed rank's step-start record gives its RNG states and data
+position, and the restart resumes at the step in flight. The final weights must be bit for bit
+those of an uninterrupted run (the model has dropout: each rank's RNG matters).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tg_dist import free_port
+
+SCRIPT = Path(__file__).parent / "scripts" / "failure_train.py"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+
+
+def _torchrun(root: Path, name: str, *extra: str) -> Path:
+    out = root / f"{name}.pt"
+    command = [
+        str(TORCHRUN),
+        "--nproc-per-node=2",
+        "--max-restarts=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        str(SCRIPT),
+        str(root / name),
+        str(out),
+        *extra,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=150, env=env)
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stderr or b"")[-4000:]
+        raise AssertionError(f"torchrun did not finish in 150 s: {tail!r}") from exc
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out
+
+
+def _events(run_dir: Path, *kinds: str) -> list[dict[str, Any]]:
+    from trainguard.events import read_events
+
+    return [e for e in read_events(run_dir) if e["kind"] in kinds]
+
+
+def _params(path: Path) -> torch.Tensor:
+    saved = torch.load(path)
+    assert saved["step"] == 60
+    params: torch.Tensor = saved["params"]
+    return params
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    """The weights of the uninterrupted run."""
+    return _params(_torchrun(tmp_path_factory.mktemp("plain"), "plain"))
+
+
+def _resumes(run_dir: Path) -> set[tuple[int, int, str | None]]:
+    return {(e["rank"], e["from_step"], e.get("source")) for e in _events(run_dir, "resume")}
+
+
+def _job_folder_gone(run_dir: Path) -> bool:
+    from trainguard.recovery.failure.store import job_folder
+
+    return not job_folder(run_dir, None).exists()
+
+
+@pytest.mark.timeout(200)
+def test_a_killed_rank_resumes_at_the_step_in_flight(tmp_path: Path, plain: torch.Tensor) -> None:
+    out = _torchrun(tmp_path, "killed", "--kill-at", "37")
+    run = tmp_path / "killed"
+    assert (0, 37, "failure_state") in _resumes(run) and (1, 37, "failure_state") in _resumes(run)
+    saved = _events(run, "failure_state")
+    assert [(e["rank"], e["step"], e["saved"]) for e in saved] == [(0, 37, True)]
+    resumed = [e for e in _events(run, "resume") if e.get("source") == "failure_state"]
+    assert {(tuple(e["saved_by"]), tuple(e["from_records"])) for e in resumed} == {((0,), (1,))}
+    assert torch.equal(_params(out), plain), "resumed weights differ from the uninterrupted run"
+    assert _job_folder_gone(run)  # the run ended for good: nothing left in /dev/shm
+
+
+@pytest.mark.timeout(200)
+def test_a_hung_rank_resumes_at_the_step_in_flight(tmp_path: Path, plain: torch.Tensor) -> None:
+    out = _torchrun(tmp_path, "hung", "--hang-at", "37", "--hang-timeout", "4")
+    run = tmp_path / "hung"
+    assert {(r, s) for r, s, src in _resumes(run) if src == "failure_state"} == {(0, 37), (1, 37)}
+    assert torch.equal(_params(out), plain)
+
+
+@pytest.mark.timeout(200)
+def test_two_faults_in_one_job_each_cost_the_step_in_flight(
+    tmp_path: Path, plain: torch.Tensor
+) -> None:
+    out = _torchrun(tmp_path, "twice", "--kill-at", "20,45")
+    run = tmp_path / "twice"
+    steps = {s for _, s, src in _resumes(run) if src == "failure_state"}
+    assert steps == {20, 45}
+    assert torch.equal(_params(out), plain)
+
+
+@pytest.mark.timeout(200)
+def test_a_corrupted_state_is_refused_and_the_checkpoint_used(
+    tmp_path: Path, plain: torch.Tensor
+) -> None:
+    out = _torchrun(tmp_path, "corrupt", "--kill-at", "57", "--corrupt-states")
+    run = tmp_path / "corrupt"
+    refused = _events(run, "failure_state_refused")
+    assert {(e["rank"], e["step"]) for e in refused} == {(0, 57), (1, 57)}
+    assert any("checksum" in e["reason"] for e in refused), refused
+    assert {(r, s) for r, s, src in _resumes(run) if s} == {(0, 50), (1, 50)}  # the disk one
+    assert torch.equal(_params(out), plain)
