@@ -15,6 +15,11 @@ each with its own model (same initial weights), optimizer and endless batch stre
   guard.watch(...)`` and ``if guard.check(loss): optimizer.step()``;
 - ``guard_step``: the same guard with ``guard.step(loss)``.
 
+``--failure-state`` adds two modes (issue 54): ``guard_resume``, the guard with
+``resume=True`` and ``recovery.save_at_failure=False`` (recovery on: snapshots every 10 steps),
+and ``guard_resume_state``, the same with the state at a failure on (its step-start record
+written at every step). Their difference is what the record costs a step.
+
 Round after round every mode runs a block of ``--steps`` steps, in a freshly shuffled order.
 Per mode: the median microseconds a step over the rounds; the fixed cost is the median over
 rounds of ``mode - bare`` per step, the ratio the median of the per-round ratios. The target
@@ -27,6 +32,7 @@ kept in the JSON beside it.
     python benchmarks/fixed_cost.py --pin 1             # pinned to CPU 1
     python benchmarks/fixed_cost.py --device cuda       # the same loop on a GPU (launch-bound)
     python benchmarks/fixed_cost.py --quick             # a smoke run
+    python benchmarks/fixed_cost.py --failure-state     # + the step-start record's cost
 """
 
 from __future__ import annotations
@@ -66,6 +72,8 @@ import trainguard as tg
 
 NAME = "fixed_cost"
 MODES = ("bare", "naive_loss", "naive_norm", "minimal", "guard_check", "guard_step")
+FAILURE_MODES = ("guard_resume", "guard_resume_state")
+"""``--failure-state``: recovery on, the state at a failure off and on."""
 BATCH, DIM_IN, HIDDEN = 32, 16, 32
 TARGET_RATIO = 1.25
 """Issue 52: ``guard_check`` per step at most this times ``minimal``."""
@@ -92,7 +100,12 @@ class Loop:
         data = itertools.cycle([(x.to(device), y.to(device)) for x, y in pool])
         self.batches: Iterator[Batch] = data
         self.guard: tg.Guard | None = None
-        if mode.startswith("guard"):
+        if mode in FAILURE_MODES:
+            recovery = tg.RecoveryConfig(resume=True, save_at_failure=mode.endswith("state"))
+            config = tg.GuardConfig(run_dir=run_dir / mode, recovery=recovery)
+            self.guard = tg.Guard(self.model, self.opt, config=config)
+            self.batches = iter(self.guard.watch(data))
+        elif mode.startswith("guard"):
             self.guard = tg.Guard(self.model, self.opt, run_dir=run_dir / mode)
             self.batches = iter(self.guard.watch(data))
         self.loss_fn = nn.MSELoss()
@@ -102,7 +115,7 @@ class Loop:
         self.rng: Tensor | None = None
         if mode == "minimal":
             self.model.register_forward_pre_hook(self._minimal_start)
-        self.run = getattr(self, f"_run_{mode}")
+        self.run = getattr(self, f"_run_{'guard_check' if mode in FAILURE_MODES else mode}")
 
     def _minimal_start(self, module: nn.Module, args: Any) -> None:
         """The step's start, at its first training forward: the RNG state a replay needs."""
@@ -255,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--pin", type=int, metavar="CPU", help="pin the process to this CPU")
     p.add_argument("--label", default="", help="a note stored in the JSON (e.g. before)")
+    p.add_argument("--failure-state", action="store_true", help="add the state-at-a-failure modes")
     args = p.parse_args(argv)
     finish_args(p, args, NAME)
     steps = args.steps or (20 if args.quick else 200)
@@ -275,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     report = header(NAME, argv, settings)
     report["label"] = args.label
     with tempfile.TemporaryDirectory(prefix="tg-fixed-") as tmp:
-        loops = {mode: Loop(mode, args.seed, Path(tmp), device) for mode in MODES}
+        modes = MODES + (FAILURE_MODES if args.failure_state else ())
+        loops = {mode: Loop(mode, args.seed, Path(tmp), device) for mode in modes}
         gc.collect()
 
         def block(mode: str) -> float:
@@ -285,11 +300,14 @@ def main(argv: list[str] | None = None) -> int:
             synchronize(device)
             return 1e6 * (time.perf_counter() - start) / steps
 
-        per_step = interleave(MODES, block, args.rounds, args.warmup, args.seed)
+        per_step = interleave(modes, block, args.rounds, args.warmup, args.seed)
         for loop in loops.values():
             loop.close()
     report["modes"] = summarize(per_step)
     report["target"] = target(per_step, report["modes"])
+    if args.failure_state:
+        report["failure_state"] = paired(per_step["guard_resume_state"], per_step["guard_resume"])
+        print(f"\nstep-start record: {report['failure_state']}")
     print(table(report["modes"]))
     print(f"\ntarget: {report['target']['text']}")
     finish(report, args.out)

@@ -53,8 +53,8 @@ def test_a_write_cut_short_leaves_the_step_before(tmp_path: Path) -> None:
     path = mirror_path(tmp_path, 0)
     data = bytearray(path.read_bytes())
     # the slots take turns: step 2 (sequence number 2) is in the first; tear its trailer
-    length = int.from_bytes(data[8:16], "little")
-    data[16 + length] ^= 0xFF
+    length = int.from_bytes(data[8:16], "little") + int.from_bytes(data[16:24], "little")
+    data[24 + length] ^= 0xFF
     path.write_bytes(bytes(data))
     assert [r.step for r in read_mirror(path)] == [1]
     mirror.close()

@@ -221,8 +221,6 @@ class Recovery:
             set_rng_state(resume_rng[1])
         elif resume_rng is not None and resume_rng[0] < step:
             self._resume_rng = None
-        if self.failure is not None:  # the step-start record (failure/boundary.py)
-            self.failure.step_start(self._boundary(step, stream, "forward"))
         if self._checkpoint_due(step):
             self._save_checkpoint(step, stream)
         elif stream.loader is not None:
@@ -243,18 +241,29 @@ class Recovery:
     def handout(self) -> None:
         """The hand-out of a step's first batch (states at a failure only): a resumed step's
         RNG states taken at a hand-out go back here; the step's start may be recorded here."""
-        stream, step = self.stream, self.guard_state.step
+        stream, step, failure = self.stream, self.guard_state.step, self.failure
         resume_rng = self._resume_rng
         if resume_rng is not None and resume_rng[0] == step and resume_rng[2] == "handout":
             set_rng_state(resume_rng[1])
             self._resume_rng = None
-        if stream is not None and self.failure is not None:
-            self.failure.handout(self._boundary(step, stream, "handout"))
+        if stream is not None and failure is not None and failure.boundary.may_open(step):
+            failure.handout(self._boundary(step, stream, "handout", RngSnapshot.take()))
 
-    def _boundary(self, step: int, stream: Stream, at: str) -> Boundary:
+    def step_recorded(self, rng: RngSnapshot) -> None:
+        """The step's start recorded at its first forward (``rng``: its RNG states): the
+        step-start record of a state at a failure, unless the hand-out's stands."""
+        failure, stream, step = self.failure, self.stream, self.guard_state.step
+        if failure is None or stream is None:
+            return
+        current = failure.boundary.current
+        if current is not None and current.step == step and current.rng is rng:
+            return  # nothing drawn since the hand-out: its record stands
+        failure.step_start(self._boundary(step, stream, "forward", rng))
+
+    def _boundary(self, step: int, stream: Stream, at: str, rng: RngSnapshot) -> Boundary:
         position = stream.view.step_position
         loader = stream.loader.at(position) if stream.loader is not None else None
-        return Boundary(step, stream.epoch, position, loader, RngSnapshot.take(), at)
+        return Boundary(step, stream.epoch, position, loader, rng, at)
 
     def after_step(self, step: int, ok: bool, loss: float) -> None:
         """The agreed outcome of ``step`` (before the optimizer step, when ``ok``)."""

@@ -179,10 +179,12 @@ class GuardAssembly:
             self.recovery.resync_replicas = self.replicas.resync_from  # holds diverged weights
             self.history.lr_factor = self.recovery.lr_factor  # the LR in force, recorded
         self._pipeline = self._step_pipeline()  # measure -> agree -> decide -> record -> apply
-        failure = self.recovery.failure if self.recovery is not None else None
-        if failure is not None:  # states at a failure: the step's start, its buffers
+        recovery = self.recovery
+        failure = recovery.failure if recovery is not None else None
+        if recovery is not None and failure is not None:  # states at a failure (recovery/failure)
             self._pipeline.boundary = failure.boundary
             failure.start_buffers(self._start.buffers)
+            self._start.on_recorded = recovery.step_recorded
         # Recovery restores at step boundaries: it needs the decision before the update.
         sync_free = uses_fused(optimizer) and scaler is None
         sync_free = sync_free and not recovery_enabled(self.config) and rerun is None

@@ -126,6 +126,9 @@ class StepStart:
         """Runs at each forward of an evaluation (grad disabled or the model in eval mode):
         the watchdog counts it as progress, so that rank 0 evaluating alone while the
         others wait in the next step's collective is not taken for a hang."""
+        self.on_recorded: Callable[[RngSnapshot], None] | None = None
+        """Runs at each recorded start once its RNG states are taken (recovery's step-start
+        record for a state at a failure: ``recovery/failure/``)."""
         self.on_begin: Callable[[], None] | None = None
         """Runs at each recorded start, before the states are taken: recovery's step boundary
         (snapshots and checkpoints at the true start of the step, also where the loop
@@ -241,6 +244,8 @@ class StepStart:
             self.on_begin()
         self.buffers.begin(step)
         self._rng = RngSnapshot.take()
+        if self.on_recorded is not None:
+            self.on_recorded(self._rng)
         self.autocast = self._autocast_now()
         self._autocast_probes = 0 if self.autocast is not self._autocast_off else AUTOCAST_PROBES
 

@@ -67,6 +67,18 @@ class StepBoundary:
         with self._lock:
             self._current = boundary
 
+    def may_open(self, step: int) -> bool:
+        """Whether a hand-out of ``step``'s first batch would open it (read without the lock:
+        ``handout`` checks again under it)."""
+        current = self._current
+        return (
+            self._decided == step - 1
+            and not self._update_due
+            and not self._updating
+            and self._closed < step
+            and (current is None or current.step < step)
+        )
+
     def handout(self, boundary: Boundary) -> bool:
         """At the hand-out of a step's first batch: opens the step when the step before has
         ended (decided, its update done or skipped). Whether it did."""

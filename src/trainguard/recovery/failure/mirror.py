@@ -25,7 +25,7 @@ from typing import Any
 from trainguard.capture.rng import RngSnapshot
 from trainguard.recovery.failure.boundary import Boundary
 
-_HEAD = struct.Struct("<QQ")  # sequence number, payload length
+_HEAD = struct.Struct("<QQQ")  # sequence number, RNG part length, record length
 _TAIL = struct.Struct("<Q")  # the sequence number again
 SLOT = 64 << 10
 
@@ -54,7 +54,8 @@ class MirrorRecord:
 
 
 class StepMirror:
-    """Writes this rank's record at each step start (see the module docstring)."""
+    """Writes this rank's record at each step start (see the module docstring). The RNG part
+    is pickled once per snapshot and copied into a slot only when that slot holds another."""
 
     def __init__(self, folder: Path, rank: int) -> None:
         self.path = mirror_path(folder, rank)
@@ -64,35 +65,43 @@ class StepMirror:
         """Opened at the first write: a restart reads the killed attempt's records first."""
         self._seq = 0
         self._pid = os.getpid()
-        self._rng: tuple[RngSnapshot, tuple[Any, ...]] | None = None
-        """The last snapshot written and its parts (a step that drew no random number)."""
+        self._rng: tuple[RngSnapshot, bytes] | None = None
+        """The last snapshot written and its pickled parts."""
+        self._in_slot: list[bytes | None] = [None, None]
+        """The RNG part each slot holds (identity: copied again only when another)."""
 
     def write(self, boundary: Boundary) -> None:
         rng = self._rng
         if rng is None or rng[0] is not boundary.rng:
-            rng = self._rng = (boundary.rng, boundary.rng.parts())
-        record = (
+            parts = pickle.dumps(boundary.rng.parts(), protocol=pickle.HIGHEST_PROTOCOL)
+            rng = self._rng = (boundary.rng, parts)
+        fields = (
             boundary.step,
             boundary.epoch,
             boundary.position,
             self._pid,
             boundary.loader_state is not None,
-            rng[1],
             boundary.at,
         )
-        payload = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
-        size = _HEAD.size + len(payload) + _TAIL.size
+        record = pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL)
+        parts = rng[1]
+        size = _HEAD.size + len(parts) + len(record) + _TAIL.size
         if self._map is None:
             self._open(size)
         elif size > self._slot:
             self._grow(size)
         self._seq += 1
-        offset = (self._seq & 1) * self._slot
+        turn = self._seq & 1
+        offset = turn * self._slot
         mapped: Any = self._map
-        _HEAD.pack_into(mapped, offset, self._seq, len(payload))
-        end = offset + _HEAD.size + len(payload)
-        mapped[offset + _HEAD.size : end] = payload
-        _TAIL.pack_into(mapped, end, self._seq)
+        _HEAD.pack_into(mapped, offset, self._seq, len(parts), len(record))
+        start = offset + _HEAD.size
+        if self._in_slot[turn] is not parts:
+            mapped[start : start + len(parts)] = parts
+            self._in_slot[turn] = parts
+        start += len(parts)
+        mapped[start : start + len(record)] = record
+        _TAIL.pack_into(mapped, start + len(record), self._seq)
 
     def _open(self, size: int) -> None:
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -106,6 +115,7 @@ class StepMirror:
         self._slot = max(size, 2 * self._slot)
         os.ftruncate(self._fd, 2 * self._slot)
         self._map = mmap.mmap(self._fd, 2 * self._slot)
+        self._in_slot = [None, None]
 
     def close(self) -> None:
         mapped, self._map = self._map, None
@@ -133,14 +143,16 @@ def read_mirror(path: Path) -> list[MirrorRecord]:
 def _slot_record(data: bytes, offset: int, slot: int) -> tuple[int, MirrorRecord] | None:
     if slot < _HEAD.size + _TAIL.size:
         return None
-    seq, length = _HEAD.unpack_from(data, offset)
-    end = offset + _HEAD.size + length
+    seq, rng_len, rec_len = _HEAD.unpack_from(data, offset)
+    start = offset + _HEAD.size
+    end = start + rng_len + rec_len
     if seq == 0 or end + _TAIL.size > offset + slot:
         return None
     if _TAIL.unpack_from(data, end)[0] != seq:
         return None
     try:
-        step, epoch, position, pid, loader, rng, at = pickle.loads(data[offset + _HEAD.size : end])
+        rng = pickle.loads(data[start : start + rng_len])
+        step, epoch, position, pid, loader, at = pickle.loads(data[start + rng_len : end])
     except Exception:  # a torn or foreign payload: not a record
         return None
     return seq, MirrorRecord(step, epoch, position, pid, bool(loader), tuple(rng), str(at))

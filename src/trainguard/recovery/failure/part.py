@@ -91,14 +91,6 @@ class FailureState:
 
     def step_start(self, boundary: Boundary) -> None:
         """At the step's first training forward."""
-        current = self.boundary.current
-        if (
-            current is not None
-            and current.step == boundary.step
-            and current.rng is boundary.rng
-            and current.at == "handout"
-        ):
-            return  # nothing drawn since the hand-out: its record stands
         self.boundary.begin(boundary)
         if self._mirror is not None:
             self._mirror.write(boundary)
