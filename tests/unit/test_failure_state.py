@@ -267,6 +267,12 @@ def test_an_exception_mid_step_leaves_the_state_a_restart_resumes_from(tmp_path:
         assert torch.equal(a, b)
     folder = store.job_folder(tmp_path / "run", None)
     assert not folder.exists()  # taken, then the run ended for good
+    from trainguard.report.summary import summarize
+    from trainguard.report.text import report_text
+
+    text = report_text(summarize(tmp_path / "run"))
+    assert "at failure  step 5: saved by ranks [0]" in text
+    assert "step 5: resume from the state at the failure saved by ranks [0]" in text
 
 
 def test_no_state_is_written_without_resume(tmp_path: Path) -> None:

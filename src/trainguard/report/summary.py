@@ -40,7 +40,13 @@ from trainguard.report.runs import ALL, RunInfo, Timeline, latest, list_runs, ru
 from trainguard.report.starts import run_starts
 from trainguard.report.timing import StepTimes, phase_summary, rank_table, step_times
 
-_CHECKPOINT_KINDS = ("checkpoint", "checkpoint_good", "checkpoint_damaged", "resume")
+_CHECKPOINT_KINDS = (
+    "checkpoint",
+    "checkpoint_good",
+    "checkpoint_damaged",
+    "failure_state_refused",
+    "resume",
+)
 
 
 @dataclass
@@ -93,6 +99,9 @@ class RunSummary:
     spikes: list[dict[str, Any]] = field(default_factory=list)
     rollbacks: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    failure_states: list[dict[str, Any]] = field(default_factory=list)
+    """States at a failure, one entry a failure: the step, the ranks that saved, and each
+    rank that did not with its reason (``failure_state`` events: docs/recovery.md)."""
     escalations: list[dict[str, Any]] = field(default_factory=list)
     """Every escalation: those that stopped the run (``escalate`` events, ``outcome``
     ``stopped``) and those a rollback answered (``outcome`` ``rolled back to step N``)."""
@@ -324,6 +333,7 @@ def _fill_from_events(summary: RunSummary, events: list[dict[str, Any]]) -> None
     summary.spikes = merged(events, "spike")
     summary.rollbacks = merged(events, "rollback", "rollback_refused")
     summary.checkpoints = merged(events, *_CHECKPOINT_KINDS)
+    summary.failure_states = failure_states(events)
     summary.escalations = escalations(events)
     summary.bad_input = with_every_ranks_tensors(merged(events, "bad_input"), events)
     summary.capture_failures = merged(events, "capture_failed", keys=())
@@ -350,3 +360,19 @@ def _count_steps(events: list[dict[str, Any]], points: list[StepPoint]) -> int:
     counts += [p.step + 1 for p in points[-1:]]
     counts += [int_of(h.get("step")) for h in hang_events(events)]
     return max(counts, default=0)
+
+
+def failure_states(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``failure_state`` events grouped by step: who saved, who did not."""
+    groups: dict[Any, dict[str, Any]] = {}
+    for e in events:
+        if e.get("kind") != "failure_state":
+            continue
+        group = groups.setdefault(
+            e.get("step"), {"step": e.get("step"), "saved": [], "not_saved": []}
+        )
+        if e.get("saved"):
+            group["saved"].append(e.get("rank"))
+        else:
+            group["not_saved"].append({"rank": e.get("rank"), "reason": e.get("reason")})
+    return list(groups.values())

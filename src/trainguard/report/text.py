@@ -37,6 +37,11 @@ def report_text(summary: RunSummary, page: str | None = None) -> str:
         ("spikes", _listed(summary.spikes, _spike)),
         ("rollbacks", _listed(summary.rollbacks, _rollback)),
         ("checkpoints", _listed(summary.checkpoints, _checkpoint) or [_NO_CHECKPOINTS]),
+        *(
+            [("at failure", _listed(summary.failure_states, _failure_state))]
+            if summary.failure_states
+            else []
+        ),
         ("escalations", _listed(summary.escalations, _escalation)),
         ("bad input", _listed(summary.bad_input, _bad_input)),
         ("hangs", _listed(summary.hangs, _hang) + _listed(summary.failed_too, _failed_too)),
@@ -188,8 +193,23 @@ def _rollback(e: dict[str, Any]) -> str:
 
 
 def _checkpoint(e: dict[str, Any]) -> str:
+    if e.get("source") == "failure_state":
+        records = e.get("from_records") or []
+        line = f"step {e.get('step')}: resume from the state at the failure saved by ranks "
+        line += f"{e.get('saved_by')}"
+        return line + (f" (ranks {records} from their step-start records)" if records else "")
+    if e["kind"] == "failure_state_refused":
+        return f"step {e.get('step')}: a state at the failure refused: {e.get('reason')}"
     where = e.get("path") or e.get("from") or ""
     return f"step {e.get('step')}: {e['kind']}" + (f" {where}" if where else "")
+
+
+def _failure_state(group: dict[str, Any]) -> str:
+    """``step 37: saved by ranks [0]; not by rank 1 (why)``."""
+    line = f"step {group.get('step')}: saved by ranks {sorted(group.get('saved') or [])}"
+    for missing in group.get("not_saved") or []:
+        line += f"; not by rank {missing.get('rank')} ({missing.get('reason')})"
+    return line
 
 
 def _bad_input(e: dict[str, Any]) -> str:
