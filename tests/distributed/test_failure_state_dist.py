@@ -118,3 +118,40 @@ def test_a_corrupted_state_is_refused_and_the_checkpoint_used(
     assert any("checksum" in e["reason"] for e in refused), refused
     assert {(r, s) for r, s, src in _resumes(run) if s} == {(0, 50), (1, 50)}  # the disk one
     assert torch.equal(_params(out), plain)
+
+
+def _namespaces_allowed() -> bool:
+    import shutil
+
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rn", "true"], capture_output=True, timeout=10)
+    return probe.returncode == 0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not _namespaces_allowed(), reason="needs unshare -rn and ip (namespaces)")
+def test_a_node_without_the_state_resumes_from_the_other_nodes(
+    tmp_path: Path, plain: torch.Tensor
+) -> None:
+    """Two torchrun nodes in two network namespaces, each with its own run folder and state
+    folder: node 1's rank is killed, and its restart gets the weights from node 0's survivor
+    through the new process group (no shared folder), its own part from its record."""
+    script = Path(__file__).parent / "scripts" / "two_netns_nodes.sh"
+    nodes = ["unshare", "-rn", "bash", str(script), sys.executable, str(SCRIPT), str(tmp_path)]
+    done = subprocess.run(
+        [*nodes, "--per-node", "--kill-at", "37"],
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
+    logs = "".join((tmp_path / f"log{n}.txt").read_text()[-2000:] for n in (0, 1))
+    assert done.stdout.strip().endswith("rc 0 0"), done.stdout + done.stderr + logs
+    node0, node1 = tmp_path / "run" / "node0", tmp_path / "run" / "node1"
+    (saved,) = _events(node0, "failure_state")
+    assert saved["saved"] and saved["path"].startswith(str(tmp_path / "run" / "node0-shm"))
+    assert (0, 37, "failure_state") in _resumes(node0)
+    assert (1, 37, "failure_state") in _resumes(node1)
+    (resumed,) = [e for e in _events(node1, "resume") if e.get("source")]
+    assert (resumed["saved_by"], resumed["from_records"]) == ([0], [1])
+    assert torch.equal(_params(tmp_path / "out.pt"), plain)

@@ -53,7 +53,15 @@ def main() -> None:
     parser.add_argument("--hang-timeout", type=float, default=5.0)
     parser.add_argument("--no-failure-state", action="store_true")
     parser.add_argument("--corrupt-states", action="store_true")
+    parser.add_argument(
+        "--per-node", action="store_true", help="a run folder and state folder per node"
+    )
     args = parser.parse_args()
+    state_dir = None
+    if args.per_node:  # nothing shared between the nodes (torchrun's GROUP_RANK: the node)
+        node = os.environ["GROUP_RANK"]
+        state_dir = os.path.join(args.run_dir, f"node{node}-shm")
+        args.run_dir = os.path.join(args.run_dir, f"node{node}")
     torch.set_num_threads(1)
     if args.corrupt_states and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         _corrupt_states(args.run_dir)  # before the rendezvous: no rank resumes before it
@@ -76,9 +84,11 @@ def main() -> None:
     config = tg.GuardConfig(
         run_dir=args.run_dir,
         hang_timeout=args.hang_timeout,
-        checkpoint_every=50,
+        checkpoint_every=0 if args.per_node else 50,  # a checkpoint needs a shared folder
         resume=True,
-        recovery=tg.RecoveryConfig(save_at_failure=not args.no_failure_state),
+        recovery=tg.RecoveryConfig(
+            save_at_failure=not args.no_failure_state, failure_state_dir=state_dir
+        ),
     )
     guard = tg.Guard(model, opt, scheduler=sched, config=config)
     started = None
@@ -88,6 +98,8 @@ def main() -> None:
             if started is None:
                 started = (step, time.time())
             if rank == 1 and attempt < len(args.kill_at) and step == args.kill_at[attempt]:
+                with open(os.path.join(args.run_dir, f"fault-{attempt}.json"), "w") as f:
+                    json.dump({"time": time.time(), "step": step}, f)
                 os.kill(os.getpid(), signal.SIGKILL)
             if rank == 1 and attempt < len(args.hang_at) and step == args.hang_at[attempt]:
                 time.sleep(3600)

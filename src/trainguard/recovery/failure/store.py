@@ -66,6 +66,11 @@ def _private(path: Path) -> bool:
 def open_folder(folder: Path) -> Path | None:
     """Create ``folder`` (and its parent) mode 0700; None, with a warning, when one exists
     and is another user's or open to others (never written into, never removed)."""
+    try:
+        folder.parent.parent.mkdir(parents=True, exist_ok=True)  # the user's own, as they are
+    except OSError as exc:
+        logger.warning("trainguard: no state at a failure: %s: %s", folder.parent.parent, exc)
+        return None
     for path in (folder.parent, folder):
         try:
             path.mkdir(mode=0o700, exist_ok=True)
