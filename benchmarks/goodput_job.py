@@ -16,11 +16,15 @@
   replica group of one process under its own ``torchrun --nproc-per-node=1``, a
   ``torchft.Manager`` over ``ProcessGroupGloo``, ``torchft.DistributedDataParallel`` and
   ``torchft.Optimizer``; the loop's finite check calls ``manager.report_error`` (the step is
-  not committed) and the same watchdog thread as ``bare`` ends a hung replica.
+  not committed) and the same watchdog thread as ``bare`` ends a hung replica (paused inside
+  torchft's calls, which have torchft's timeouts: a survivor waits there for its peer). On
+  the first attempt both groups wait for each other before the first quorum (a file
+  barrier), so neither trains alone at the start.
 
-``python goodput_job.py ft-launch RUN_DIR --torchrun PATH --max-restarts N [options]``
-starts torchft's ``LighthouseServer`` in its own process (``min_replicas=1``) and one
-torchrun per replica group, and waits for them.
+``python goodput_job.py ft-launch RUN_DIR --torchrun PATH --ports P0,P1 --max-restarts N
+[options]`` starts torchft's ``LighthouseServer`` in the launching process
+(``min_replicas=1``, its other defaults) and one torchrun per replica group, waits for group
+0 to finish, then ends group 1.
 
 The faults, each once (a marker file in RUN_DIR, made before the fault, so neither a
 restarted job nor a rollback repeats it): ``--kill-at S``: rank 1 SIGKILLs itself when step
@@ -29,22 +33,23 @@ S's batch is in hand; ``--hang-at S``: rank 1 sleeps there for an hour; ``--nan-
 its NaN gradients to every rank). Each fault appends ``{kind, step, time, attempt}`` to
 RUN_DIR/faults.jsonl.
 
-Rank 0 (replica group 0) appends a line per step it ends to RUN_DIR/steps.csv: ``attempt,
-step, t_start, t_end, applied, participants`` (``t_start``: the batch in hand; ``t_end``: after
-the optimizer step; ``applied``: the update was applied; ``participants``: ranks whose
-gradients the step averaged). Wall-clock times (``time.time()``), so they compare across
+Each rank (replica group) appends a line per step it ends to RUN_DIR/steps-rank<r>.csv:
+``attempt, step, t_start, t_end, applied, participants`` (``t_start``: the batch in hand;
+``t_end``: after the optimizer step; ``applied``: the update was applied; ``participants``:
+ranks whose gradients the step averaged), and its start-up timeline to
+RUN_DIR/attempts-rank<r>.jsonl. Wall-clock times (``time.time()``): they compare across
 processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -142,41 +147,37 @@ class Faults:
 
 
 class StepLog:
-    """Rank 0's line per step, written through at once (a SIGKILL loses nothing written)."""
+    """A rank's line per step, written through at once (a SIGKILL loses nothing written)."""
 
     def __init__(self, run_dir: Path, rank: int, attempt: int) -> None:
         self.attempt = attempt
-        self.fd = (
-            os.open(run_dir / "steps.csv", os.O_CREAT | os.O_APPEND | os.O_WRONLY)
-            if rank == 0
-            else None
-        )
+        flags = os.O_CREAT | os.O_APPEND | os.O_WRONLY
+        self.fd = os.open(run_dir / f"steps-rank{rank}.csv", flags)
 
     def write(self, step: int, start: float, applied: bool, participants: int) -> None:
-        if self.fd is not None:
-            line = f"{self.attempt},{step},{start:.6f},{time.time():.6f},{int(applied)},"
-            os.write(self.fd, (line + f"{participants}\n").encode())
+        line = f"{self.attempt},{step},{start:.6f},{time.time():.6f},{int(applied)},"
+        os.write(self.fd, (line + f"{participants}\n").encode())
 
 
 def process_start() -> float | None:
-    """When this process started (wall clock), from /proc: before Python and torch loaded."""
+    """When this process started (wall clock), from /proc: before Python and torch loaded.
+    The start is in clock ticks since boot; the boot-time clock now gives its age."""
     try:
         with open("/proc/self/stat", encoding="utf-8") as fh:
             ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat", encoding="utf-8") as fh:
-            boot = next(int(line.split()[1]) for line in fh if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
 
 
 def mark(run_dir: Path, rank: int, attempt: int, what: str, when: float | None = None) -> None:
-    """Rank 0's start-up timeline of an attempt (``attempts.jsonl``): process start, main,
-    process group, guard built (the resume), first step."""
-    if rank == 0:
-        line = {"attempt": attempt, "what": what, "time": when or time.time()}
-        with open(run_dir / "attempts.jsonl", "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(line) + "\n")
+    """A rank's start-up timeline of each attempt (``attempts-rank<r>.jsonl``): ``process``
+    (its start), ``main`` (torch imported), ``process_group``, ``ready`` (model, optimizer,
+    guard or torchft manager built: the resume)."""
+    line = {"attempt": attempt, "what": what, "time": when or time.time()}
+    with open(run_dir / f"attempts-rank{rank}.jsonl", "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(line) + "\n")
 
 
 class Watchdog:
@@ -185,15 +186,26 @@ class Watchdog:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self.last = time.monotonic()
+        self.waiting = False
         threading.Thread(target=self._run, daemon=True, name="goodput-watchdog").start()
 
     def beat(self) -> None:
         self.last = time.monotonic()
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Not watching inside (calls with timeouts of their own); a beat on leaving."""
+        self.waiting = True
+        try:
+            yield
+        finally:
+            self.waiting = False
+            self.beat()
+
     def _run(self) -> None:
         while True:
             time.sleep(min(0.5, self.timeout / 4))
-            if time.monotonic() - self.last > self.timeout:
+            if not self.waiting and time.monotonic() - self.last > self.timeout:
                 print(f"goodput watchdog: no step for {self.timeout} s, exiting", flush=True)
                 os._exit(1)
 
@@ -240,7 +252,7 @@ def run_bare(args: argparse.Namespace, rank: int, attempt: int) -> int:
         opt.zero_grad(set_to_none=True)
         log.write(step, t0, True, dist.get_world_size())
         watchdog.beat()
-    return args.steps
+    return int(args.steps)
 
 
 def run_guard(args: argparse.Namespace, rank: int, attempt: int) -> int:
@@ -280,8 +292,8 @@ def run_guard(args: argparse.Namespace, rank: int, attempt: int) -> int:
                 opt.step()
             opt.zero_grad(set_to_none=True)
             log.write(step, t0, applied, dist.get_world_size())
-        final = guard.state.step
-    return int(final)
+        final = int(guard.state.step)
+    return final
 
 
 def run_torchft(args: argparse.Namespace, rank: int, attempt: int) -> int:
@@ -309,8 +321,14 @@ def run_torchft(args: argparse.Namespace, rank: int, attempt: int) -> int:
         timeout=timeout,
     )
     ddp = ft.DistributedDataParallel(manager, model)
+    if attempt == 0:  # both groups heartbeating before the first quorum: they start together
+        (args.run_dir / f"ft-ready-{rank}").touch()
+        while not (args.run_dir / f"ft-ready-{1 - rank}").exists():
+            time.sleep(0.05)
     mark(args.run_dir, rank, attempt, "ready")
     opt = ft.Optimizer(manager, inner)
+    # watches the loop's own code: torchft's calls (the quorum, the all-reduce, the commit)
+    # have torchft's timeouts, and a survivor waits in them while a peer is hung
     watchdog = Watchdog(args.hang_timeout)
     position = 0
     try:
@@ -320,15 +338,16 @@ def run_torchft(args: argparse.Namespace, rank: int, attempt: int) -> int:
             position += 1
             t0 = time.time()
             bad = faults.begin(step)
-            opt.zero_grad(set_to_none=True)  # starts the quorum
-            loss = nn.functional.mse_loss(ddp(xb), yb)
-            if bad:
-                loss = nan_loss(loss)
-            loss.backward()  # type: ignore[no-untyped-call]
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
-            if not torch.isfinite(norm):
-                manager.report_error(FloatingPointError(f"non-finite gradient norm at {step}"))
-            opt.step()  # commits only where every participant's step succeeded
+            with watchdog.paused():
+                opt.zero_grad(set_to_none=True)  # starts the quorum
+                loss = nn.functional.mse_loss(ddp(xb), yb)
+                if bad:
+                    loss = nan_loss(loss)
+                loss.backward()  # type: ignore[no-untyped-call]
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
+                if not torch.isfinite(norm):
+                    manager.report_error(FloatingPointError(f"non-finite grad norm at {step}"))
+                opt.step()  # commits only where every participant's step succeeded
             applied = int(manager.current_step()) > step
             log.write(step, t0, applied, int(manager.num_participants()))
             watchdog.beat()
@@ -340,22 +359,21 @@ def run_torchft(args: argparse.Namespace, rank: int, attempt: int) -> int:
 def ft_launch(args: argparse.Namespace) -> int:
     """torchft's lighthouse in this process, one torchrun per replica group."""
     ft: Any = importlib.import_module("torchft._torchft")
-    lighthouse = ft.LighthouseServer(
-        bind="[::]:0",
-        min_replicas=1,
-        join_timeout_ms=args.join_timeout_ms,
-        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-    )
+    lighthouse = ft.LighthouseServer(bind="[::]:0", min_replicas=1)  # its other defaults
     procs = []
-    job = [a for a in sys.argv[1:] if a != "ft-launch"]
-    skip = {"--torchrun", "--max-restarts", "--join-timeout-ms", "--heartbeat-timeout-ms"}
-    passed: list[str] = []
-    it = iter(job)
-    for a in it:
-        if a in skip:
-            next(it)
-        else:
-            passed.append(a)
+    passed = [
+        f"--steps={args.steps}",
+        f"--checkpoint-every={args.checkpoint_every}",
+        f"--hang-timeout={args.hang_timeout}",
+        f"--nan-steps={args.nan_steps}",
+        f"--width={args.width}",
+        f"--depth={args.depth}",
+        f"--batch={args.batch}",
+        str(args.run_dir),
+    ]
+    for name in ("kill_at", "hang_at", "nan_at"):
+        if getattr(args, name) is not None:
+            passed.append(f"--{name.replace('_', '-')}={getattr(args, name)}")
     try:
         for group in range(2):
             env = {
@@ -376,16 +394,17 @@ def ft_launch(args: argparse.Namespace) -> int:
             procs.append(subprocess.Popen(command, env=env))
         # group 0 is measured: when it has trained every step, the job is done
         code = procs[0].wait()
-        try:
-            procs[1].wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            procs[1].kill()
-            procs[1].wait()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            procs[1].wait(timeout=5)
     finally:
-        for proc in procs:
+        for proc in procs:  # torchrun's agent ends its workers on SIGTERM
             if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         lighthouse.shutdown()
     return code
 
@@ -412,8 +431,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torchrun", default="torchrun")
     p.add_argument("--max-restarts", type=int, default=4)
     p.add_argument("--ports", type=lambda s: [int(x) for x in s.split(",")], default=[0, 0])
-    p.add_argument("--join-timeout-ms", type=int, default=1000)
-    p.add_argument("--heartbeat-timeout-ms", type=int, default=2000)
     return p.parse_args(argv)
 
 

@@ -155,3 +155,22 @@ def test_a_node_without_the_state_resumes_from_the_other_nodes(
     (resumed,) = [e for e in _events(node1, "resume") if e.get("source")]
     assert (resumed["saved_by"], resumed["from_records"]) == ([0], [1])
     assert torch.equal(_params(tmp_path / "out.pt"), plain)
+
+
+@pytest.mark.timeout(200)
+def test_an_fsdp2_job_that_loses_a_rank_resumes_from_peer_shards(tmp_path: Path) -> None:
+    """FSDP2: the lost rank's shard of the step in flight is gone; its shard of the newest
+    snapshot (step 30) was kept by rank 0 and written there at the failure: the restart
+    resumes at step 30, every rank with its own shard, the weights those of an uninterrupted
+    FSDP2 run."""
+    plain = _params(_torchrun(tmp_path, "plain", "--fsdp"))
+    out = _torchrun(tmp_path, "fsdp", "--fsdp", "--kill-at", "37")
+    run = tmp_path / "fsdp"
+    shards = {(e["step"], e["owner"]) for e in _events(run, "failure_shard") if e["saved"]}
+    assert shards == {(30, 0), (30, 1)}  # rank 0's own, and the copy of rank 1's it held
+    refused = _events(run, "failure_state_refused")
+    assert {(e["step"], e["reason"]) for e in refused} == {
+        (37, "the shards of rank(s) [1] are not there")
+    }
+    assert {(r, s) for r, s, src in _resumes(run) if src == "failure_state"} == {(0, 30), (1, 30)}
+    assert torch.equal(_params(out), plain)

@@ -15,7 +15,7 @@ from trainguard.capture.rng import RngSnapshot
 from trainguard.events import read_events
 from trainguard.recovery.failure import store
 from trainguard.recovery.failure.boundary import Boundary, StepBoundary
-from trainguard.recovery.failure.fresh import candidates
+from trainguard.recovery.failure.fresh import candidates, sharded_candidates
 from trainguard.recovery.failure.mirror import StepMirror, mirror_path, read_mirror
 
 
@@ -187,7 +187,7 @@ def test_a_state_without_its_description_or_with_a_flipped_byte_is_not_read(
 def _offer(
     rank: int, files: list[tuple[int, int, str]], records: dict[int, bool]
 ) -> dict[str, object]:
-    return {"rank": rank, "files": [(s, w, d, 2) for s, w, d in files], "records": records}
+    return {"rank": rank, "files": [(s, w, d, 2, w) for s, w, d in files], "records": records}
 
 
 def test_the_newest_step_every_rank_can_be_given_is_chosen() -> None:
@@ -215,10 +215,15 @@ def test_a_state_older_than_a_good_checkpoint_is_not_taken() -> None:
     assert candidates(offers, 2, replicated=True, newer_than=10)[0] == []
 
 
-def test_a_state_that_is_not_replicated_needs_every_ranks_own() -> None:
-    offers = [_offer(0, [(9, 0, "a")], {}), _offer(1, [(9, 0, "a")], {9: False})]
-    found, refused = candidates(offers, 2, replicated=False, newer_than=-1)
-    assert found == [] and "rank(s) [1]" in refused[0][1]
+def test_sharded_state_needs_every_ranks_shard_from_someone() -> None:
+    """FSDP2: rank 1 was lost; its snapshot shard at step 20 is on rank 0 (a peer copy); the
+    step in flight (37) has rank 0's shard only."""
+    files = [(37, 0, None, 2, 0), (20, 0, None, 2, 0), (20, 1, None, 2, 0)]
+    offers = [{"rank": 0, "files": files, "records": {}}, {"rank": 1, "files": [], "records": {}}]
+    found, refused = sharded_candidates(offers, 2, newer_than=-1)
+    assert found == [(20, [0, 0])]  # rank 0 reads both shards, sends rank 1 its own
+    assert refused == [(37, "the shards of rank(s) [1] are not there")]
+    assert sharded_candidates(offers, 2, newer_than=20)[0] == []
 
 
 def test_a_record_with_a_loader_state_of_its_own_cannot_serve() -> None:

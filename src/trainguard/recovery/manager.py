@@ -95,7 +95,9 @@ class Recovery:
         options = config.recovery
         self.snapshots = snap.SnapshotKeeper(options.snapshot_every, options.good_after)
         self.failure = (
-            FailureState(config, objects, guard_state, self.state, events, rank, world_size(group))
+            FailureState(
+                config, objects, guard_state, self.state, events, rank, world_size(group), group
+            )
             if options.resume and options.save_at_failure
             else None
         )
@@ -227,16 +229,17 @@ class Recovery:
             stream.loader.forget_before(stream.view.step_position)
         if not self.snapshots.due(step):
             return
-        self.snapshots.add(
-            snap.take(
-                self.objects,
-                step,
-                stream.view.step_position,
-                stream.ident,
-                self.guard_state.state_dict(),
-                {"recovery": self.state.state_dict(), "epoch": stream.epoch},
-            )
+        snapshot = snap.take(
+            self.objects,
+            step,
+            stream.view.step_position,
+            stream.ident,
+            self.guard_state.state_dict(),
+            {"recovery": self.state.state_dict(), "epoch": stream.epoch},
         )
+        self.snapshots.add(snapshot)
+        if self.failure is not None:  # sharded state: its shard on a peer too
+            self.failure.snapshot_taken(snapshot)
 
     def handout(self) -> None:
         """The hand-out of a step's first batch (states at a failure only): a resumed step's

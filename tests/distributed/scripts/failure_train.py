@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--hang-timeout", type=float, default=5.0)
     parser.add_argument("--no-failure-state", action="store_true")
     parser.add_argument("--corrupt-states", action="store_true")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard), not DDP")
     parser.add_argument(
         "--per-node", action="store_true", help="a run folder and state folder per node"
     )
@@ -74,11 +75,19 @@ def main() -> None:
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=4, sampler=sampler)
     torch.manual_seed(rank)  # each rank's own dropout
-    model = DDP(
-        nn.Sequential(
-            nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 4)
-        )
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 4)
     )
+    if args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in (model[0], model[4]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model = DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.9)
     config = tg.GuardConfig(
@@ -109,8 +118,9 @@ def main() -> None:
                 opt.step()
                 sched.step()
             opt.zero_grad(set_to_none=True)
+    full = [getattr(p, "full_tensor", p.detach)() for p in model.parameters()]  # FSDP2: gathered
     if rank == 0:
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        flat = torch.cat([p.detach().reshape(-1) for p in full])
         torch.save({"params": flat, "step": guard.state.step}, args.out)
         with open(args.out + f".attempt{attempt}.json", "w") as f:
             json.dump(

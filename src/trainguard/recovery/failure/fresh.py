@@ -34,6 +34,7 @@ from trainguard.recovery.agree import true_on_every_rank
 from trainguard.recovery.checkpoint import restore_own_buffers
 from trainguard.recovery.failure import store
 from trainguard.recovery.failure.mirror import MirrorRecord, mirror_path, read_mirror
+from trainguard.recovery.failure.shards import globalize
 from trainguard.recovery.snapshot import TrainingObjects
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class _Candidate:
 
 def _offer(folder: Path, rank: int) -> dict[str, Any]:
     files = [
-        (s.step, s.rank, s.meta.get("digest"), s.meta.get("world_size"))
+        (s.step, s.rank, s.meta.get("digest"), s.meta.get("world_size"), s.writer)
         for s in store.states(folder)
     ]
     records = {r.step: r.stateful_loader for r in read_mirror(mirror_path(folder, rank))}
@@ -83,9 +84,9 @@ def candidates(
     by_step: dict[int, dict[int, str | None]] = {}
     seen_by: dict[int, dict[int, set[int]]] = {}  # step -> rank -> writers it can read
     for offer in offers:
-        for step, writer, digest, world_size in offer["files"]:
-            if world_size != world:
-                continue
+        for step, writer, digest, world_size, by in offer["files"]:
+            if world_size != world or by != writer:
+                continue  # another's snapshot shard a peer holds: sharded state only
             by_step.setdefault(step, {})[writer] = digest
             seen_by.setdefault(step, {}).setdefault(offer["rank"], set()).add(writer)
     found, refused = [], []
@@ -111,6 +112,30 @@ def candidates(
     return found, refused
 
 
+def sharded_candidates(
+    offers: list[dict[str, Any]], world: int, newer_than: int
+) -> tuple[list[tuple[int, list[int]]], list[tuple[int, str]]]:
+    """Sharded state: the steps at which every rank's shard can be read by some rank, newest
+    first, each with the rank that reads each shard (its owner when it can)."""
+    readers: dict[int, dict[int, set[int]]] = {}  # step -> owner -> ranks that can read it
+    for offer in offers:
+        for step, owner, _, world_size, _ in offer["files"]:
+            if world_size == world:
+                readers.setdefault(step, {}).setdefault(owner, set()).add(offer["rank"])
+    found, refused = [], []
+    for step in sorted(readers, reverse=True):
+        if step <= newer_than:
+            break
+        by_owner = readers[step]
+        missing = [q for q in range(world) if q not in by_owner]
+        if missing:
+            refused.append((step, f"the shards of rank(s) {missing} are not there"))
+            continue
+        holders = [q if q in by_owner[q] else min(by_owner[q]) for q in range(world)]
+        found.append((step, holders))
+    return found, refused
+
+
 def fresh_resume(
     folder: Path,
     objects: TrainingObjects,
@@ -124,6 +149,9 @@ def fresh_resume(
 ) -> Fresh | None:
     """Collective. The state loaded into ``objects`` (see the module docstring), or None."""
     offers = _gather(_offer(folder, rank), group, world)
+    if not replicated:
+        place = _Place(folder, group, device, rank, world)
+        return _sharded_resume(place, offers, objects, events, newer_than)
     found, refused = candidates(offers, world, replicated, newer_than)
     for step, reason in refused:
         events.write("failure_state_refused", step, reason=reason)
@@ -151,11 +179,13 @@ def _gather(offer: dict[str, Any], group: dist.ProcessGroup | None, world: int) 
     return out
 
 
-def _read(folder: Path, step: int, writer: int) -> dict[str, Any]:
-    """A state, its size and checksum checked first (ValueError when they differ)."""
-    match = [s for s in store.states(folder) if s.step == step and s.rank == writer]
+def _read(folder: Path, step: int, owner: int) -> dict[str, Any]:
+    """Rank ``owner``'s state at ``step`` (its own copy first, else a peer's), its size and
+    checksum checked first (ValueError when they differ)."""
+    match = [s for s in store.states(folder) if s.step == step and s.rank == owner]
+    match.sort(key=lambda s: s.writer != owner)
     if not match or not match[0].intact():
-        raise ValueError(f"the state of rank {writer} at step {step} fails its checksum")
+        raise ValueError(f"the state of rank {owner} at step {step} fails its checksum")
     state: dict[str, Any] = torch.load(match[0].path, weights_only=False, map_location="cpu")
     return state
 
@@ -191,7 +221,7 @@ def _load(
     mine = own if own is not None else _from_record(folder, step, rank, shared)
     if mine is None:
         return {}, f"rank {rank}'s record of step {step} is gone"
-    objects.load(shared["replicated"] if own is None else own["replicated"])
+    objects.load(shared["state"] if own is None else own["state"])
     restore_own_buffers(objects.model, mine["buffers"])
     extras = {k: mine[k] for k in ("rng", "rng_at", "data")}
     extras |= {k: shared[k] for k in ("guard", "recovery")}
@@ -226,3 +256,62 @@ def _from_record(
         "data": {"epoch": record.epoch, "position": record.position, "loader": None},
         "buffers": shared["buffers"],
     }
+
+
+@dataclass
+class _Place:
+    """Where this rank is: its folder, group, device, rank and world size."""
+
+    folder: Path
+    group: dist.ProcessGroup | None
+    device: torch.device
+    rank: int
+    world: int
+
+
+def _sharded_resume(
+    place: _Place,
+    offers: list[dict[str, Any]],
+    objects: TrainingObjects,
+    events: EventLog,
+    newer_than: int,
+) -> Fresh | None:
+    """Sharded state: the newest step every rank's shard is there for; each shard is sent to
+    its owner by the rank that reads it."""
+    found, refused = sharded_candidates(offers, place.world, newer_than)
+    for step, reason in refused:
+        events.write("failure_state_refused", step, reason=reason)
+    for step, holders in found:
+        mine, error = _own_shard(place, step, holders)
+        if mine is not None and not error:
+            try:
+                objects.load(globalize(mine["state"], objects))
+                restore_own_buffers(objects.model, mine.get("buffers") or {})
+            except Exception as exc:  # refused on every rank (the agreement after)
+                error = f"{type(exc).__name__}: {exc}"[:300]
+        if true_on_every_rank(not error, place.group, place.device) and mine is not None:
+            extras = {k: mine[k] for k in ("rng", "rng_at", "data", "guard", "recovery")}
+            return Fresh(step, extras, holders[place.rank], sorted(set(holders)), [])
+        why = error or "refused on another rank"
+        events.write("failure_state_refused", step, reason=why)
+    return None
+
+
+def _own_shard(place: _Place, step: int, holders: list[int]) -> tuple[dict[str, Any] | None, str]:
+    """Collective: this rank's shard at ``step``, read here or sent by the rank holding it."""
+    mine: dict[str, Any] | None = None
+    error = ""
+    for owner, holder in enumerate(holders):
+        payload: dict[str, Any] | None = None
+        if place.rank == holder:
+            try:
+                payload = _read(place.folder, step, owner)
+            except Exception as exc:  # damaged: the owner is told by a None
+                error = error or f"{type(exc).__name__}: {exc}"[:300]
+        if holder != owner and place.world > 1:
+            payload = _broadcast(payload, holder, place.group, place.device)
+        if place.rank == owner:
+            mine = payload
+            if payload is None:
+                error = error or f"rank {holder} could not read rank {owner}'s shard"
+    return mine, error

@@ -25,8 +25,9 @@ from trainguard.recovery.failure.boundary import Boundary, StepBoundary
 from trainguard.recovery.failure.fresh import Fresh, fresh_resume
 from trainguard.recovery.failure.mirror import StepMirror
 from trainguard.recovery.failure.on_terminate import TerminateSave
+from trainguard.recovery.failure.shards import PeerShards, localize
 from trainguard.recovery.failure.writer import FailureWriter, StartBuffers, StateHolder
-from trainguard.recovery.snapshot import TrainingObjects
+from trainguard.recovery.snapshot import Snapshot, TrainingObjects
 from trainguard.recovery.types import Stateful
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class FailureState:
         events: EventLog,
         rank: int,
         world: int,
+        group: dist.ProcessGroup | None,
     ) -> None:
         options = config.recovery
         self.folder = store.job_folder(Path(config.run_dir), options.failure_state_dir)
@@ -67,7 +69,7 @@ class FailureState:
         self.events = events
         self.objects = objects
         self.boundary = StepBoundary()
-        self.usable = store.open_folder(self.folder) is not None and not sharded(objects.model)
+        self.usable = store.open_folder(self.folder) is not None
         self._mirror = StepMirror(self.folder, rank) if self.usable else None
         self.writer = FailureWriter(
             self.folder,
@@ -81,6 +83,11 @@ class FailureState:
             events,
             options.failure_save_seconds,
         )
+        self.shards = (
+            PeerShards(rank, world, group) if self.usable and sharded(objects.model) else None
+        )
+        """Sharded state (FSDP2): snapshot shards kept on a peer (``shards.py``)."""
+        self.writer.shards = self.shards
         self._terminate = TerminateSave(self.writer) if self.usable else None
         if self.usable:
             store.sweep_stale(self.folder)
@@ -99,6 +106,34 @@ class FailureState:
         """The hand-out of a step's first batch: recorded when it opens the step."""
         if self.boundary.handout(boundary) and self._mirror is not None:
             self._mirror.write(boundary)
+
+    def snapshot_taken(self, snapshot: Snapshot) -> None:
+        """Collective, sharded state only: a snapshot's shard goes to the next rank too."""
+        shards = self.shards
+        if shards is None:
+            return
+        snapshot.wait()
+        payload = {
+            "format": 1,
+            "step": snapshot.step,
+            "world_size": self.world,
+            "state": localize(snapshot.state),
+            "buffers": {},
+            "rng": snapshot.rng,
+            "rng_at": "forward",
+            "data": {
+                "epoch": snapshot.extra.get("epoch"),
+                "position": snapshot.position,
+                "loader": None,
+            },
+            "guard": snapshot.guard,
+            "recovery": snapshot.extra.get("recovery"),
+        }
+        seconds = shards.exchange(snapshot.step, payload)
+        size = len(shards.own[1]) if shards.own is not None else 0
+        self.events.write(
+            "failure_shard_copy", snapshot.step, seconds=round(seconds, 4), bytes=size
+        )
 
     def save(self, trigger: str) -> None:
         """Write the state at the failure (bounded, once; never raises)."""

@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 SHM = Path("/dev/shm")
 STALE_SECONDS = 600.0
 """A folder of another job untouched this long, its writers gone, is removed at start-up."""
-_STATE = re.compile(r"^state-(\d{8})-rank-(\d+)\.json$")
+_STATE = re.compile(r"^state-(\d{8})-rank-(\d+)(?:-by-(\d+))?\.json$")
 
 
 def job_folder(run_dir: Path, configured: str | None) -> Path:
@@ -105,8 +105,11 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def state_path(folder: Path, step: int, rank: int) -> Path:
-    return folder / f"state-{step:08d}-rank-{rank}.pt"
+def state_path(folder: Path, step: int, rank: int, writer: int | None = None) -> Path:
+    """Rank ``rank``'s state at ``step``; ``writer``: another rank that holds a copy of it (a
+    peer's snapshot shard, ``shards.py``)."""
+    by = f"-by-{writer}" if writer is not None and writer != rank else ""
+    return folder / f"state-{step:08d}-rank-{rank}{by}.pt"
 
 
 def write_meta(path: Path, meta: dict[str, Any]) -> None:
@@ -123,8 +126,11 @@ class StateFile:
 
     step: int
     rank: int
+    """The rank whose state it is."""
     path: Path
     meta: dict[str, Any]
+    writer: int = -1
+    """The rank that wrote it (its own: ``rank``)."""
 
     def intact(self) -> bool:
         """Its size and SHA-256 are those written."""
@@ -149,7 +155,9 @@ def states(folder: Path) -> list[StateFile]:
                 continue
             if isinstance(meta, dict):
                 path = entry.with_suffix(".pt")
-                found.append(StateFile(int(match[1]), int(match[2]), path, meta))
+                owner = int(match[2])
+                writer = int(match[3]) if match[3] is not None else owner
+                found.append(StateFile(int(match[1]), owner, path, meta, writer))
     return sorted(found, key=lambda s: (-s.step, s.rank))
 
 
@@ -158,7 +166,7 @@ def remove_states(folder: Path, rank: int | None = None) -> None:
     with contextlib.suppress(OSError):
         for entry in folder.iterdir():
             name = entry.name
-            mine = rank is None or f"-rank-{rank}." in name
+            mine = rank is None or f"-rank-{rank}." in name or f"-by-{rank}." in name
             if name.startswith("state-") and mine:
                 with contextlib.suppress(OSError):
                     entry.unlink()

@@ -33,6 +33,7 @@ from torch import Tensor
 from trainguard.events import EventLog
 from trainguard.recovery.failure import store
 from trainguard.recovery.failure.boundary import Boundary, StepBoundary
+from trainguard.recovery.failure.shards import PeerShards, localize
 from trainguard.recovery.snapshot import TrainingObjects, to_cpu
 from trainguard.recovery.types import Stateful
 
@@ -108,6 +109,8 @@ class FailureWriter:
         self._tmp: Path | None = None
         self.saved: Path | None = None
         """The state written (None: none, or not yet)."""
+        self.shards: PeerShards | None = None
+        """Sharded state (FSDP2): the snapshot shards to write too (``shards.py``)."""
 
     def save(self, trigger: str) -> Path | None:
         """Write the state once (the first trigger), waiting at most until its deadline.
@@ -133,6 +136,8 @@ class FailureWriter:
     def _run(self, trigger: str) -> None:
         start = time.perf_counter()
         try:
+            if self.shards is not None:
+                self._write_shards(trigger)
             with self.boundary.held(_LOCK_WAIT_S) as boundary:
                 if boundary is None:
                     self._event(None, trigger, saved=False, reason=self.boundary.why_closed())
@@ -146,13 +151,14 @@ class FailureWriter:
     def _take(self, boundary: Boundary) -> dict[str, Any]:
         """The state at the step's start, copied to the CPU (the boundary held)."""
         with _side_stream(self.objects.model):
-            replicated = to_cpu(self.objects.state())
+            live = self.objects.state()
+            state = localize(live) if self.shards is not None else to_cpu(live)
             buffers = self._start_buffers(boundary.step)
         return {
             "format": FORMAT,
             "step": boundary.step,
             "world_size": self.world_size,
-            "replicated": replicated,
+            "state": state,
             "buffers": buffers,
             "rng": boundary.rng.state(),
             "rng_at": boundary.at,
@@ -203,7 +209,9 @@ class FailureWriter:
             "world_size": self.world_size,
             "bytes": tmp.stat().st_size,
             "sha256": store.sha256_of(tmp),
-            "digest": weights_digest(payload["replicated"]["model"], self._parameter_names()),
+            "digest": None
+            if self.shards is not None
+            else weights_digest(payload["state"]["model"], self._parameter_names()),
             "time": time.time(),
         }
         tmp.replace(path)
@@ -213,6 +221,42 @@ class FailureWriter:
         self._event(
             boundary, trigger, saved=True, path=str(path), bytes=meta["bytes"], seconds=seconds
         )
+
+    def _write_shards(self, trigger: str) -> None:
+        """This rank's newest snapshot shard and the one it holds of the previous rank."""
+        shards = self.shards
+        assert shards is not None  # the caller checked
+        copies = []
+        if shards.own is not None:
+            copies.append((shards.own[0], self.rank, shards.own[1]))
+        if shards.held is not None:
+            copies.append(shards.held)
+        for step, owner, blob in copies:
+            if not store.fits(self.folder, len(blob)):
+                why = f"{len(blob)} bytes would not fit in {self.folder}"
+                self._shard_event(step, owner, trigger, saved=False, reason=why)
+                continue
+            path = store.state_path(self.folder, step, owner, writer=self.rank)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_bytes(blob)
+            meta = {
+                "format": FORMAT,
+                "step": step,
+                "rank": owner,
+                "writer": self.rank,
+                "world_size": self.world_size,
+                "bytes": len(blob),
+                "sha256": hashlib.sha256(blob).hexdigest(),
+                "digest": None,
+                "snapshot": True,
+            }
+            tmp.replace(path)
+            store.write_meta(path, meta)
+            self._shard_event(step, owner, trigger, saved=True, path=str(path))
+
+    def _shard_event(self, step: int, owner: int, trigger: str, **fields: Any) -> None:
+        with contextlib.suppress(Exception):
+            self.events.write("failure_shard", step, owner=owner, trigger=trigger, **fields)
 
     def _parameter_names(self) -> set[str]:
         return {name for name, _ in self.objects.model.named_parameters()}
