@@ -53,8 +53,10 @@ def test_a_write_cut_short_leaves_the_step_before(tmp_path: Path) -> None:
     path = mirror_path(tmp_path, 0)
     data = bytearray(path.read_bytes())
     # the slots take turns: step 2 (sequence number 2) is in the first; tear its trailer
-    length = int.from_bytes(data[8:16], "little") + int.from_bytes(data[16:24], "little")
-    data[24 + length] ^= 0xFF
+    from trainguard.recovery.failure.mirror import _HEAD
+
+    length = int.from_bytes(data[8:16], "little")
+    data[_HEAD.size + length] ^= 0xFF
     path.write_bytes(bytes(data))
     assert [r.step for r in read_mirror(path)] == [1]
     mirror.close()
@@ -73,19 +75,16 @@ def test_a_restart_reads_the_records_before_it_writes_its_own(tmp_path: Path) ->
 
 def test_a_boundary_closes_when_the_decision_or_the_update_begins() -> None:
     boundary = StepBoundary()
-    with boundary.held(1.0) as held:
-        assert held is None  # no step started
+    assert boundary.open_now()[0] is None  # no step started
     boundary.begin(_boundary(3))
-    with boundary.held(1.0) as held:
-        assert held is not None and held.step == 3
+    held, _ = boundary.open_now()
+    assert held is not None and held.step == 3
     boundary.deciding(3)
-    with boundary.held(1.0) as held:
-        assert held is None
+    assert boundary.open_now()[0] is None
     assert "step 3" in boundary.why_closed()
     boundary.begin(_boundary(4))
     boundary.update_begins()  # an update without a decision
-    with boundary.held(1.0) as held:
-        assert held is None
+    assert boundary.open_now()[0] is None
 
 
 def test_a_hand_out_opens_the_step_only_after_the_update_before_ended() -> None:
@@ -105,20 +104,15 @@ def test_a_hand_out_opens_the_step_only_after_the_update_before_ended() -> None:
     assert not boundary.handout(_boundary(2, "handout"))  # the step started already
 
 
-def test_a_held_boundary_keeps_the_step_from_deciding() -> None:
-    import threading
-
+def test_a_copy_the_step_moved_on_during_is_dropped() -> None:
     boundary = StepBoundary()
     boundary.begin(_boundary(5))
-    decided = threading.Event()
-    with boundary.held(1.0) as held:
-        assert held is not None
-        thread = threading.Thread(target=lambda: (boundary.deciding(5), decided.set()))
-        thread.start()
-        time.sleep(0.2)
-        assert not decided.is_set()  # waits for the copy
-    thread.join(5)
-    assert decided.is_set()
+    held, generation = boundary.open_now()
+    assert held is not None and boundary.unchanged(generation)
+    boundary.deciding(5)  # the main thread went on while a writer copied
+    assert not boundary.unchanged(generation)
+    with boundary.changing():  # a rollback's restore
+        assert boundary.open_now()[0] is None
 
 
 # -- the folder ------------------------------------------------------------------------------

@@ -14,15 +14,14 @@ hand-out and the forward (a collective in the loop body, a stuck transform) so s
 step's start; its RNG states are those of the hand-out, which a resume then puts back at the
 hand-out (``Boundary.at``), so that the loop body draws the same numbers again.
 
-A state is written only while the boundary is open (``held``), under a lock the main thread
-takes at each of these points: while the state is copied the step cannot decide, update or
-start the next one. A rank hung in its loader (the step before decided, the next one's first
-batch not handed out) or half-way through an update has no open boundary and writes nothing.
+A state is written only while the boundary is open, and kept only if the step did not move
+while it was copied (``open_now``, ``unchanged``). A rank hung in its loader (the step
+before decided, the next one's first batch not handed out) or half-way through an update has
+no open boundary and writes nothing.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from typing import Any
 from trainguard.capture.rng import RngSnapshot
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Boundary:
     """What the start of step ``step`` recorded on this rank."""
 
@@ -49,10 +48,15 @@ class Boundary:
 
 
 class StepBoundary:
-    """The open or closed boundary of the step in flight (see the module docstring)."""
+    """The open or closed boundary of the step in flight (see the module docstring).
+
+    Only the main thread changes it, with plain attribute writes (no lock on the step's
+    path); each change that moves the step on bumps a generation counter. A writer takes the
+    open boundary and its generation (``open_now``), copies the state, and keeps the copy
+    only if the generation is the same after (``unchanged``): the step did not decide,
+    update or start the next one meanwhile (a copy that raced with it is dropped)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._current: Boundary | None = None
         self._closed = -1
         """The last step whose decision or update began: its start is gone."""
@@ -61,15 +65,16 @@ class StepBoundary:
         self._update_due = False
         """The last step decided was OK and its update has not ended yet."""
         self._updating = False
+        self._generation = 0
 
     def begin(self, boundary: Boundary) -> None:
         """At a step's first training forward (recovery's step boundary)."""
-        with self._lock:
-            self._current = boundary
+        self._generation += 1
+        self._current = boundary
 
     def may_open(self, step: int) -> bool:
-        """Whether a hand-out of ``step``'s first batch would open it (read without the lock:
-        ``handout`` checks again under it)."""
+        """Whether a hand-out of ``step``'s first batch opens it: the step before ended
+        (decided, its update done or skipped) and ``step`` has not started yet."""
         current = self._current
         return (
             self._decided == step - 1
@@ -80,42 +85,37 @@ class StepBoundary:
         )
 
     def handout(self, boundary: Boundary) -> bool:
-        """At the hand-out of a step's first batch: opens the step when the step before has
-        ended (decided, its update done or skipped). Whether it did."""
-        with self._lock:
-            ended = self._decided == boundary.step - 1 and not self._update_due
-            if not ended or self._updating or self._closed >= boundary.step:
-                return False
-            current = self._current
-            if current is not None and current.step >= boundary.step:
-                return False  # a batch fetched ahead, during the step it already started
-            self._current = boundary
-            return True
+        """At the hand-out of a step's first batch: opens the step when ``may_open``."""
+        if not self.may_open(boundary.step):
+            return False
+        self._generation += 1
+        self._current = boundary
+        return True
 
     def deciding(self, step: int) -> None:
         """The step's decision begins: the guard's state changes from here."""
-        with self._lock:
-            self._closed = max(self._closed, step)
-            self._update_due = True  # until decided() says the step is not applied
+        self._generation += 1
+        if step > self._closed:
+            self._closed = step
+        self._update_due = True  # until decided() says the step is not applied
 
     def decided(self, step: int, ok: bool) -> None:
         """The step's agreed outcome: OK (its update follows) or not (no update)."""
-        with self._lock:
-            self._decided = max(self._decided, step)
-            self._update_due = ok
+        if step > self._decided:
+            self._decided = step
+        self._update_due = ok
 
     def update_begins(self) -> None:
         """``optimizer.step()`` begins: the weights change from here."""
-        with self._lock:
-            self._updating = True
-            current = self._current
-            if current is not None:
-                self._closed = max(self._closed, current.step)
+        self._generation += 1
+        self._updating = True
+        current = self._current
+        if current is not None and current.step > self._closed:
+            self._closed = current.step
 
     def update_ends(self) -> None:
-        with self._lock:
-            self._updating = False
-            self._update_due = False
+        self._updating = False
+        self._update_due = False
 
     @property
     def current(self) -> Boundary | None:
@@ -125,22 +125,24 @@ class StepBoundary:
     @contextmanager
     def changing(self) -> Iterator[None]:
         """The main thread changes the state outside a step (a rollback's restore)."""
-        with self._lock:
-            self._current = None
-            yield
-
-    @contextmanager
-    def held(self, timeout: float) -> Iterator[Boundary | None]:
-        """The open boundary, held (the step cannot move while the caller copies its state),
-        or None: none open, or the lock not had within ``timeout`` seconds."""
-        if not self._lock.acquire(timeout=max(timeout, 0.0)):
-            yield None
-            return
+        self._generation += 1
+        self._current = None
         try:
-            current = self._current
-            yield current if current is not None and current.step > self._closed else None
+            yield
         finally:
-            self._lock.release()
+            self._generation += 1
+
+    def open_now(self) -> tuple[Boundary | None, int]:
+        """The open boundary (None: none) and the generation to check after a copy."""
+        generation = self._generation
+        current = self._current
+        if current is None or current.step <= self._closed or self._updating:
+            return None, generation
+        return current, generation
+
+    def unchanged(self, generation: int) -> bool:
+        """The step has not moved since ``open_now`` gave ``generation``."""
+        return self._generation == generation
 
     def why_closed(self) -> str:
         """Why no state can be written now (for the ``failure_state`` event)."""

@@ -4,11 +4,12 @@ A rank killed outright (SIGKILL, the OOM killer, a segfault) writes nothing at i
 only it knew about the step in flight dies with it: its RNG states and data position at the
 step's start. The weights and optimizer state of a data-parallel job a survivor holds, so
 this small record is all its restart misses. It is rewritten at every step's start: the RNG
-states' raw bytes (``RngSnapshot.parts``), the epoch, the data position, the pid, pickled
-into one of two slots of a memory-mapped file in turn (no system call; a few microseconds a
-step, docs/benchmarks.md). Each slot is framed by the same sequence number before and after
-its payload: a write cut short leaves the two different and the slot is not read, the other
-slot still holds the step before.
+states' raw bytes (``RngSnapshot.parts``, pickled once per snapshot and copied only when
+they moved), the step, epoch, data position and pid packed beside them, into one of two
+slots of a memory-mapped file in turn (no system call; docs/recovery.md, "What it costs").
+Each slot is framed by the same sequence number before and after its payload: a write cut
+short leaves the two different and the slot is not read, the other slot still holds the step
+before.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ from typing import Any
 from trainguard.capture.rng import RngSnapshot
 from trainguard.recovery.failure.boundary import Boundary
 
-_HEAD = struct.Struct("<QQQ")  # sequence number, RNG part length, record length
+_HEAD = struct.Struct("<QQqqqq?B")
+"""sequence number, RNG part length, step, epoch, position, pid, stateful loader, moment"""
 _TAIL = struct.Struct("<Q")  # the sequence number again
+_AT = {"forward": 0, "handout": 1}
+_AT_NAME = {code: name for name, code in _AT.items()}
 SLOT = 64 << 10
 
 
@@ -75,33 +79,34 @@ class StepMirror:
         if rng is None or rng[0] is not boundary.rng:
             parts = pickle.dumps(boundary.rng.parts(), protocol=pickle.HIGHEST_PROTOCOL)
             rng = self._rng = (boundary.rng, parts)
-        fields = (
+        parts = rng[1]
+        size = _HEAD.size + len(parts) + _TAIL.size
+        if self._map is None:
+            self._open(size)
+        elif size > self._slot:
+            self._grow(size)
+        self._seq = seq = self._seq + 1
+        turn = seq & 1
+        offset = turn * self._slot
+        mapped: Any = self._map
+        _HEAD.pack_into(
+            mapped,
+            offset,
+            seq,
+            len(parts),
             boundary.step,
             boundary.epoch,
             boundary.position,
             self._pid,
             boundary.loader_state is not None,
-            boundary.at,
+            _AT[boundary.at],
         )
-        record = pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL)
-        parts = rng[1]
-        size = _HEAD.size + len(parts) + len(record) + _TAIL.size
-        if self._map is None:
-            self._open(size)
-        elif size > self._slot:
-            self._grow(size)
-        self._seq += 1
-        turn = self._seq & 1
-        offset = turn * self._slot
-        mapped: Any = self._map
-        _HEAD.pack_into(mapped, offset, self._seq, len(parts), len(record))
         start = offset + _HEAD.size
+        end = start + len(parts)
         if self._in_slot[turn] is not parts:
-            mapped[start : start + len(parts)] = parts
+            mapped[start:end] = parts
             self._in_slot[turn] = parts
-        start += len(parts)
-        mapped[start : start + len(record)] = record
-        _TAIL.pack_into(mapped, start + len(record), self._seq)
+        _TAIL.pack_into(mapped, end, seq)
 
     def _open(self, size: int) -> None:
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -143,19 +148,19 @@ def read_mirror(path: Path) -> list[MirrorRecord]:
 def _slot_record(data: bytes, offset: int, slot: int) -> tuple[int, MirrorRecord] | None:
     if slot < _HEAD.size + _TAIL.size:
         return None
-    seq, rng_len, rec_len = _HEAD.unpack_from(data, offset)
+    seq, rng_len, step, epoch, position, pid, loader, at = _HEAD.unpack_from(data, offset)
     start = offset + _HEAD.size
-    end = start + rng_len + rec_len
-    if seq == 0 or end + _TAIL.size > offset + slot:
+    end = start + rng_len
+    if seq == 0 or end + _TAIL.size > offset + slot or at not in _AT_NAME:
         return None
     if _TAIL.unpack_from(data, end)[0] != seq:
         return None
     try:
-        rng = pickle.loads(data[start : start + rng_len])
-        step, epoch, position, pid, loader, at = pickle.loads(data[start + rng_len : end])
+        rng = pickle.loads(data[start:end])
     except Exception:  # a torn or foreign payload: not a record
         return None
-    return seq, MirrorRecord(step, epoch, position, pid, bool(loader), tuple(rng), str(at))
+    record = MirrorRecord(step, epoch, position, pid, bool(loader), tuple(rng), _AT_NAME[at])
+    return seq, record
 
 
 def writer_pid(path: Path) -> int | None:

@@ -4,8 +4,8 @@ within a bounded time.
 Triggers (each calls ``save``; the first writes, the others wait for it): the launcher's
 SIGTERM (``on_terminate.py``), the watchdog's exit on a peer failure or a hang (before exit
 code 91/92), an exception that ends the ``with Guard`` block. The state is copied while the
-step's boundary is held (``boundary.py``: the step cannot decide, update or start the next one
-meanwhile), then written by a thread of its own to ``state-<step>-rank-<r>.pt.tmp``, renamed,
+step's boundary is open, and kept only if the step did not move meanwhile (``boundary.py``),
+then written by a thread of its own to ``state-<step>-rank-<r>.pt.tmp``, renamed,
 and described last by its JSON (size, SHA-256, the weights' digest): a write that is not done
 within ``recovery.failure_save_seconds`` is dropped with its temporary file, and a state that
 would not fit in the folder's file system is refused. Each outcome is a ``failure_state``
@@ -40,8 +40,6 @@ from trainguard.recovery.types import Stateful
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
-_LOCK_WAIT_S = 2.0
-"""How long a save waits for the step's boundary lock (the main thread holds it briefly)."""
 
 
 class StartBuffers(Protocol):
@@ -138,18 +136,22 @@ class FailureWriter:
         try:
             if self.shards is not None:
                 self._write_shards(trigger)
-            with self.boundary.held(_LOCK_WAIT_S) as boundary:
-                if boundary is None:
-                    self._event(None, trigger, saved=False, reason=self.boundary.why_closed())
-                    return
-                payload = self._take(boundary)
+            boundary, generation = self.boundary.open_now()
+            if boundary is None:
+                self._event(None, trigger, saved=False, reason=self.boundary.why_closed())
+                return
+            payload = self._take(boundary)
+            if not self.boundary.unchanged(generation):
+                why = f"step {boundary.step} moved on while its state was copied"
+                self._event(boundary, trigger, saved=False, reason=why)
+                return
             self._write(boundary, payload, trigger, start)
         except Exception as exc:  # a failing process: never a new failure of ours
             logger.warning("trainguard: no state at the failure: %s", exc)
             self._event(None, trigger, saved=False, reason=f"{type(exc).__name__}: {exc}"[:300])
 
     def _take(self, boundary: Boundary) -> dict[str, Any]:
-        """The state at the step's start, copied to the CPU (the boundary held)."""
+        """The state at the step's start, copied to the CPU (the boundary open)."""
         with _side_stream(self.objects.model):
             live = self.objects.state()
             state = localize(live) if self.shards is not None else to_cpu(live)
