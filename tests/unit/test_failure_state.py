@@ -343,3 +343,30 @@ def test_sigterm_writes_the_state_while_the_main_thread_is_blocked_in_c(tmp_path
     assert state.step == 3 and state.intact()
     store.remove_states(state.path.parent)
     store.remove_rank(state.path.parent, 0)
+
+
+def test_a_forked_child_neither_keeps_the_handler_nor_wakes_the_parent(tmp_path: Path) -> None:
+    """A DataLoader worker is forked from the rank and may be SIGTERMed by its loader: its
+    SIGTERM must not write a state, nor reach the parent's thread through the pipe."""
+    import signal
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = tg.Guard(model, opt, run_dir=tmp_path, resume=True, hang_timeout=0)
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # the parent's is installed
+    pid = os.fork()
+    if pid == 0:  # the child: back to what was before
+        ok = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.set_wakeup_fd(-1) == -1
+        os._exit(0 if ok else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    os.kill(pid, signal.SIGTERM)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == -signal.SIGTERM
+    time.sleep(0.5)  # the parent's thread would have woken by now
+    assert not [e for e in read_events(tmp_path) if e["kind"] == "failure_state"]
+    guard.close()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # closed: as before

@@ -10,7 +10,9 @@ checkpoint (docs/recovery.md, "State at a failure").
   within a bounded time, once
 - ``on_terminate`` the launcher's SIGTERM: the state is written from a thread, also while the
   main thread is blocked inside a collective
+- ``shards``   sharded state (FSDP2): each rank's snapshot shard kept on the next rank too
 - ``fresh``    resume from the freshest state every rank can be given, agreed
+- ``part``     ``FailureState``: what recovery composes
 
 Imports the base modules and ``capture`` only, never the step path.
 """

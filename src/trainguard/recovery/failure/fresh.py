@@ -67,7 +67,9 @@ class _Candidate:
     from_records: list[int]
 
 
-def _offer(folder: Path, rank: int) -> dict[str, Any]:
+def _offer(folder: Path | None, rank: int) -> dict[str, Any]:
+    if folder is None:  # this rank's folder is not usable: it offers nothing
+        return {"rank": rank, "files": [], "records": {}}
     files = [
         (s.step, s.rank, s.meta.get("digest"), s.meta.get("world_size"), s.writer)
         for s in store.states(folder)
@@ -137,7 +139,7 @@ def sharded_candidates(
 
 
 def fresh_resume(
-    folder: Path,
+    folder: Path | None,
     objects: TrainingObjects,
     events: EventLog,
     group: dist.ProcessGroup | None,
@@ -149,6 +151,8 @@ def fresh_resume(
 ) -> Fresh | None:
     """Collective. The state loaded into ``objects`` (see the module docstring), or None."""
     offers = _gather(_offer(folder, rank), group, world)
+    if folder is None:
+        folder = Path("/nonexistent")  # offered nothing: never chosen to read
     if not replicated:
         place = _Place(folder, group, device, rank, world)
         return _sharded_resume(place, offers, objects, events, newer_than)

@@ -10,6 +10,12 @@ bounded). Then the rank ends as SIGTERM would have ended it: by the default acti
 that was in force (exit status: the signal's), else by the handler that was (a preemption
 checkpoint's), which runs in the main thread when it next runs Python code.
 
+A forked child (a DataLoader worker, which its loader may SIGTERM) gets the handler, the
+descriptor and the pipe of its parent: at the fork they are put back to what was before in
+the child (``os.register_at_fork``), so that its SIGTERM neither writes a state nor wakes the
+parent's thread. SIGTERM is blocked in the forking thread across the fork, so a child
+SIGTERMed before it put them back gets the signal only after (its default action then).
+
 Left alone: a process whose wakeup descriptor is taken (an asyncio loop in the main thread)
 keeps it, and saves only from the handler, in the main thread; a guard built outside the
 main thread installs nothing; a handler installed after the guard replaces this one.
@@ -27,6 +33,12 @@ from types import FrameType
 from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
+
+_active: list[TerminateSave] = []
+"""The installed ones (the fork hook undoes them in a child)."""
+_fork_hook = False
+_blocked_at_fork = False
+"""Whether ``_before_fork`` blocked SIGTERM (it was not blocked already)."""
 
 
 class Saver(Protocol):
@@ -49,6 +61,8 @@ class TerminateSave:
         self._previous = previous
         signal.signal(signal.SIGTERM, self._handler)
         self._installed = True
+        _active.append(self)
+        _register_fork_hook()
         read, write = os.pipe()
         os.set_blocking(write, False)
         if signal.set_wakeup_fd(write, warn_on_full_buffer=False) != -1:
@@ -89,7 +103,9 @@ class TerminateSave:
         if not self._installed or threading.current_thread() is not threading.main_thread():
             return
         self._installed = False
-        if signal.getsignal(signal.SIGTERM) is self._handler:
+        if self in _active:
+            _active.remove(self)
+        if signal.getsignal(signal.SIGTERM) == self._handler:
             signal.signal(signal.SIGTERM, self._previous)
         fds, self._fds = self._fds, None
         if fds is not None:
@@ -97,6 +113,56 @@ class TerminateSave:
             for fd in (fds[1], fds[0]):  # the write end first: the thread reads EOF
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+
+def _before_fork() -> None:
+    global _blocked_at_fork
+    _blocked_at_fork = False
+    if _active:
+        with contextlib.suppress(ValueError, OSError):
+            before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            _blocked_at_fork = signal.SIGTERM not in before
+
+
+def _unblock_after_fork() -> None:
+    global _blocked_at_fork
+    if _blocked_at_fork:
+        _blocked_at_fork = False
+        with contextlib.suppress(ValueError, OSError):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child: the parent's handler, wakeup descriptor and pipe are not its own."""
+    try:
+        _undo_in_child()
+    finally:
+        _unblock_after_fork()
+
+
+def _undo_in_child() -> None:
+    while _active:
+        save = _active.pop()
+        with contextlib.suppress(ValueError, OSError):  # not the child's main thread
+            signal.set_wakeup_fd(-1)
+            if signal.getsignal(signal.SIGTERM) == save._handler:
+                signal.signal(signal.SIGTERM, save._previous)
+        fds, save._fds = save._fds, None
+        save._installed = False
+        for fd in fds or ():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _register_fork_hook() -> None:
+    global _fork_hook
+    if not _fork_hook and hasattr(os, "register_at_fork"):
+        os.register_at_fork(
+            before=_before_fork,
+            after_in_parent=_unblock_after_fork,
+            after_in_child=_after_fork_in_child,
+        )
+        _fork_hook = True
 
 
 def _die_by_sigterm() -> None:

@@ -83,10 +83,9 @@ class FailureState:
             events,
             options.failure_save_seconds,
         )
-        self.shards = (
-            PeerShards(rank, world, group) if self.usable and sharded(objects.model) else None
-        )
-        """Sharded state (FSDP2): snapshot shards kept on a peer (``shards.py``)."""
+        self.shards = PeerShards(rank, world, group) if sharded(objects.model) else None
+        """Sharded state (FSDP2): snapshot shards kept on a peer (``shards.py``); exchanged
+        on every rank alike (a collective), whether this rank's folder is usable or not."""
         self.writer.shards = self.shards
         self._terminate = TerminateSave(self.writer) if self.usable else None
         if self.usable:
@@ -150,11 +149,10 @@ class FailureState:
         device: torch.device,
         newer_than: int,
     ) -> Fresh | None:
-        """Collective: the freshest state at a failure, loaded; then the folder's states go."""
-        if not self.usable:
-            return None
+        """Collective (on every rank, a usable folder or not: an unusable one offers nothing):
+        the freshest state at a failure, loaded; then the folder's states go."""
         found = fresh_resume(
-            self.folder,
+            self.folder if self.usable else None,
             self.objects,
             self.events,
             group,
@@ -166,7 +164,7 @@ class FailureState:
         )
         if dist.is_available() and dist.is_initialized():
             dist.barrier(group=group)  # every rank read what it needed
-        if os.environ.get("LOCAL_RANK", str(self.rank)) == "0":
+        if self.usable and os.environ.get("LOCAL_RANK", str(self.rank)) == "0":
             store.remove_states(self.folder)
         return found
 
