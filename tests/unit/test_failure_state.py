@@ -370,3 +370,16 @@ def test_a_forked_child_neither_keeps_the_handler_nor_wakes_the_parent(tmp_path:
     assert not [e for e in read_events(tmp_path) if e["kind"] == "failure_state"]
     guard.close()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # closed: as before
+
+
+def test_a_new_run_forgets_the_states_an_earlier_run_left(tmp_path: Path) -> None:
+    """Run A failed and left a state; run B starts anew (resume=False) in the same folder: a
+    later resume must not take run A's state, which B's start removed."""
+    _train(tmp_path / "run", 8, fail_at=5)
+    folder = store.job_folder(tmp_path / "run", None)
+    assert store.states(folder)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tg.Guard(model, opt, run_dir=tmp_path / "run", hang_timeout=0).close()
+    assert not folder.exists()

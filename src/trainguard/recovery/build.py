@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from trainguard.distributed.elastic import restart_count
 from trainguard.errors import ConfigError, NonFiniteError
 from trainguard.events import EventLog
 from trainguard.recovery import snapshot as snap
+from trainguard.recovery.failure import store
 from trainguard.recovery.manager import Recovery
 from trainguard.recovery.scheduler_lead import unknown_scheduler
 from trainguard.recovery.stop import record_stop
@@ -54,6 +56,8 @@ def build_recovery(
     rank: int,
 ) -> Recovery | None:
     """The guard's recovery part, or None when no recovery option is on."""
+    if not config.recovery.resume:  # a new run: an earlier run's states are not its own
+        store.forget(Path(config.run_dir), config.recovery.failure_state_dir)
     if not recovery_enabled(config):
         return None
     if config.recovery.checkpoint_every > 0 and is_zero(objects.optimizer):

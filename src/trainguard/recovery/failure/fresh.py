@@ -222,11 +222,14 @@ def _load(
         shared = own
     if error or shared is None:
         return {}, error or "no state"
-    mine = own if own is not None else _from_record(folder, step, rank, shared)
-    if mine is None:
-        return {}, f"rank {rank}'s record of step {step} is gone"
-    objects.load(shared["state"] if own is None else own["state"])
-    restore_own_buffers(objects.model, mine["buffers"])
+    try:  # a rank that raises here would leave the others in the agreement: refused instead
+        mine = own if own is not None else _from_record(folder, step, rank, shared)
+        if mine is None:
+            return {}, f"rank {rank}'s record of step {step} is gone"
+        objects.load(shared["state"] if own is None else own["state"])
+        restore_own_buffers(objects.model, mine["buffers"])
+    except Exception as exc:
+        return {}, f"{type(exc).__name__}: {exc}"[:300]
     extras = {k: mine[k] for k in ("rng", "rng_at", "data")}
     extras |= {k: shared[k] for k in ("guard", "recovery")}
     return extras, ""

@@ -14,8 +14,9 @@ Files:
   the JSON (size, SHA-256, the replicated part's digest) is written last, after the atomic
   rename of the ``.pt``: a state without it is incomplete and never read.
 
-States are removed once a resume took them (or chose another), and every file of the rank
-when its run ends for good (closed without an exception, or stopped by the guard). A job
+States are removed once a resume took them (or chose another), all of them when a new run
+starts in the run folder (``resume=False``: ``forget``), and every file of the rank when its
+run ends for good (closed without an exception, or stopped by the guard). A job
 killed for good leaves its folder until a guard on the node starts: folders of other jobs
 whose writers are all gone and that nothing touched for ``STALE_SECONDS`` are removed then.
 """
@@ -217,4 +218,19 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    return True
+
+
+def forget(run_dir: Path, configured: str | None) -> bool:
+    """A new run in ``run_dir`` (not a resume): the states and records an earlier run of it
+    left are not this run's, and a later resume must not take them. Whether any were there."""
+    folder = job_folder(run_dir, configured)
+    try:
+        if not _private(folder):
+            return False
+    except OSError:
+        return False
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        folder.parent.rmdir()
     return True
