@@ -383,3 +383,13 @@ def test_a_new_run_forgets_the_states_an_earlier_run_left(tmp_path: Path) -> Non
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tg.Guard(model, opt, run_dir=tmp_path / "run", hang_timeout=0).close()
     assert not folder.exists()
+
+
+def test_a_guard_whose_build_fails_leaves_no_handler(tmp_path: Path) -> None:
+    import signal
+
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(tg.ConfigError):  # refused after recovery was built
+        tg.Guard(model, opt, run_dir=tmp_path, resume=True, hang_timeout=0, rerun=42)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

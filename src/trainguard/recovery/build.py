@@ -76,5 +76,10 @@ def build_recovery(
             "Guard(..., scheduler=...)"
         )
     if config.recovery.resume:
-        recovery.resume()
+        try:
+            recovery.resume()
+        except BaseException:
+            if recovery.failure is not None:  # no SIGTERM handler of ours stays behind
+                recovery.failure.abandon()
+            raise
     return recovery

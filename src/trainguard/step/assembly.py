@@ -372,6 +372,9 @@ class GuardAssembly:
         for part in (getattr(self, "_start", None), getattr(self, "_timer", None)):
             if part is not None:
                 part.close()
+        recovery = getattr(self, "recovery", None)
+        if recovery is not None and recovery.failure is not None:
+            recovery.failure.abandon()
 
     # -- what the parts call back into (the loop's API, in ``Guard``) ----------------------
 

@@ -168,6 +168,14 @@ class FailureState:
             store.remove_states(self.folder)
         return found
 
+    def abandon(self) -> None:
+        """The guard's build failed: the SIGTERM handler and the record file are let go, the
+        folder's states stay (a resume that raised may be tried again)."""
+        if self._terminate is not None:
+            self._terminate.close()
+        if self._mirror is not None:
+            self._mirror.close()
+
     def end(self, ended_by: BaseException | None) -> None:
         """The guard closes: after an exception (not the guard's own stop) the state is
         written; a run that ended for good leaves nothing behind."""
