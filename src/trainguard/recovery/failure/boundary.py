@@ -51,10 +51,11 @@ class StepBoundary:
     """The open or closed boundary of the step in flight (see the module docstring).
 
     Only the main thread changes it, with plain attribute writes (no lock on the step's
-    path); each change that moves the step on bumps a generation counter. A writer takes the
-    open boundary and its generation (``open_now``), copies the state, and keeps the copy
-    only if the generation is the same after (``unchanged``): the step did not decide,
-    update or start the next one meanwhile (a copy that raced with it is dropped)."""
+    path); each change that moves the step on bumps a generation counter, after its marks
+    and before the state changes. A writer takes the generation, then the open boundary
+    (``open_now``), copies the state, and keeps the copy only if the generation is the same
+    after (``unchanged``): a change whose marks came after the writer's look had bumped the
+    counter before the state moved, so a copy that raced with it is dropped."""
 
     def __init__(self) -> None:
         self._current: Boundary | None = None
@@ -69,8 +70,8 @@ class StepBoundary:
 
     def begin(self, boundary: Boundary) -> None:
         """At a step's first training forward (recovery's step boundary)."""
-        self._generation += 1
         self._current = boundary
+        self._generation += 1
 
     def may_open(self, step: int) -> bool:
         """Whether a hand-out of ``step``'s first batch opens it: the step before ended
@@ -88,16 +89,16 @@ class StepBoundary:
         """At the hand-out of a step's first batch: opens the step when ``may_open``."""
         if not self.may_open(boundary.step):
             return False
-        self._generation += 1
         self._current = boundary
+        self._generation += 1
         return True
 
     def deciding(self, step: int) -> None:
         """The step's decision begins: the guard's state changes from here."""
-        self._generation += 1
         if step > self._closed:
             self._closed = step
         self._update_due = True  # until decided() says the step is not applied
+        self._generation += 1  # after the marks: see the class docstring
 
     def decided(self, step: int, ok: bool) -> None:
         """The step's agreed outcome: OK (its update follows) or not (no update)."""
@@ -107,11 +108,11 @@ class StepBoundary:
 
     def update_begins(self) -> None:
         """``optimizer.step()`` begins: the weights change from here."""
-        self._generation += 1
         self._updating = True
         current = self._current
         if current is not None and current.step > self._closed:
             self._closed = current.step
+        self._generation += 1
 
     def update_ends(self) -> None:
         self._updating = False
@@ -125,8 +126,8 @@ class StepBoundary:
     @contextmanager
     def changing(self) -> Iterator[None]:
         """The main thread changes the state outside a step (a rollback's restore)."""
-        self._generation += 1
         self._current = None
+        self._generation += 1
         try:
             yield
         finally:
