@@ -10,7 +10,6 @@ run checks that record (``restart.py``).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -20,23 +19,21 @@ import torch
 import torch.distributed as dist
 
 from trainguard.capture.optim_state import clear_optimizer_state
-from trainguard.capture.rng import RngSnapshot, rng_state, set_rng_state
+from trainguard.capture.rng import RngSnapshot, set_rng_state
 from trainguard.config import GuardConfig
-from trainguard.distributed.elastic import RESTART_HAZARD_FIX, restart_store_hazard
 from trainguard.events import EventLog
-from trainguard.recovery import checkpoint as ckpt
 from trainguard.recovery import snapshot as snap
 from trainguard.recovery import target as targets
 from trainguard.recovery.agree import same_on_every_rank
 from trainguard.recovery.backoff import Backoff, LrFactor
-from trainguard.recovery.failure.boundary import Boundary
+from trainguard.recovery.disk_checkpoints import DiskCheckpoints
 from trainguard.recovery.failure.part import FailureState, world_size
 from trainguard.recovery.first_loss import FirstLossCheck
 from trainguard.recovery.ladder import Rung, rung_for
 from trainguard.recovery.ledger import SkipEntry, SkipLedger, SkippedPositions
 from trainguard.recovery.loader import LoaderStates, is_stateful
 from trainguard.recovery.restart import RestartCheck
-from trainguard.recovery.resume import resume
+from trainguard.recovery.resume import resume_freshest
 from trainguard.recovery.scheduler_lead import unknown_scheduler, warn_scheduler_lead
 from trainguard.recovery.stop import relative_checkpoint
 from trainguard.recovery.types import (
@@ -129,17 +126,7 @@ class Recovery:
         self._restart_checked = False
         self._resume_rng: tuple[int, dict[str, Any], str] | None = None
         """A resumed step's RNG states and the moment to put them back (``Boundary.at``)."""
-        self._last_saved = -1
-        self._good_steps: set[int] = set()
-        """Steps whose checkpoint became good here (or was resumed from): not written again
-        when a rollback returns to them, which would replace the good one before the new one
-        is judged (and a bad step then deletes it)."""
-        self._pending_ckpt: list[Any] | None = None  # [step, healthy steps, first loss]
-        self._saving: ckpt.Saved | None = None
-        # async_save writes over a group of its own; new_group needs every rank of the
-        # default group, so a guard on a sub-group saves synchronously instead.
-        self._async = config.recovery.checkpoint_every > 0 and group is None
-        self._write_group = ckpt.async_group() if self._async else None
+        self.checkpoints = DiskCheckpoints(config, objects, events, group, rank)
 
     # -- hooks the guard calls ---------------------------------------------------------------
 
@@ -223,8 +210,9 @@ class Recovery:
             set_rng_state(resume_rng[1])
         elif resume_rng is not None and resume_rng[0] < step:
             self._resume_rng = None
-        if self._checkpoint_due(step):
-            self._save_checkpoint(step, stream)
+        if self.checkpoints.due(step):
+            guard, recovery = self.guard_state.state_dict(), self.state.state_dict()
+            self.checkpoints.save(step, stream, guard, recovery)
         elif stream.loader is not None:
             stream.loader.forget_before(stream.view.step_position)
         if not self.snapshots.due(step):
@@ -249,24 +237,13 @@ class Recovery:
         if resume_rng is not None and resume_rng[0] == step and resume_rng[2] == "handout":
             set_rng_state(resume_rng[1])
             self._resume_rng = None
-        if stream is not None and failure is not None and failure.boundary.may_open(step):
-            failure.handout(self._boundary(step, stream, "handout", RngSnapshot.take()))
+        if stream is not None and failure is not None:
+            failure.handout(step, stream)
 
     def step_recorded(self, rng: RngSnapshot) -> None:
-        """The step's start recorded at its first forward (``rng``: its RNG states): the
-        step-start record of a state at a failure, unless the hand-out's stands."""
-        failure, stream, step = self.failure, self.stream, self.guard_state.step
-        if failure is None or stream is None:
-            return
-        current = failure.boundary.current
-        if current is not None and current.step == step and current.rng is rng:
-            return  # nothing drawn since the hand-out: its record stands
-        failure.step_start(self._boundary(step, stream, "forward", rng))
-
-    def _boundary(self, step: int, stream: Stream, at: str, rng: RngSnapshot) -> Boundary:
-        position = stream.view.step_position
-        loader = stream.loader.at(position) if stream.loader is not None else None
-        return Boundary(step, stream.epoch, position, loader, rng, at)
+        """The step's start recorded at its first forward (``rng``: its RNG states)."""
+        if self.failure is not None and self.stream is not None:
+            self.failure.step_start(self.guard_state.step, self.stream, rng)
 
     def after_step(self, step: int, ok: bool, loss: float) -> None:
         """The agreed outcome of ``step`` (before the optimizer step, when ``ok``)."""
@@ -274,7 +251,7 @@ class Recovery:
             self.failure.boundary.decided(step, ok)
         self.lr.backoff = self.state.backoff
         self.lr.step = step
-        self._judge_checkpoint(step, ok, loss)
+        self.checkpoints.judge(step, ok, loss)
         if not ok:
             self.snapshots.bad_step()
             return
@@ -292,138 +269,28 @@ class Recovery:
         """The LR backoff factor the optimizer hooks apply to optimizer step ``step``."""
         return self.state.backoff.at(step)
 
-    # -- checkpoints on disk ------------------------------------------------------------------
-
-    def _checkpoint_due(self, step: int) -> bool:
-        """A multiple of ``checkpoint_every`` not saved at this step yet, not one that became
-        good (a rollback back to it), and no checkpoint waiting for its verdict (a newer one
-        would leave it on disk unjudged, and with ``checkpoint_every < good_after`` none
-        would ever become good)."""
-        every = self.config.recovery.checkpoint_every
-        due = every > 0 and step > 0 and step % every == 0 and step != self._last_saved
-        return due and self._pending_ckpt is None and step not in self._good_steps
-
-    def _save_checkpoint(self, step: int, stream: Stream) -> None:
-        position = stream.view.step_position
-        # The loader's own state at this boundary (not at the prefetch front); this rank's.
-        loader = stream.loader.at(position) if stream.loader is not None else None
-        extras = {
-            "rng": rng_state(),
-            "guard": self.guard_state.state_dict(),
-            "recovery": self.state.state_dict(),
-            "data": {"epoch": stream.epoch, "position": position, "loader": loader},
-        }
-        self._finish_save()  # a previous one still writing (good_after >= checkpoint_every)
-        saved = ckpt.save(
-            Path(self.config.run_dir),
-            step,
-            self.objects,
-            extras,
-            self.group,
-            self.rank,
-            self._write_group,
-            use_async=self._async,
-        )
-        self._saving = saved
-        self._last_saved = step
-        self._pending_ckpt = [step, 0, None]
-        self.events.write(
-            "checkpoint",
-            step,
-            path=str(saved.path),
-            seconds=round(saved.seconds, 4),
-            epoch=stream.epoch,
-            position=position,
-            loader_state=loader is not None,
-        )
-
-    def _judge_checkpoint(self, step: int, ok: bool, loss: float) -> None:
-        pending = self._pending_ckpt
-        if pending is None or step < pending[0]:
-            return
-        run_dir = Path(self.config.run_dir)
-        if not ok:
-            self._finish_save()
-            self._pending_ckpt = None
-            if self.rank == 0:
-                ckpt.discard(run_dir, pending[0])
-            return
-        if step == pending[0]:
-            pending[2] = loss
-        pending[1] += 1
-        if pending[1] >= self.config.recovery.good_after:
-            self._finish_save()
-            self._pending_ckpt = None
-            self._good_steps.add(pending[0])
-            if self.rank == 0:
-                keep = self.config.recovery.keep_checkpoints
-                ckpt.mark_good(run_dir, pending[0], pending[2], keep)
-            self.events.write("checkpoint_good", pending[0], healthy_steps=pending[1])
-
-    def _finish_save(self) -> None:
-        """Collective (reached on every rank at the same step): complete a background save."""
-        saving, self._saving = self._saving, None
-        if saving is not None:
-            ckpt.finish(saving)
-
     def close(self) -> None:
         """Complete a background save (the checkpoint stays pending: not good)."""
-        self._finish_save()
+        self.checkpoints.finish()
 
     def resume(self) -> None:
         """Collective, at construction: load the freshest state every rank can be given (a
         state at a failure: ``failure/``), else the newest good checkpoint, if any."""
-        hazard = restart_store_hazard(os.environ)
-        if hazard is not None:  # said on the first attempt, before a restart can fail
-            logger.warning("%s; fix: %s", hazard, RESTART_HAZARD_FIX)
-            self.events.write("restart_config", 0, message=hazard, fix=RESTART_HAZARD_FIX)
         run_dir = Path(self.config.run_dir)
-        if self.failure is not None:
-            good = ckpt.good_checkpoints(run_dir)
-            newest = ckpt.step_of(good[0]) if good else -1
-            fresh = self.failure.resume(self.group, self.device, newest)
-            if fresh is not None:
-                self._take_resumed(fresh.step, fresh.extras, None)
-                self._resumed_event(
-                    fresh.step,
-                    source="failure_state",
-                    saved_by=fresh.saved_by,
-                    from_records=fresh.from_records,
-                    source_rank=fresh.source,
-                )
-                return
-        found = resume(run_dir, self.objects, self.events, self.group, self.device, self.rank)
+        found = resume_freshest(
+            run_dir, self.objects, self.failure, self.events, self.group, self.device, self.rank
+        )
         if found is None:
             return
-        self.resumed_from = relative_checkpoint(run_dir, found.path)
-        self._take_resumed(found.step, found.extras, found.first_loss)
-        self._last_saved = found.step
-        self._good_steps.add(found.step)
-        self._resumed_event(found.step, path=str(found.path))
-
-    def _take_resumed(self, step: int, extras: dict[str, Any], loss: float | None) -> None:
-        """The guard's and recovery's state, the data position and RNG of a resumed step."""
-        self.guard_state.load_state_dict(extras["guard"])
-        self.state.load_state_dict(extras["recovery"])
+        self.guard_state.load_state_dict(found.extras["guard"])
+        self.state.load_state_dict(found.extras["recovery"])
         self._optimizer_steps = self.state.applied or 0
-        data = extras["data"]
-        loader = data.get("loader")
-        self.resume_point = DataPoint(int(data["epoch"]), int(data["position"]), loader)
-        self._resume_rng = (step, extras["rng"], extras.get("rng_at", "forward"))
-        self.first_loss.resumed(step, loss)
-
-    def _resumed_event(self, step: int, **fields: Any) -> None:
-        point = self.resume_point
-        assert point is not None  # set by _take_resumed
-        self.events.write(
-            "resume",
-            step,
-            from_step=step,
-            epoch=point.epoch,
-            position=point.position,
-            loader_state=point.loader_state is not None,
-            **fields,
-        )
+        self.resume_point = found.point
+        self._resume_rng = found.rng
+        self.first_loss.resumed(found.step, found.first_loss)
+        if found.path is not None:
+            self.resumed_from = relative_checkpoint(run_dir, found.path)
+            self.checkpoints.resumed(found.step)
 
     # -- rollback ----------------------------------------------------------------------------
 
@@ -491,7 +358,9 @@ class Recovery:
         self.guard_state.load_state_dict({**target.guard, **cumulative})
         self.state.applied = target.extra.get("recovery", {}).get("applied")
         self.snapshots.drop_after(target.step)
-        self._last_saved = -1  # a step whose checkpoint was discarded is saved when reached
+        self.checkpoints.last_saved = (
+            -1
+        )  # a step whose checkpoint was discarded is saved when reached
         self.state.attempts = attempt
         self.state.failed_at = step
         self.state.rollbacks += 1

@@ -1,6 +1,8 @@
-"""Resume: load the newest good checkpoint that every rank can load, agreed.
+"""Resume: load the freshest state every rank can be given, agreed.
 
-Candidates are tried newest first (the folder must be shared by every rank). Each rank loads
+A state at a failure (``failure/``) newer than the newest good checkpoint comes first
+(``resume_freshest``); else the newest good checkpoint every rank can load. Checkpoint
+candidates are tried newest first (the folder must be shared by every rank). Each rank loads
 the candidate and says whether it could; one all-reduce decides. A damaged checkpoint gives
 a ``checkpoint_damaged`` event and the previous good one is tried; none at all gives a
 ``resume`` event with ``from_step`` None and a fresh start, never a silent one.
@@ -9,28 +11,96 @@ a ``checkpoint_damaged`` event and the previous good one is tried; none at all g
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from trainguard.distributed.elastic import RESTART_HAZARD_FIX, restart_store_hazard
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
 from trainguard.recovery import checkpoint as ckpt
 from trainguard.recovery.agree import same_on_every_rank, true_on_every_rank
+from trainguard.recovery.failure.part import FailureState
 from trainguard.recovery.snapshot import TrainingObjects
+from trainguard.recovery.types import DataPoint
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Resumed:
+    """What a resume loaded: its step, the checkpoint (None: a state at a failure), the
+    extras saved with it (``guard``, ``recovery``, ``data``, ``rng``) and the first loss
+    recorded after it."""
+
     step: int
-    path: Path
+    path: Path | None
     extras: dict[str, Any]
     first_loss: float | None
+    source: dict[str, Any] = field(default_factory=dict)
+    """The ``resume`` event's fields naming the source."""
+
+    @property
+    def point(self) -> DataPoint:
+        """Where the data continues."""
+        data = self.extras["data"]
+        return DataPoint(int(data["epoch"]), int(data["position"]), data.get("loader"))
+
+    @property
+    def rng(self) -> tuple[int, dict[str, Any], str]:
+        """The step's RNG states and the moment they go back (``Boundary.at``)."""
+        return self.step, self.extras["rng"], self.extras.get("rng_at", "forward")
+
+
+def resume_freshest(
+    run_dir: Path,
+    objects: TrainingObjects,
+    failure: FailureState | None,
+    events: EventLog,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    rank: int,
+) -> Resumed | None:
+    """Collective, at construction: load the freshest state every rank can be given (a state
+    at a failure, else the newest good checkpoint) and write the ``resume`` event."""
+    hazard = restart_store_hazard(os.environ)
+    if hazard is not None:  # said on the first attempt, before a restart can fail
+        logger.warning("%s; fix: %s", hazard, RESTART_HAZARD_FIX)
+        events.write("restart_config", 0, message=hazard, fix=RESTART_HAZARD_FIX)
+    found: Resumed | None = None
+    if failure is not None:
+        good = ckpt.good_checkpoints(run_dir)
+        newest = ckpt.step_of(good[0]) if good else -1
+        fresh = failure.resume(group, device, newest)
+        if fresh is not None:
+            source = {
+                "source": "failure_state",
+                "saved_by": fresh.saved_by,
+                "from_records": fresh.from_records,
+                "source_rank": fresh.source,
+            }
+            found = Resumed(fresh.step, None, fresh.extras, None, source)
+    if found is None:
+        found = resume(run_dir, objects, events, group, device, rank)
+    if found is None:
+        return None
+    point = found.point
+    path = {"path": str(found.path)} if found.path is not None else {}
+    events.write(
+        "resume",
+        found.step,
+        from_step=found.step,
+        epoch=point.epoch,
+        position=point.position,
+        loader_state=point.loader_state is not None,
+        **path,
+        **found.source,
+    )
+    return found
 
 
 def _try_load(path: Path, objects: TrainingObjects, rank: int) -> tuple[dict[str, Any], str]:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainguard.capture.rng import RngSnapshot
 from trainguard.config import GuardConfig
 from trainguard.errors import NonFiniteError
 from trainguard.events import EventLog
@@ -28,9 +29,16 @@ from trainguard.recovery.failure.on_terminate import TerminateSave
 from trainguard.recovery.failure.shards import PeerShards, localize
 from trainguard.recovery.failure.writer import FailureWriter, StartBuffers, StateHolder
 from trainguard.recovery.snapshot import Snapshot, TrainingObjects
-from trainguard.recovery.types import Stateful
+from trainguard.recovery.types import Stateful, Stream
 
 logger = logging.getLogger(__name__)
+
+
+def _boundary(step: int, stream: Stream, at: str, rng: RngSnapshot) -> Boundary:
+    """The start of ``step``: its first batch's position in ``stream`` and the loader there."""
+    position = stream.view.step_position
+    loader = stream.loader.at(position) if stream.loader is not None else None
+    return Boundary(step, stream.epoch, position, loader, rng, at)
 
 
 def world_size(group: dist.ProcessGroup | None) -> int:
@@ -95,14 +103,22 @@ class FailureState:
         """The step's buffer copies (the guard's ``BufferKeeper``): the buffers at its start."""
         self.writer.buffers = buffers
 
-    def step_start(self, boundary: Boundary) -> None:
-        """At the step's first training forward."""
+    def step_start(self, step: int, stream: Stream, rng: RngSnapshot) -> None:
+        """At the step's first training forward (``rng``: the RNG states it recorded),
+        unless the record of its first batch's hand-out stands (nothing drawn since)."""
+        current = self.boundary.current
+        if current is not None and current.step == step and current.rng is rng:
+            return
+        boundary = _boundary(step, stream, "forward", rng)
         self.boundary.begin(boundary)
         if self._mirror is not None:
             self._mirror.write(boundary)
 
-    def handout(self, boundary: Boundary) -> None:
+    def handout(self, step: int, stream: Stream) -> None:
         """The hand-out of a step's first batch: recorded when it opens the step."""
+        if not self.boundary.may_open(step):
+            return
+        boundary = _boundary(step, stream, "handout", RngSnapshot.take())
         if self.boundary.handout(boundary) and self._mirror is not None:
             self._mirror.write(boundary)
 
