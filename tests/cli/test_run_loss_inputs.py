@@ -1,16 +1,21 @@
-"""``trainguard run`` keeps the targets of ``loss = criterion(model(x), y)`` (issue 53, item
-5): the captured micro-batch is ``(x, y)``, so the replay runs the script's own loss on the
-script's own targets, not on made-up ones."""
+"""``trainguard run`` keeps the targets of ``loss = criterion(model(x), y)`` and of
+``F.cross_entropy(model(x), y)`` (issue 53, item 5): the captured micro-batch is ``(x, y)``,
+so the replay runs the script's own loss on the script's own targets, not on made-up ones;
+and following the output to the loss changes nothing the script computes."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.nn import functional as F
 from torch.nn.modules import module as module_hooks
+from torch.overrides import TorchFunctionMode
 
 import trainguard as tg
 from trainguard.attach.loss_inputs import LossInputs
@@ -21,9 +26,11 @@ SCRIPT = Path(__file__).resolve().parents[1] / "support" / "run_scripts" / "crit
 
 
 @pytest.mark.timeout(120)
-def test_the_targets_are_in_the_bundle_and_the_replay_uses_them(tmp_path: Path) -> None:
+@pytest.mark.parametrize("loss", ["module", "functional"])
+def test_the_targets_are_in_the_bundle_and_the_replay_uses_them(tmp_path: Path, loss: str) -> None:
     run_dir, saved = tmp_path / "run", tmp_path / "y.pt"
     command = [sys.executable, str(SCRIPT), "--out", str(saved)]
+    command += ["--functional"] if loss == "functional" else []
     assert main(["run", "--run-dir", str(run_dir), "--", *command]) == 0
     bundle = run_dir / "captures" / "step-00000003"
     (micro,) = tg.load_bundle(bundle).batches(0)
@@ -56,15 +63,88 @@ def test_a_loss_module_given_the_output_or_a_view_of_it_adds_its_targets() -> No
     assert not module_hooks._global_forward_pre_hooks  # disarmed at the loss call
 
 
-def test_a_functional_loss_leaves_the_micro_batch_as_it_was() -> None:
+@pytest.mark.timeout(120)
+def test_a_functional_loss_followed_changes_no_weight(tmp_path: Path) -> None:
+    """The same script, bare and under ``trainguard run``: bit-identical final weights (the
+    script itself fails if a torch function mode is left after an optimizer step)."""
+    bare, guarded = tmp_path / "bare.pt", tmp_path / "guarded.pt"
+    command = [sys.executable, str(SCRIPT), "--functional", "--clean", "--weights"]
+    subprocess.run([*command, str(bare)], check=True, timeout=60)
+    assert main(["run", "--run-dir", str(tmp_path / "run"), "--", *command, str(guarded)]) == 0
+    want, got = torch.load(bare), torch.load(guarded)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def _followed(loss_of: Callable[[Tensor, Tensor], Tensor]) -> tuple[Tensor, list[Tensor]]:
+    """Arms after a model call, runs ``loss_of(out, y)`` and its backward, then the optimizer
+    step's ``disarm``: the micro-batch's input and what was added beside it."""
     recorded = RecordedBatches()
     model, loss_inputs = _armed(recorded)
     x = recorded.current[0]
     out = model(x)
     loss_inputs.arm(out, recorded)
-    nn.functional.cross_entropy(out, torch.tensor([0, 2]))  # no module call
-    loss_inputs.disarm()  # the model's next call does this
-    assert recorded.current == [x] and not module_hooks._global_forward_pre_hooks
+    loss_of(out, torch.tensor([0, 2])).backward()
+    loss_inputs.disarm()
+    assert torch._C._len_torch_function_stack() == 0 and not module_hooks._global_forward_pre_hooks
+    micro = recorded.current[0]
+    return (micro[0], list(micro[1:])) if isinstance(micro, tuple) else (micro, [])
+
+
+def test_a_functional_loss_adds_its_targets_through_views_and_steps() -> None:
+    y_of: dict[str, Tensor] = {}
+
+    def views(out: Tensor, y: Tensor) -> Tensor:
+        y_of["views"] = y.view(-1)
+        return F.cross_entropy(out.view(-1, 3), y_of["views"])
+
+    def steps(out: Tensor, y: Tensor) -> Tensor:  # log-softmax, then NLL with a mask weight
+        y_of["steps"] = y
+        per_sample = F.nll_loss(F.log_softmax(out, dim=1), y, reduction="none")
+        y_of["mask"] = torch.tensor([1.0, 0.0])
+        return (per_sample * y_of["mask"]).mean()
+
+    def metric_first(out: Tensor, y: Tensor) -> Tensor:  # an accuracy first: not the loss
+        y_of["metric"] = y
+        (out.argmax(1) == y).float().mean()
+        return F.cross_entropy(out, y)
+
+    _, extra = _followed(views)
+    assert len(extra) == 1 and extra[0] is y_of["views"]
+    _, extra = _followed(steps)
+    assert len(extra) == 2 and extra[0] is y_of["steps"] and extra[1] is y_of["mask"]
+    _, extra = _followed(metric_first)
+    assert len(extra) == 1 and extra[0] is y_of["metric"]
+
+
+def test_a_loss_of_the_output_alone_adds_nothing_and_parameters_are_not_targets() -> None:
+    scale = nn.Parameter(torch.ones(3))
+    assert _followed(lambda out, y: out.sum())[1] == []
+    assert _followed(lambda out, y: (out * scale).pow(2).mean())[1] == []
+
+
+def test_a_mode_the_script_pushed_on_top_stays_on_top() -> None:
+    """The follower leaves the torch function stack only where it is on top: a script's own
+    mode entered after the model's call is never popped by the guard."""
+
+    class Counting(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    recorded = RecordedBatches()
+    model, loss_inputs = _armed(recorded)
+    out = model(recorded.current[0])
+    loss_inputs.arm(out, recorded)
+    with Counting() as mode:
+        loss = F.cross_entropy(out, torch.tensor([0, 2]))
+        loss_inputs.disarm()  # the optimizer step inside the script's mode
+        assert torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) is mode
+    assert Counting.calls >= 1 and isinstance(recorded.current[0], tuple)
+    loss.backward()
+    loss_inputs.disarm()  # the next model call: on top now, it leaves
+    assert torch._C._len_torch_function_stack() == 0
 
 
 def test_a_model_that_returns_its_own_loss_arms_nothing() -> None:

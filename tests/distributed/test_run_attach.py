@@ -216,8 +216,9 @@ def test_an_optimizer_made_anew_is_guarded_on_the_same_run(
         assert len({e["run"] for e in events}) == 1  # one run, two guards
     _assert_same(bare_out, out, ranks)
     bundle = tg.load_bundle(run_dir / "captures" / "step-00000003")
-    (batch,) = bundle.batches(ranks - 1)  # recorded at the forward, before the handover
-    assert not torch.isfinite(batch).all() and bundle.rng(ranks - 1) is not None
+    ((x, y),) = bundle.batches(ranks - 1)  # recorded at the forward, before the handover
+    assert not torch.isfinite(x).all() and bundle.rng(ranks - 1) is not None
+    assert y.shape[0] == x.shape[0]  # F.mse_loss(model(x), y): its targets kept beside x
     if clip:  # the new guard checks before the script's clip: the norm the clip measured
         clip_norms = torch.load(out / "rank0.pt")["clip_norms"]
         lines = (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()

@@ -1,19 +1,31 @@
-"""The targets of ``loss = criterion(model(x), y)``, kept beside the model's input.
+"""The targets of ``loss = criterion(model(x), y)`` and ``F.cross_entropy(model(x), y)``,
+kept beside the model's input.
 
 ``trainguard run`` records a step's micro-batch where the model is called: its inputs. The
 loss often takes more (the targets, a mask), and a replay without them had to invent them.
-So after each training call of the model a process-wide module pre-hook is armed
-(``LossInputs.arm``): at the first module call outside the model that is handed the model's
-output (the tensor itself, a view of it, or a tensor of a tuple or dict output), the call's
-other tensor arguments are the loss's own inputs, and the micro-batch becomes
-``(inputs, *loss_inputs)``: what a replay factory's ``loss_fn(model, batch)`` takes apart as
-``x, y = batch``. The hook is removed there, or at the model's next call or the optimizer
-step (``disarm``): the modules inside the model's forward never see it, and a module call
-costs nothing extra the rest of the step. A model whose output holds its own loss (a 0-d
-tensor that requires grad: nanoGPT's ``(logits, loss)``, a Hugging Face output's ``loss``)
-arms nothing: its targets are among its inputs already. A functional loss
-(``F.cross_entropy(out, y)``) calls no module and is not seen: the micro-batch stays the
-model's input.
+So after each training call of the model, ``LossInputs.arm`` follows the model's output to
+the loss, and the micro-batch becomes ``(inputs, *loss_inputs)``: what a replay factory's
+``loss_fn(model, batch)`` takes apart as ``x, y = batch``. Two followers, armed together:
+
+- **A loss module** (``nn.CrossEntropyLoss()(out, y)``): a process-wide module pre-hook.
+  The first module call outside the model handed the output (the tensor itself, a view of
+  it, or a tensor of a tuple or dict output) is the loss; its other tensor arguments are
+  its inputs.
+- **A loss function** (``F.cross_entropy(out.view(-1, V), y.view(-1))``, ``((out - y) **
+  2).mean()``): a ``TorchFunctionMode`` (``_LossCalls``) sees the torch calls that take the
+  output or a tensor computed from it. Each such call's other tensors that need no gradient
+  (targets, masks: not parameters) are the loss's inputs; its result, while it needs a
+  gradient, is followed on; the first 0-d result that needs a gradient is the loss, and the
+  follower stops there (at ``backward()`` at the latest). It calls every function as it was
+  called and returns its result untouched.
+
+Both stop at the first loss found, at the model's next call or the optimizer step
+(``disarm``): the modules and ops inside the model's forward never see them, and the rest
+of the step costs nothing extra (the mode leaves the stack at the next ``disarm``, where it
+is on top; a mode a script pushed above it keeps it there, inert, until it is). A model
+whose output holds its own loss (a 0-d tensor that requires grad: nanoGPT's ``(logits,
+loss)``, a Hugging Face output's ``loss``) arms nothing: its targets are among its inputs
+already. Under ``torch.compile`` tracing nothing is armed.
 """
 
 from __future__ import annotations
@@ -21,8 +33,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_mode, _push_mode
 from torch.utils.hooks import RemovableHandle
 
 from trainguard.capture import batchtree
@@ -40,12 +54,67 @@ def _from(arg: Tensor, outputs: list[Tensor]) -> bool:
     return False
 
 
+MAX_CALLS = 64
+"""Torch calls followed after the model's output before the function follower gives up (a
+loop that computes much else before its loss)."""
+
+
+class _LossCalls(TorchFunctionMode):
+    """Follows the model's output through torch calls to the loss (see the module's text)."""
+
+    def __init__(self, outputs: list[Tensor], done: Any) -> None:
+        super().__init__()
+        self.live = True
+        self._followed = [out for out in outputs if out.requires_grad]
+        self._extra: list[Tensor] = []
+        self._calls = 0
+        self._done = done
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if self.live:
+            try:
+                self._seen(func, args, kwargs, result)
+            except Exception as exc:  # never into the script's call
+                logger.debug("trainguard run: a loss function not read: %s", exc)
+                self.live = False
+        return result
+
+    def _seen(self, func: Any, args: tuple[Any, ...], kwargs: Any, result: Any) -> None:
+        self._calls += 1
+        tensors = batchtree.tensors((args, kwargs or {}))
+        if not any(_from(t, self._followed) for t in tensors):
+            if self._calls >= MAX_CALLS:
+                self.live = False
+            return
+        for t in tensors:
+            known = any(t is e for e in self._extra)
+            if not t.requires_grad and not known and not _from(t, self._followed):
+                self._extra.append(t)
+        if func is Tensor.backward:
+            self._finish()
+        elif isinstance(result, Tensor) and result.requires_grad:
+            if result.dim() == 0:
+                self._finish()  # the loss
+            else:
+                self._followed.append(result)
+
+    def _finish(self) -> None:
+        self.live = False
+        extra, self._extra, self._followed = self._extra, [], []
+        self._done(extra)
+
+
 class LossInputs:
     """Arms a module pre-hook after the model's training call; the loss call it sees first
     adds its other tensor arguments to the step's micro-batch."""
 
     def __init__(self) -> None:
         self._handle: RemovableHandle | None = None
+        self._mode: _LossCalls | None = None
+        """On the torch function stack (inert once ``live`` is False) until it can leave."""
         self._outputs: list[Tensor] = []
         self._recorded: RecordedBatches | None = None
         self._index = -1
@@ -66,12 +135,35 @@ class LossInputs:
         self._outputs, self._recorded = outputs, recorded
         self._index = len(recorded.current) - 1
         self._handle = register_module_forward_pre_hook(self._pre)
+        grad = any(out.requires_grad for out in outputs)
+        if self._mode is None and grad and not torch.compiler.is_compiling():
+            self._mode = _LossCalls(outputs, self._found)
+            _push_mode(self._mode)  # type: ignore[no-untyped-call]
 
     def disarm(self) -> None:
+        """Stop both followers (outside any torch call: the mode leaves the stack here when
+        it is on top)."""
+        self._stop()
+        mode = self._mode
+        if mode is not None and _get_current_function_mode() is mode:  # type: ignore[no-untyped-call]
+            _pop_mode()  # type: ignore[no-untyped-call]
+            self._mode = None
+
+    def _stop(self) -> None:
         handle, self._handle = self._handle, None
         if handle is not None:
             handle.remove()
         self._outputs, self._recorded = [], None
+        if self._mode is not None:
+            self._mode.live = False
+
+    def _found(self, extra: list[Tensor]) -> None:
+        """The loss function's own inputs (inside its torch call): they join the micro-batch;
+        both followers stop, and the mode leaves the stack at the next ``disarm``."""
+        recorded, index = self._recorded, self._index
+        self._stop()
+        if extra and recorded is not None:
+            recorded.add_loss_inputs(index, extra)
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """Every module call while armed: never raises into the script's call."""
@@ -90,6 +182,6 @@ class LossInputs:
             return  # not the loss (a module applied to the targets first): keep looking
         extra = [arg for arg in tensors if not _from(arg, outputs)]
         index = self._index
-        self.disarm()
+        self.disarm()  # the mode too (no torch call is in flight: a module call starts)
         if extra:
             recorded.add_loss_inputs(index, extra)

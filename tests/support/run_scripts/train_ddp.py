@@ -18,7 +18,9 @@
 
 Each rank saves its final weights, buffers and optimizer state to ``DIR/rank{r}.pt``, and
 with ``--clip`` the norms the clip returned (``clip_norms``: step -> float).
-``make_replay`` is the replay factory (the model and a loss of its input).
+``make_replay`` is the replay factory (the model and the script's loss of the recorded
+micro-batch ``(x, y)``: the guard follows the model's output to ``F.mse_loss`` and keeps
+its targets).
 """
 
 from __future__ import annotations
@@ -103,8 +105,8 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
 
 
 def make_replay() -> tuple[nn.Module, Any]:
-    """Replay factory: the model, and a loss of the recorded micro-batch (the model's input)."""
-    return Net(), lambda model, x: model(x).square().mean()
+    """Replay factory: the model, and the script's loss of the recorded micro-batch."""
+    return Net(), lambda model, batch: F.mse_loss(model(batch[0]), batch[1])
 
 
 def main() -> None:
