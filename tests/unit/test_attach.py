@@ -20,8 +20,8 @@ from trainguard.attach.discovery import describe, describe_module, existing_guar
 from trainguard.attach.hooks import second_optimizer_reason
 from trainguard.attach.launch import guard_exit_code
 from trainguard.attach.options import BOOTSTRAP_DIR, ENV_VAR, RunOptions, child_env, launcher_of
-from trainguard.attach.prestart import batch_of
 from trainguard.attach.replace import made_anew
+from trainguard.capture.batchtree import call_batch as batch_of
 from trainguard.cli import main
 from trainguard.errors import ConfigError
 

@@ -62,9 +62,10 @@ from trainguard.attach.discovery import (
 from trainguard.attach.drops import DropWatch
 from trainguard.attach.loss_inputs import LossInputs
 from trainguard.attach.options import RunOptions
-from trainguard.attach.prestart import PreStart, batch_of
+from trainguard.attach.prestart import PreStart
 from trainguard.attach.replace import HANDOVER, adopt_start, hand_over, made_anew
 from trainguard.attach.status import write_reason
+from trainguard.capture.batchtree import call_batch as batch_of
 from trainguard.errors import ConfigError
 from trainguard.step.guard import Guard
 from trainguard.step.join import JOIN_REASON, shadowed_in_join

@@ -33,6 +33,7 @@ from torch.utils.hooks import RemovableHandle
 
 from trainguard.attach.discovery import in_training
 from trainguard.attach.loss_inputs import LossInputs
+from trainguard.capture.batchtree import call_batch as batch_of
 from trainguard.capture.rng import rng_state
 from trainguard.step.buffers import BufferKeeper
 from trainguard.step.recorded_batches import RecordedBatches
@@ -81,16 +82,6 @@ def sample_changed(module: nn.Module, zero: StepZero) -> bool:
 
 def _same(a: Tensor, b: Tensor) -> bool:
     return bool((a.eq(b) | (a.isnan() & b.isnan())).all())
-
-
-def batch_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A model call's input as one micro-batch: the only positional argument as it is,
-    several as a tuple, keyword arguments as ``{"args": (...), "kwargs": {...}}``."""
-    if kwargs:
-        return {"args": args, "kwargs": kwargs}
-    if len(args) == 1:
-        return args[0]
-    return args
 
 
 @dataclass

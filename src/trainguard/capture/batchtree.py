@@ -34,6 +34,31 @@ class Opaque:
     text: str
 
 
+def call_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A model call's input as one micro-batch: the only positional argument as it is,
+    several as a tuple, keyword arguments as ``{"args": (...), "kwargs": {...}}``."""
+    if kwargs:
+        return {"args": args, "kwargs": kwargs}
+    if len(args) == 1:
+        return args[0]
+    return args
+
+
+def call_versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
+    """The version counters of a call's tensors, its arguments and one level into their
+    containers (a batch dict, a tuple): one changes when its tensor is written in place (an
+    input buffer refilled). Cheap: no deeper walk, every training forward pays it."""
+    found = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor):
+            found.append(value._version)
+        elif isinstance(value, (list, tuple)):
+            found += [item._version for item in value if isinstance(item, Tensor)]
+        elif isinstance(value, dict):
+            found += [item._version for item in value.values() if isinstance(item, Tensor)]
+    return found
+
+
 def type_name(obj: Any) -> str:
     cls = obj if isinstance(obj, type) else type(obj)
     return f"{cls.__module__}:{cls.__qualname__}"

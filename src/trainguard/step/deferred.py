@@ -18,6 +18,7 @@ from torch import Tensor
 
 from trainguard.capture.rng import RngSnapshot
 from trainguard.step.detect import GradStats
+from trainguard.step.step_start import ForwardBatches
 from trainguard.step.types import Reduced
 
 
@@ -51,6 +52,9 @@ class PendingStep:
     """The autocast state the step's forward ran under (``step_start.autocast_state``)."""
     forward_inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] | None = None
     """The inputs of the step's training forwards (``StepStart.forward_inputs``)."""
+    forward_batches: ForwardBatches | None = None
+    """Without ``batches``: the step's micro-batches as the model was called with them
+    (``StepStart.forward_batches``, taken when the step ended)."""
 
     def values(self) -> list[float]:
         if self.ready is not None:

@@ -135,7 +135,12 @@ class StepEvidence:
             losses = parts.losses.step_losses()
             autocast = parts.start.autocast if parts.start.started(step) else None
             forward_args = parts.start.forward_inputs(step)
-        forward = forward_findings(forward_args, batches)
+        forward = forward_findings(forward_args, batches)  # the fetched batches, if any
+        overwritten = parts.recorded.overwritten_of(step)
+        if not batches:  # no watch(), no record_batch(): the model's call arguments
+            called = pending.forward_batches if pending else parts.start.forward_batches(step)
+            if called is not None:
+                batches, overwritten = called.batches, called.overwritten
         evidence = step_evidence(step, decision, agreement, stats, batches, rng, losses)
         if not loss_known:
             evidence.extra.update(loss=None, loss_finite=None, micro_losses=[])
@@ -146,7 +151,6 @@ class StepEvidence:
         if forward is not None:
             evidence.extra["forward_inputs"] = forward
             warn_made_in_loop(forward, step, parts.capturer.rank)
-        overwritten = parts.recorded.overwritten_of(step)
         if overwritten:  # the loop refilled one input buffer: these hold a later one's data
             evidence.extra["overwritten_micro_batches"] = overwritten
         evidence.history = parts.history.bundle_history()

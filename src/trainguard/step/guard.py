@@ -187,7 +187,9 @@ class Guard(GuardAssembly):
 
     def record_batch(self, batch: Any) -> None:
         """For loops that do not iterate ``watch()``: hand each micro-batch over before its
-        forward, so that a bad step's capture holds its batches and RNG (references only)."""
+        forward, so that a bad step's capture holds its batches and RNG (references only).
+        Without it (and without ``watch()``) the capture holds the guarded model's call
+        arguments of each training forward (``StepStart.forward_batches``)."""
         self._start.begin(self.state.step)
         self._recorded.record(batch, self.state.step)
 

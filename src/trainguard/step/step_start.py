@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from trainguard.capture.batchtree import call_batch, call_versions
 from trainguard.capture.rng import RngSnapshot, states_of
 from trainguard.step.buffers import BufferKeeper
 from trainguard.step.capturer import unwrap
@@ -49,6 +51,17 @@ from trainguard.user_hooks import (
 logger = logging.getLogger(__name__)
 
 ForwardInputs = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+@dataclass
+class ForwardBatches:
+    """A step's micro-batches taken from its training forwards' inputs (``forward_batches``)."""
+
+    batches: list[Any]
+    overwritten: list[int]
+    """Positions of the micro-batches written in place since their forward."""
+
+
 """A forward's positional and keyword inputs (references)."""
 
 
@@ -119,6 +132,8 @@ class StepStart:
         """Later forwards of the step that may still look for its autocast (``_pre_hook``)."""
         self._forward_args: list[ForwardInputs] = []
         """The inputs of the recorded step's training forwards (references)."""
+        self._forward_versions: list[list[int]] = []
+        """Their tensors' version counters at each forward (``batchtree.call_versions``)."""
         self._args_module: nn.Module | None = None
         """The root module whose forwards ``_forward_args`` holds: the first of the step's
         training forwards (None: none yet, or the loop called a child)."""
@@ -202,6 +217,7 @@ class StepStart:
         self.begin(step)
         if id(module) in self._root_ids:
             self._forward_args, self._args_module = [(args, kwargs)], module
+            self._forward_versions = [call_versions(args, kwargs)]
             if self._child_handles:
                 self._unhook_children()  # the loop calls the model itself: the roots suffice
 
@@ -213,6 +229,7 @@ class StepStart:
     def _keep_inputs(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if torch.is_grad_enabled() and self._inner.training:  # not an evaluation pass
             self._forward_args.append((args, kwargs))
+            self._forward_versions.append(call_versions(args, kwargs))
             self._args_module = module
 
     def forward_inputs(self, step: int) -> list[ForwardInputs] | None:
@@ -221,6 +238,20 @@ class StepStart:
         if self.step != step or self._args_module is None:
             return None
         return list(self._forward_args)
+
+    def forward_batches(self, step: int) -> ForwardBatches | None:
+        """``step``'s micro-batches as the guarded module was called with them (for a loop
+        that neither iterates ``watch()`` nor calls ``record_batch``), and the positions of
+        those whose tensors were written in place since their forward (a refilled input
+        buffer: they hold a later batch's data). None: no such forward at ``step``."""
+        if self.step != step or self._args_module is None:
+            return None
+        batches, overwritten = [], []
+        for index, (args, kwargs) in enumerate(self._forward_args):
+            batches.append(call_batch(args, kwargs))
+            if call_versions(args, kwargs) != self._forward_versions[index]:
+                overwritten.append(index)
+        return ForwardBatches(batches, overwritten)
 
     def missed(self, step: int) -> None:
         """``step`` is being checked and no hook started it. For the next steps: the eager
@@ -240,6 +271,7 @@ class StepStart:
             return
         self.step = step
         self._forward_args, self._args_module = [], None  # the hook sets them for its forward
+        self._forward_versions = []
         if self.on_begin is not None:
             self.on_begin()
         self.buffers.begin(step)

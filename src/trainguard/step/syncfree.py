@@ -102,6 +102,7 @@ class SyncFreeStep:
             spike=spike,
             autocast=start.autocast if start.started(step) else None,
             forward_inputs=start.forward_inputs(step),
+            forward_batches=None if batches else start.forward_batches(step),
         )
 
     def _optimizer_device(self, stats: GradStats) -> torch.device:
