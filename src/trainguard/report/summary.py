@@ -39,6 +39,7 @@ from trainguard.report.readers import (
 from trainguard.report.runs import ALL, RunInfo, Timeline, latest, list_runs, run_of
 from trainguard.report.starts import run_starts
 from trainguard.report.timing import StepTimes, phase_summary, rank_table, step_times
+from trainguard.runs.reached_mark import read_marks
 
 _CHECKPOINT_KINDS = (
     "checkpoint",
@@ -163,6 +164,9 @@ class _RunDir:
     events: list[dict[str, Any]]
     records: list[dict[str, Any]]
     """The metrics log's lines (with an int ``step``)."""
+    marks: list[dict[str, Any]]
+    """The last step each process recorded (``runs/reached_mark.py``), ``step`` and
+    ``time``: how far a start killed before its lines were flushed got."""
     captures: list[dict[str, Any]]
     hangs: list[dict[str, Any]]
     crashes: list[dict[str, Any]]
@@ -207,6 +211,7 @@ def _load(root: Path) -> _RunDir:
         skipped=skipped,
         events=events,
         records=_read_records(root, skipped),
+        marks=read_marks(root / "metrics"),
         captures=read_captures(root, skipped),
         hangs=read_hangs(root, skipped),
         crashes=read_crashes(root, skipped),
@@ -229,7 +234,7 @@ def _summary(found: _RunDir, run: str | None) -> RunSummary:
     summary.hangs = live_steps(own(found.hangs, None), events) or hang_events(events)
     summary.crashes = with_comm_errors(own(found.crashes, None), events)
     summary.ended = ending(events, summary.hangs, own(found.records, None), summary.crashes)
-    starts = run_starts(events, own(found.records, None))
+    starts = run_starts(events, own(found.records + found.marks, None))
     # a run killed before its batched metrics lines were flushed: its events still say
     # how far each start got (a phase entered at step N: N steps were checked)
     summary.steps = max([_count_steps(events, summary.points), *(s.end for s in starts[-1:])])

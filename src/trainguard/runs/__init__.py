@@ -8,5 +8,6 @@
                 process got, for the report
 
 Offers (by module): ``identify_run``, ``RunIdentity``, ``latest_run`` (``identity``);
-``claim`` (``dirs``); ``ReachedMark``, ``read_marks`` (``reached_mark``). Base plumbing: imports nothing of the guard's parts.
+``claim`` (``dirs``); ``ReachedMark``, ``read_marks`` (``reached_mark``). Base plumbing:
+imports nothing of the guard's parts.
 """

@@ -19,7 +19,8 @@ no Python code sees while the main thread waits in a collective) loses the lines
 buffered: at most ``flush_every`` steps, or the last ``flush_seconds`` (1 s: a flush is a
 file append, about 50-100 us, so a loop slower than 100 steps a second pays that once a
 second and keeps all but its last second). The hang watchdog flushes before it ends the
-process (``os._exit``).
+process (``os._exit``). How far the process got survives any kill: the last step offered
+is also stored in a memory-mapped mark (``runs/reached_mark.py``) that the report reads.
 
 The size is bounded by thinning: every step is written up to ``dense_steps``, then every
 10th step up to ``10 * dense_steps``, every 100th up to ``100 * dense_steps``, and so on
@@ -52,6 +53,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from trainguard.events import to_jsonable
+from trainguard.runs.reached_mark import ReachedMark
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +154,8 @@ class MetricsLog:
         """(monotonic time, ``_offered``) where the loop's rate is next measured from."""
         self.stride_by_rate = 1
         """The stride the loop's rate sets (``rate_stride``; 1 until measured)."""
+        self._reached = ReachedMark(path.parent)
+        """The last step offered, kept through a kill (``runs/reached_mark.py``)."""
 
     def wants(self, step: int, urgent: bool = False) -> bool:
         """Whether ``add`` would keep ``step`` (lets the caller skip building a thinned line)."""
@@ -164,6 +168,7 @@ class MetricsLog:
         """Buffer one step's record (``urgent``: a bad step, written out at once). The
         record's fields are read at the flush: it must not change after ``add``."""
         self._offered += 1
+        self._reached.mark(record.step)
         if not self.wants(record.step, urgent):
             if self._offered - self._rate_mark[1] >= self.flush_every:
                 self._measure_rate(self._clock())  # thinned: flushes are rarer
@@ -221,3 +226,4 @@ class MetricsLog:
 
     def close(self) -> None:
         self.flush()
+        self._reached.close()
