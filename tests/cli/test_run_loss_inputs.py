@@ -158,3 +158,34 @@ def test_a_model_that_returns_its_own_loss_arms_nothing() -> None:
     assert not module_hooks._global_forward_pre_hooks
     nn.CrossEntropyLoss()(logits, torch.tensor([0, 2]))
     assert recorded.current == [x]
+
+
+def test_the_follower_that_found_the_loss_is_the_only_one_armed_next() -> None:
+    """A loop computes its loss the same way every step: the other follower (a global module
+    hook, or a torch function mode on every call) is not armed again; a miss arms both."""
+    recorded = RecordedBatches()
+    model, loss_inputs = _armed(recorded)
+    y = torch.tensor([0, 2])
+
+    def arm() -> Tensor:
+        recorded.record(torch.randn(2, 4), 0)
+        out = model(recorded.current[-1])
+        loss_inputs.arm(out, recorded)
+        return out
+
+    F.cross_entropy(arm(), y)
+    loss_inputs.disarm()
+    assert loss_inputs.follow == {"function"}
+    out = arm()
+    assert not module_hooks._global_forward_pre_hooks  # no module hook: functions only
+    assert torch._C._len_torch_function_stack() == 1
+    nn.CrossEntropyLoss()(out, y)  # a module's loss calls a function: seen too
+    loss_inputs.disarm()
+    assert loss_inputs.follow == {"function"} and recorded.current[-1][1] is y
+    arm()  # a step whose output no loss took (nothing to see)
+    loss_inputs.disarm()
+    assert loss_inputs.follow == {"function", "module"}  # both again after the miss
+    nn.CrossEntropyLoss()(arm(), y)
+    loss_inputs.disarm()
+    assert loss_inputs.follow == {"module"} and torch._C._len_torch_function_stack() == 0
+    assert isinstance(recorded.current[-1], tuple) and recorded.current[-1][1] is y

@@ -19,7 +19,11 @@ the loss, and the micro-batch becomes ``(inputs, *loss_inputs)``: what a replay 
   follower stops there (at ``backward()`` at the latest). It calls every function as it was
   called and returns its result untouched.
 
-Both stop at the first loss found, at the model's next call or the optimizer step
+Once one of them found the loss, it alone is armed after the next calls of the model (a
+loop's loss is computed the same way every step); a miss arms both again, and a loop whose
+loss neither sees (eight misses in a row) has them tried once every hundred calls only
+(``LossInputs._learn``): the follower not needed costs nothing. Both stop at the first
+loss found, at the model's next call or the optimizer step
 (``disarm``): the modules and ops inside the model's forward never see them, and the rest
 of the step costs nothing extra (the mode leaves the stack at the next ``disarm``, where it
 is on top; a mode a script pushed above it keeps it there, inert, until it is). A model
@@ -54,6 +58,24 @@ def _from(arg: Tensor, outputs: list[Tensor]) -> bool:
     return False
 
 
+def _call_tensors(args: tuple[Any, ...], kwargs: Any) -> list[Tensor]:
+    """A torch call's tensors: its arguments and the items of a list or tuple argument
+    (``torch.cat([out, y])``). A shallow look: it runs at every call the mode sees."""
+    found: list[Tensor] = []
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(value, Tensor):
+            found.append(value)
+        elif type(value) in (list, tuple):
+            found += [item for item in value if isinstance(item, Tensor)]
+    return found
+
+
+MODULE, FUNCTION = "module", "function"
+BOTH = frozenset((MODULE, FUNCTION))
+GIVE_UP = 8
+"""Armings in a row where neither follower found a loss, after which neither is armed."""
+REPROBE_EVERY = 100
+"""Then every this many armings both are tried again."""
 MAX_CALLS = 64
 """Torch calls followed after the model's output before the function follower gives up (a
 loop that computes much else before its loss)."""
@@ -84,7 +106,7 @@ class _LossCalls(TorchFunctionMode):
 
     def _seen(self, func: Any, args: tuple[Any, ...], kwargs: Any, result: Any) -> None:
         self._calls += 1
-        tensors = batchtree.tensors((args, kwargs or {}))
+        tensors = _call_tensors(args, kwargs)
         if not any(_from(t, self._followed) for t in tensors):
             if self._calls >= MAX_CALLS:
                 self.live = False
@@ -118,6 +140,14 @@ class LossInputs:
         self._outputs: list[Tensor] = []
         self._recorded: RecordedBatches | None = None
         self._index = -1
+        self.follow = BOTH
+        """The followers armed: the one that found the loss last time, else both."""
+        self.found_by: str | None = None
+        """The follower that found this arming's loss (``MODULE`` or ``FUNCTION``)."""
+        self._armed = False
+        self._missed = 0
+        """Armings in a row where both followers found nothing."""
+        self._armings = 0
 
     def arm(self, output: Any, recorded: RecordedBatches) -> None:
         """After a training call of the model whose micro-batch ``recorded`` holds last.
@@ -132,11 +162,18 @@ class LossInputs:
             return
         if any(out.dim() == 0 and out.requires_grad for out in outputs):
             return  # the loss is the model's own (nanoGPT's, HF's): its targets are its inputs
+        self._armings += 1
+        follow = self.follow if self.follow or self._armings % REPROBE_EVERY else BOTH
+        if not follow:
+            return
         self._outputs, self._recorded = outputs, recorded
         self._index = len(recorded.current) - 1
-        self._handle = register_module_forward_pre_hook(self._pre)
+        self._armed, self.found_by = True, None
+        if MODULE in follow:
+            self._handle = register_module_forward_pre_hook(self._pre)
         grad = any(out.requires_grad for out in outputs)
-        if self._mode is None and grad and not torch.compiler.is_compiling():
+        armable = FUNCTION in follow and grad and self._mode is None
+        if armable and not torch.compiler.is_compiling():
             self._mode = _LossCalls(outputs, self._found)
             _push_mode(self._mode)  # type: ignore[no-untyped-call]
 
@@ -144,10 +181,27 @@ class LossInputs:
         """Stop both followers (outside any torch call: the mode leaves the stack here when
         it is on top)."""
         self._stop()
+        if self._armed:
+            self._armed = False
+            self._learn()
         mode = self._mode
         if mode is not None and _get_current_function_mode() is mode:  # type: ignore[no-untyped-call]
             _pop_mode()  # type: ignore[no-untyped-call]
             self._mode = None
+
+    def _learn(self) -> None:
+        """After an arming: the follower that found the loss is the only one armed next
+        (the other costs every call until the optimizer step); a miss arms both again;
+        after ``GIVE_UP`` misses of both, neither is armed but every ``REPROBE_EVERY``-th
+        time (a loop whose loss neither can see)."""
+        if self.found_by is not None:
+            self.follow, self._missed = frozenset((self.found_by,)), 0
+        elif self.follow != BOTH:
+            self.follow = BOTH
+        else:
+            self._missed += 1
+            if self._missed >= GIVE_UP:
+                self.follow = frozenset()
 
     def _stop(self) -> None:
         handle, self._handle = self._handle, None
@@ -161,6 +215,7 @@ class LossInputs:
         """The loss function's own inputs (inside its torch call): they join the micro-batch;
         both followers stop, and the mode leaves the stack at the next ``disarm``."""
         recorded, index = self._recorded, self._index
+        self.found_by = FUNCTION
         self._stop()
         if extra and recorded is not None:
             recorded.add_loss_inputs(index, extra)
@@ -182,6 +237,7 @@ class LossInputs:
             return  # not the loss (a module applied to the targets first): keep looking
         extra = [arg for arg in tensors if not _from(arg, outputs)]
         index = self._index
+        self.found_by = MODULE
         self.disarm()  # the mode too (no torch call is in flight: a module call starts)
         if extra:
             recorded.add_loss_inputs(index, extra)
