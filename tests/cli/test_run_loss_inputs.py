@@ -5,6 +5,7 @@ and following the output to the loss changes nothing the script computes."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -189,3 +190,20 @@ def test_the_follower_that_found_the_loss_is_the_only_one_armed_next() -> None:
     loss_inputs.disarm()
     assert loss_inputs.follow == {"module"} and torch._C._len_torch_function_stack() == 0
     assert isinstance(recorded.current[-1], tuple) and recorded.current[-1][1] is y
+
+
+def test_a_child_forked_while_the_mode_waits_for_the_step_does_not_keep_it() -> None:
+    """A DataLoader's workers forked between the loss and the optimizer step (an epoch's
+    first batch fetched then) would pass every torch call of their collation through it."""
+    recorded = RecordedBatches()
+    model, loss_inputs = _armed(recorded)
+    loss_inputs.arm(model(recorded.current[0]), recorded)
+    assert torch._C._len_torch_function_stack() == 1
+    pid = os.fork()
+    if pid == 0:  # the child: nothing of ours on its stack
+        os._exit(10 + torch._C._len_torch_function_stack())
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 10
+    assert torch._C._len_torch_function_stack() == 1  # the parent's is as it was
+    loss_inputs.disarm()
+    assert torch._C._len_torch_function_stack() == 0

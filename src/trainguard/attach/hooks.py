@@ -297,6 +297,7 @@ class Attacher:
     def _post_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
+        self._loss_inputs.disarm()
         guard = self.guard
         if guard is not None and optimizer is self.optimizer:
             self._clip.stepped()
@@ -304,6 +305,7 @@ class Attacher:
             guard.progress.enter("data")  # next: the loop fetches a batch
 
     def _before_update(self, optimizer: torch.optim.Optimizer, loss: Tensor | None) -> None:
+        self._loss_inputs.disarm()  # a closure's loss (Lightning): the update runs bare
         if self.guard is None and not self._attach(optimizer):
             return
         guard = self.guard

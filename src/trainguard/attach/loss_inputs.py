@@ -35,6 +35,7 @@ already. Under ``torch.compile`` tracing nothing is armed.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -68,6 +69,25 @@ def _call_tensors(args: tuple[Any, ...], kwargs: Any) -> list[Tensor]:
         elif type(value) in (list, tuple):
             found += [item for item in value if isinstance(item, Tensor)]
     return found
+
+
+_FORK_HOOK: list[bool] = []
+
+
+def _leave_in_forked_children() -> None:
+    """Once per process: a child forked while the mode is on the stack (a DataLoader's
+    workers, made at an epoch's first batch) takes it off, or every torch call of its
+    collation would pass through it."""
+    if not _FORK_HOOK:
+        _FORK_HOOK.append(True)
+        os.register_at_fork(after_in_child=_drop_inherited_mode)
+
+
+def _drop_inherited_mode() -> None:
+    mode = _get_current_function_mode()  # type: ignore[no-untyped-call]
+    if isinstance(mode, _LossCalls):
+        mode.live = False
+        _pop_mode()  # type: ignore[no-untyped-call]
 
 
 MODULE, FUNCTION = "module", "function"
@@ -174,6 +194,7 @@ class LossInputs:
         grad = any(out.requires_grad for out in outputs)
         armable = FUNCTION in follow and grad and self._mode is None
         if armable and not torch.compiler.is_compiling():
+            _leave_in_forked_children()
             self._mode = _LossCalls(outputs, self._found)
             _push_mode(self._mode)  # type: ignore[no-untyped-call]
 
