@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -393,3 +395,44 @@ def test_a_guard_whose_build_fails_leaves_no_handler(tmp_path: Path) -> None:
     with pytest.raises(tg.ConfigError):  # refused after recovery was built
         tg.Guard(model, opt, run_dir=tmp_path, resume=True, hang_timeout=0, rerun=42)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+_NEVER_CLOSED = """
+import sys, torch
+from torch import nn
+import trainguard as tg
+torch.manual_seed(0)
+model = nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+guard = tg.Guard(model, opt, run_dir=sys.argv[1], resume=True, hang_timeout=0)
+for x in guard.watch([torch.randn(2, 4) for _ in range(3)]):
+    loss = model(x).pow(2).mean()
+    if guard.state.step == 2:
+        print(len(list(guard.recovery.failure.folder.glob("mirror-rank-*.bin"))), flush=True)
+        if sys.argv[2] == "raise":
+            raise RuntimeError("the script's own error mid-step, the guard never closed")
+    loss.backward()
+    if guard.check(loss):
+        opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("ending", ["end", "raise"])
+def test_a_guard_never_closed_is_released_at_exit(tmp_path: Path, ending: str) -> None:
+    """A script that ends without close() (or an exception that escapes a loop without
+    ``finally``): released at the interpreter's exit as ``close()`` would. Ended for good:
+    its step-start record removed; ended by an exception: the state at the failure kept."""
+    run = [sys.executable, "-c", _NEVER_CLOSED, str(tmp_path), ending]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=60)
+    assert done.returncode == (0 if ending == "end" else 1), done.stderr[-2000:]
+    assert done.stdout.split() == ["1"]  # the record was there while it ran
+    folder = store.job_folder(tmp_path, None)
+    closes = [e for e in read_events(tmp_path) if e["kind"] == "close"]
+    assert len(closes) == 1 and closes[0]["closed"] is False
+    if ending == "end":
+        assert not list(folder.glob("mirror-rank-*.bin")) and not store.states(folder)
+    else:
+        saved = [e for e in read_events(tmp_path) if e["kind"] == "failure_state"]
+        assert [(e["saved"], e["trigger"]) for e in saved] == [(True, "exception: RuntimeError")]
+        assert store.states(folder)

@@ -210,9 +210,10 @@ class GuardAssembly:
         if self._watchdog is not None:
             self._busy = BusyProbe(self.progress, self.model)
             self._watchdog.on_stall.append(self._busy.arm)
+        failure = self.recovery.failure if self.recovery is not None else None
         closers = [
             c
-            for c in (self._watchdog, self._start, self._timer, self._saves, self._busy)
+            for c in (self._watchdog, self._start, self._timer, self._saves, self._busy, failure)
             if c is not None
         ]
         parts = UnclosedParts(self.progress, self.state, self.events, self.history, closers)

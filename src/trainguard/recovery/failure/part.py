@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -191,6 +192,12 @@ class FailureState:
             self._terminate.close()
         if self._mirror is not None:
             self._mirror.close()
+
+    def close(self) -> None:
+        """A guard never closed, released when collected or at the interpreter's exit
+        (``step/unclosed.py``): as ``end``, with the exception that ended the interpreter,
+        if one did (the SIGTERM handler goes, the record file is closed or removed)."""
+        self.end(getattr(sys, "last_value", None))
 
     def end(self, ended_by: BaseException | None) -> None:
         """The guard closes: after an exception (not the guard's own stop) the state is
