@@ -12,6 +12,7 @@ from tg_dist import run_ranks, values
 from tg_models import TinyNet, loss_fn, make_batches
 
 import trainguard as tg
+from trainguard.runs.reached_mark import read_marks
 from trainguard.step.metrics_log import metrics_path
 from trainguard.testing import Fault, FaultPlan
 
@@ -43,7 +44,9 @@ def test_both_ranks_keep_the_same_history_and_only_rank_0_writes(tmp_path: Path)
     assert rank0[3]["losses"][1] == "nan" and rank0[3]["losses"][0] != "nan"
     assert all(len(r["losses"]) == 2 for r in rank0)
     log = metrics_path(tmp_path)
-    assert sorted(p.name for p in log.parent.iterdir()) == ["rank-0.jsonl"]
+    names = sorted(p.name for p in log.parent.iterdir())  # rank 0's log and reached mark
+    assert names[0] == "rank-0.jsonl" and len(names) == 2 and names[1].startswith("reached-")
+    assert [m["step"] for m in read_marks(log.parent)] == [5]  # the last step rank 0 recorded
     lines = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
     one_group = [{k: v for k, v in r.items() if k != "lrs"} for r in rank0]  # "lr" says it
     assert [{k: line[k] for k in one_group[0]} for line in lines] == one_group
