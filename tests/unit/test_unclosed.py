@@ -12,7 +12,9 @@ import sys
 import textwrap
 import weakref
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -30,12 +32,20 @@ def _train(guard: tg.Guard, model: nn.Module, opt: torch.optim.Optimizer, steps:
         opt.zero_grad()
 
 
-def test_a_dropped_guard_is_collected_and_releases_its_hooks(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"resume": True}, {"on_escalation": "rollback"}, {"checkpoint_every": 2}],
+    ids=["plain", "resume", "rollback", "checkpoints"],
+)
+def test_a_dropped_guard_is_collected_and_releases_its_hooks(
+    tmp_path: Path, options: dict[str, Any]
+) -> None:
     """A sweep drops one Guard per trial: nothing may keep it alive (its hooks' closures
-    held it before), and its forward hooks come off the model the next trial reuses."""
+    held it before; with recovery, the stream's step counter held it through the release's
+    own parts), and its forward hooks come off the model the next trial reuses."""
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0)
+    guard = tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0, **options)
     _train(guard, model, opt, 5)
     dropped = weakref.ref(guard)
     del guard

@@ -156,13 +156,15 @@ class Guard(GuardAssembly):
         if resumed is not None:
             iterable = resumed.iterable  # empty for an epoch the resumed run already finished
         self._sampler_epochs.starting(iterable, self.state.step)
+        state = self.state  # not the guard: recovery keeps the stream, and the unclosed
+        # guard's release (step/unclosed.py) keeps recovery: a dropped guard must go
         self._stream = BatchStream(
             iterable,
             self.config.accumulation_steps,
             self._consensus,
             self.progress,
             self.events,
-            step_of=lambda: self.state.step,
+            step_of=lambda: state.step,
             lookahead=2 if self._deferred else 1,  # the sync-free step reads a step late
             clock=self._timer,
             **(resumed.stream_args() if resumed is not None else {}),
