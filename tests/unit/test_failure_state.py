@@ -436,3 +436,39 @@ def test_a_guard_never_closed_is_released_at_exit(tmp_path: Path, ending: str) -
         saved = [e for e in read_events(tmp_path) if e["kind"] == "failure_state"]
         assert [(e["saved"], e["trigger"]) for e in saved] == [(True, "exception: RuntimeError")]
         assert store.states(folder)
+
+
+_WATCHDOG_EXITING = """
+import os, signal, sys, threading, time
+from trainguard.recovery.failure.on_terminate import TerminateSave
+
+class Writer:  # the state takes 0.3 s; the watchdog exits 0.2 s after it is written
+    exiting = False
+    def __init__(self):
+        self.done = threading.Event()
+    def save(self, trigger):
+        time.sleep(0.3)
+        self.done.set()
+
+writer = Writer()
+TerminateSave(writer)
+
+def watchdog():
+    writer.exiting = True
+    writer.save("watchdog exit")
+    time.sleep(0.2)  # the metrics flushed, the hang report written
+    os._exit(92)
+
+threading.Thread(target=watchdog, daemon=True).start()
+os.kill(os.getpid(), signal.SIGTERM)  # the launcher's, while the watchdog saves
+time.sleep(30)
+"""
+
+
+def test_a_sigterm_while_the_watchdog_ends_the_rank_leaves_it_its_exit_status() -> None:
+    """A peer failed: the watchdog writes the state, then exits 92; torchrun's SIGTERM that
+    came meanwhile waits for that (it ended the rank as -15 before, hiding why)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _WATCHDOG_EXITING], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 92, done.stderr[-2000:]

@@ -8,7 +8,9 @@ a Python handler (the one in force before is kept and called) and a wakeup file 
 it at once, and a thread of ours waiting on it writes the state (``FailureWriter.save``,
 bounded). Then the rank ends as SIGTERM would have ended it: by the default action when
 that was in force (exit status: the signal's), else by the handler that was (a preemption
-checkpoint's), which runs in the main thread when it next runs Python code.
+checkpoint's), which runs in the main thread when it next runs Python code. When the
+watchdog is ending the rank already (its state written first), it gets ``EXIT_GRACE`` to
+exit with its own status (91 or 92, which say why) before that.
 
 A forked child (a DataLoader worker, which its loader may SIGTERM) gets the handler, the
 descriptor and the pipe of its parent: at the fork they are put back to what was before in
@@ -29,6 +31,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from types import FrameType
 from typing import Any, Protocol
 
@@ -85,12 +88,14 @@ class TerminateSave:
                 return
             if signal.SIGTERM in data:
                 self._saver.save("SIGTERM")
+                _leave_to_the_watchdog(self._saver)
                 if self._previous is signal.SIG_DFL:
                     _die_by_sigterm()
                 return
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         self._saver.save("SIGTERM")
+        _leave_to_the_watchdog(self._saver)
         previous = self._previous
         if callable(previous):
             previous(signum, frame)
@@ -163,6 +168,18 @@ def _register_fork_hook() -> None:
             after_in_child=_after_fork_in_child,
         )
         _fork_hook = True
+
+
+EXIT_GRACE = 5.0
+"""Seconds a SIGTERM waits, once the state is written, for the watchdog's own exit."""
+
+
+def _leave_to_the_watchdog(saver: Saver) -> None:
+    """The watchdog is ending the process (91 or 92, which say why) and a launcher's SIGTERM
+    came meanwhile: the watchdog exits as soon as the state it waited for is written, so
+    give it that moment rather than end the rank as a plain SIGTERM (-15)."""
+    if getattr(saver, "exiting", False):
+        time.sleep(EXIT_GRACE)
 
 
 def _die_by_sigterm() -> None:

@@ -158,6 +158,7 @@ class FailureState:
 
     def save_for_exit(self) -> None:
         """The watchdog ends this rank (a peer failed, or a hang was declared)."""
+        self.writer.exiting = True
         self.save("watchdog exit")
 
     def resume(

@@ -107,6 +107,9 @@ class FailureWriter:
         self._tmp: Path | None = None
         self.saved: Path | None = None
         """The state written (None: none, or not yet)."""
+        self.exiting = False
+        """The watchdog ends the process with its own exit status once the state is written
+        (``FailureState.save_for_exit``): a SIGTERM meanwhile leaves that to it."""
         self.shards: PeerShards | None = None
         """Sharded state (FSDP2): the snapshot shards to write too (``shards.py``)."""
 
