@@ -7,7 +7,7 @@ theirs; ``watch()``'s and ``record_batch()``'s batches stay what the bundle hold
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -48,6 +48,25 @@ def micro_batches() -> Iterator[tuple[int, int, Tensor, Tensor]]:
             yield step, micro, x, y
 
 
+def _accumulate(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    run_dir: Path,
+    feed: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]],
+) -> tg.Guard:
+    """A check()-only loop, ``MICRO`` micro-batches a step, the model called with what
+    ``feed(step, x, y)`` gives (no ``watch()``, no ``record_batch()``)."""
+    with tg.Guard(model, opt, run_dir=run_dir) as guard:
+        for step, micro, x, y in micro_batches():
+            loss = model(*feed(step, x, y)) / MICRO
+            loss.backward()
+            if micro == MICRO - 1:
+                if guard.check(loss):
+                    opt.step()
+                opt.zero_grad()
+    return guard
+
+
 def _bundle(run_dir: Path) -> tg.Bundle:
     return tg.load_bundle(run_dir / "captures" / f"step-{BAD_STEP:08d}")
 
@@ -56,16 +75,12 @@ def test_the_model_call_arguments_are_the_bundles_micro_batches(tmp_path: Path) 
     model = LossModel()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     fed: list[tuple[Tensor, Tensor]] = []
-    with tg.Guard(model, opt, run_dir=tmp_path) as guard:
-        for step, micro, x, y in micro_batches():
-            if step == BAD_STEP:
-                fed.append((x, y))
-            loss = model(x, y) / MICRO
-            loss.backward()
-            if micro == MICRO - 1:
-                if guard.check(loss):
-                    opt.step()
-                opt.zero_grad()
+
+    def feed(step: int, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        fed.extend([(x, y)] if step == BAD_STEP else [])
+        return x, y
+
+    guard = _accumulate(model, opt, tmp_path, feed)
     assert list(guard.state.nonfinite_steps) == [BAD_STEP]
     bundle = _bundle(tmp_path)
     stored = bundle.batches(0)
@@ -83,16 +98,7 @@ def test_a_refilled_input_buffer_is_listed_as_overwritten(tmp_path: Path) -> Non
     model = LossModel()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     xbuf, ybuf = torch.empty(8, 4), torch.empty(8, 1)
-    with tg.Guard(model, opt, run_dir=tmp_path) as guard:
-        for _, micro, x, y in micro_batches():
-            xbuf.copy_(x)
-            ybuf.copy_(y)
-            loss = model(xbuf, ybuf) / MICRO
-            loss.backward()
-            if micro == MICRO - 1:
-                if guard.check(loss):
-                    opt.step()
-                opt.zero_grad()
+    _accumulate(model, opt, tmp_path, lambda _, x, y: (xbuf.copy_(x), ybuf.copy_(y)))
     assert _bundle(tmp_path).meta(0)["overwritten_micro_batches"] == [0]
 
 
