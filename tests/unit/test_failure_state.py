@@ -472,3 +472,19 @@ def test_a_sigterm_while_the_watchdog_ends_the_rank_leaves_it_its_exit_status() 
         [sys.executable, "-c", _WATCHDOG_EXITING], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 92, done.stderr[-2000:]
+
+
+def test_a_state_is_hashed_as_it_is_written() -> None:
+    """The checksum in the state's description is the file's own (``torch.save`` writes its
+    archive front to back), so the writer never reads the file back."""
+    import hashlib
+    import io
+
+    from trainguard.recovery.failure.writer import _HashingFile
+
+    payload = {"w": torch.randn(300, 301), "parts": [torch.randn(7) for _ in range(40)], "n": 3}
+    raw = io.BytesIO()
+    hashing = _HashingFile(raw)
+    torch.save(payload, hashing)
+    assert hashing.hexdigest() == hashlib.sha256(raw.getvalue()).hexdigest()
+    assert torch.equal(torch.load(io.BytesIO(raw.getvalue()))["w"], payload["w"])

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, BinaryIO, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -70,8 +70,27 @@ def weights_digest(model_state: dict[str, Any], names: set[str]) -> str:
         if isinstance(value, Tensor):
             digest.update(key.encode())
             flat = value.detach().reshape(-1).contiguous()
-            digest.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+            digest.update(flat.view(torch.uint8).numpy().data if flat.numel() else b"")  # no copy
     return digest.hexdigest()
+
+
+class _HashingFile:
+    """A binary file that hashes (SHA-256) what is written to it, in order: ``torch.save``
+    writes its archive front to back, so the digest is the file's."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self._handle = handle
+        self._digest = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self._digest.update(data)
+        return self._handle.write(data)
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
 
 
 class FailureWriter:
@@ -202,7 +221,9 @@ class FailureWriter:
             return
         path = store.state_path(self.folder, boundary.step, self.rank)
         tmp = self._tmp = path.with_name(path.name + ".tmp")
-        torch.save(payload, tmp)
+        with tmp.open("wb") as handle:
+            hashing = _HashingFile(handle)
+            torch.save(payload, cast(IO[bytes], hashing))  # hashed as written, not read back
         if self._cancelled:
             with contextlib.suppress(OSError):
                 tmp.unlink()
@@ -213,7 +234,7 @@ class FailureWriter:
             "rank": self.rank,
             "world_size": self.world_size,
             "bytes": tmp.stat().st_size,
-            "sha256": store.sha256_of(tmp),
+            "sha256": hashing.hexdigest(),
             "digest": None
             if self.shards is not None
             else weights_digest(payload["state"]["model"], self._parameter_names()),
