@@ -72,6 +72,8 @@ def test_a_host_that_keeps_faulting_is_named_and_every_rank_exits(tmp_path: Path
         assert len(events) == 1 and events[0]["step"] == 5
         assert events[0]["ranks"] == [1] and events[0]["exit_code"] == EXIT_SUSPECT_HOST
         assert events[0]["transient_faults"] == {events[0]["hosts"][0]: 3}
+        last = tg.read_events(tmp_path, rank)[-1]  # the guard closed before the exit
+        assert (last["kind"], last["step"]) == ("close", 5) and "closed" not in last
     host = _events(tmp_path, 0, "suspect_host")[0]["hosts"][0]
     summary = summarize(tmp_path)  # what `trainguard report` prints
     assert summary.hosts == {host: {"transient": 3, "persistent": 0, "suspect": 1}}

@@ -4,7 +4,10 @@
 and the run's event log, the per-step path, the health rules, then the decision's parts and
 the services that start the run) and hands each part an explicit view of the others (the
 ``*Parts`` dataclasses: ``MeasureParts``, ``ApplyParts``, ``EvidenceParts``, ...), and
-composes the per-step ones into the one pipeline (``StepPipeline``). ``Guard``
+composes the per-step ones into the one pipeline (``StepPipeline``). The views hold parts,
+never a callback into the guard: the current ``watch()`` stream is a ``StreamSlot`` the guard
+fills, the capture's phase is ``phases.marked_phase`` over the progress and the event log,
+the reruns' suspect-host exit is an exception the guard closes itself on. ``Guard``
 (``step/guard.py``) is the loop's API on top: ``watch``, ``check``, ``step``, ``phase``, the
 state and the lifecycle.
 """
@@ -12,7 +15,6 @@ state and the lifecycle.
 from __future__ import annotations
 
 from collections import deque
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,7 @@ from trainguard.runs.dirs import claim as claim_run_dir
 from trainguard.runs.identity import RunIdentity, identify_run
 from trainguard.step import unclosed
 from trainguard.step.apply import ApplyParts, DecisionApply
-from trainguard.step.batch_stream import BatchStream
+from trainguard.step.batch_stream import StreamSlot
 from trainguard.step.capturer import Capturer
 from trainguard.step.consensus import Consensus
 from trainguard.step.deferred import uses_fused
@@ -93,7 +95,7 @@ class GuardAssembly:
         """State, progress and the per-step parts: step start, losses, inputs, spikes, history."""
         self.state = GuardState(nonfinite_steps=deque(maxlen=RECORDED_STEPS))
         self.progress = Progress()
-        self._stream: BatchStream | None = None
+        self._streams = StreamSlot()  # watch() puts its stream here
         # record_batch(): loops without watch() (a refilled input buffer: step/recorded_batches.py)
         self._recorded = RecordedBatches(report_overwritten(self.events, self.rank))
         state = self.state  # not the guard: the hooks' closures must not keep it alive
@@ -162,7 +164,7 @@ class GuardAssembly:
         (``objects``: what recovery saves and restores)."""
         scaler, optimizer = self.scaler, objects.optimizer
         self._transient: TransientFaults | None = None  # rerun=: step/transient.py
-        self._evidence = StepEvidence(self._evidence_parts(rerun is not None))
+        self._evidence = StepEvidence(self._evidence_parts())
         self._measure = StepMeasure(self._measure_parts())  # this rank's row: step/measure.py
         self.recovery = build_recovery(
             self.config,
@@ -238,19 +240,14 @@ class GuardAssembly:
             events=self.events,
             losses=self._losses,
             measure=self._measure,
-            batches_of=self._evidence.batches_of,
-            exit_suspect=self._exit_suspect,
+            evidence=self._evidence,
         )
-        return TransientFaults(StepRerun(rerun, self.model, self._start), parts)
+        transient = TransientFaults(StepRerun(rerun, self.model, self._start), parts)
+        self._evidence.rerun = transient  # a capture records the last rerun's verdict
+        return transient
 
-    def _exit_suspect(self) -> None:
-        if self.recovery is not None:
-            self.recovery.close()  # every rank: a checkpoint being written completes first
-        self._close(raise_errors=False)
-
-    def _evidence_parts(self, reruns: bool) -> EvidenceParts:
+    def _evidence_parts(self) -> EvidenceParts:
         """What ``StepEvidence`` (batches, RNG states, capture) reads of the guard."""
-        transient = self._transient_verdict if reruns else None
         return EvidenceParts(
             config=self.config,
             model=self.model,
@@ -261,9 +258,10 @@ class GuardAssembly:
             losses=self._losses,
             history=self.history,
             replicas=self.replicas,
-            stream=lambda: self._stream,
-            rerun_verdict=transient,
-            phase=self.phase,
+            stream=self._streams,
+            progress=self.progress,
+            events=self.events,
+            state=self.state,
         )
 
     def _measure_parts(self) -> MeasureParts:
@@ -279,7 +277,7 @@ class GuardAssembly:
             fold=self.world_size == 1,
             timer=self._timer,
             evidence=self._evidence,
-            stream=lambda: self._stream,
+            stream=self._streams,
             optimizer=self.optimizer,
             scaler=self.scaler,
         )
@@ -339,9 +337,6 @@ class GuardAssembly:
             drop=self._drop_update,
         )
 
-    def _transient_verdict(self) -> str | None:
-        return self._transient.verdict if self._transient is not None else None
-
     # -- taking the parts down ------------------------------------------------------------
 
     def _stop_parts(self, ended_by: BaseException | None) -> None:
@@ -376,14 +371,6 @@ class GuardAssembly:
         recovery = getattr(self, "recovery", None)
         if recovery is not None and recovery.failure is not None:
             recovery.failure.abandon()
-
-    # -- what the parts call back into (the loop's API, in ``Guard``) ----------------------
-
-    def phase(self, name: str) -> AbstractContextManager[None]:
-        raise NotImplementedError  # Guard.phase
-
-    def _close(self, raise_errors: bool) -> None:
-        raise NotImplementedError  # Guard._close
 
 
 def check_pair(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -307,3 +308,12 @@ class BatchStream:
                 dropped,
                 self._k,
             )
+
+
+@dataclass
+class StreamSlot:
+    """The loop's current ``watch()`` stream (None: no ``watch()`` yet): the guard puts a new
+    one here at every ``watch()``, the parts that read a step's batches hold the slot (a
+    plain object: never a closure over the guard, which would keep a dropped guard alive)."""
+
+    current: BatchStream | None = None

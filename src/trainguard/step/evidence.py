@@ -12,11 +12,9 @@ non-finite input the batches did not hold (``capture/forward_inputs.py``).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -24,17 +22,30 @@ from torch import nn
 from trainguard.capture.forward_inputs import forward_findings, warn_made_in_loop
 from trainguard.capture.rng import RngSnapshot, states_of
 from trainguard.config import GuardConfig
+from trainguard.events import EventLog
+from trainguard.hang.progress import Progress
 from trainguard.health.replicas import ReplicaWatch
-from trainguard.step.batch_stream import BatchStream
+from trainguard.step.batch_stream import StreamSlot
 from trainguard.step.capturer import Capturer, step_evidence
 from trainguard.step.deferred import PendingStep
 from trainguard.step.detect import GradStats
 from trainguard.step.history import StepHistory
 from trainguard.step.hyperparams import nonfinite_hyperparameters
 from trainguard.step.losses import StepLosses
+from trainguard.step.phases import marked_phase
 from trainguard.step.recorded_batches import RecordedBatches
+from trainguard.step.state import GuardState
 from trainguard.step.step_start import StepStart
 from trainguard.step.types import Agreement, Decision
+
+
+class Reruns(Protocol):
+    """The reruns of ``Guard(rerun=...)`` (``transient.TransientFaults``), as a capture reads
+    them."""
+
+    @property
+    def verdict(self) -> str | None: ...
+
 
 Rng = RngSnapshot | dict[str, Any] | None
 
@@ -52,11 +63,12 @@ class EvidenceParts:
     losses: StepLosses
     history: StepHistory
     replicas: ReplicaWatch
-    stream: Callable[[], BatchStream | None]
+    stream: StreamSlot
     """The current ``watch()`` stream (a new one at every ``watch()`` call)."""
-    rerun_verdict: Callable[[], str | None] | None
-    """The last rerun's verdict, with ``Guard(rerun=...)``."""
-    phase: Callable[[str], contextlib.AbstractContextManager[None]]
+    progress: Progress
+    events: EventLog
+    state: GuardState
+    """The capture runs as a ``capture`` phase (``hang.progress.marked_phase``)."""
 
 
 class StepEvidence:
@@ -64,6 +76,8 @@ class StepEvidence:
 
     def __init__(self, parts: EvidenceParts) -> None:
         self._parts = parts
+        self.rerun: Reruns | None = None
+        """With ``Guard(rerun=...)``: the reruns, whose last verdict a capture records."""
         self.loss_source: str | None = None
         """What computed the loss the loop checks, when that is not the model's own forward
         and a replay's ``loss_fn`` may well not compute it (the HF Trainer's overriding
@@ -73,7 +87,7 @@ class StepEvidence:
     def batches_of(self, step: int) -> list[Any]:
         """The micro-batches of ``step`` (being decided), without its RNG states."""
         parts = self._parts
-        stream = parts.stream()
+        stream = parts.stream.current
         if parts.recorded.used or stream is None:
             return parts.recorded.of(step)
         return stream.unchecked.step()
@@ -87,7 +101,7 @@ class StepEvidence:
     def step_batches_lazy(self, step: int) -> tuple[list[Any], Rng]:
         """``step_batches`` with the RNG states as taken (turned into a dict when read)."""
         parts = self._parts
-        stream = parts.stream()
+        stream = parts.stream.current
         rng: Rng = None
         if parts.start.started(step):
             rng = parts.start.rng_snapshot
@@ -104,7 +118,7 @@ class StepEvidence:
     def taken(self, step: int) -> None:
         """``step`` is decided: its batches leave the stream."""
         parts = self._parts
-        stream = parts.stream()
+        stream = parts.stream.current
         if stream is not None:
             stream.start_at_yield = not parts.start.seen
             if not parts.recorded.used:
@@ -160,7 +174,7 @@ class StepEvidence:
         evidence.extra["pre_step_buffers"] = sorted(evidence.buffers)
         if parts.replicas.diverged_at is not None:  # the replicas disagreed before this step
             evidence.extra["replica_divergence"] = parts.replicas.diverged_at
-        if parts.rerun_verdict is not None and pending is None:  # "persistent": reproduced
-            evidence.extra["rerun"] = parts.rerun_verdict()
-        with parts.phase("capture"):
+        if self.rerun is not None and pending is None:  # "persistent": reproduced
+            evidence.extra["rerun"] = self.rerun.verdict
+        with marked_phase(parts.progress, parts.events, parts.state, "capture"):
             return parts.capturer.capture(parts.model, parts.optimizer, evidence, spike)

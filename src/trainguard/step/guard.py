@@ -39,7 +39,9 @@ from trainguard.step.guard_state_dict import guard_state_dict, load_guard_state
 from trainguard.step.internals import GuardInternals
 from trainguard.step.join import join_error, shadowed_in_join
 from trainguard.step.losses import LossLike
+from trainguard.step.phases import marked_phase
 from trainguard.step.rerun import LossFn
+from trainguard.step.transient import SuspectHostExit
 from trainguard.step.types import DROPPED_BY_LOOP, DROPPED_WITH_SCALER, USUAL_CALL, StepCall
 
 logger = logging.getLogger(__name__)
@@ -158,7 +160,7 @@ class Guard(GuardAssembly):
         self._sampler_epochs.starting(iterable, self.state.step)
         state = self.state  # not the guard: recovery keeps the stream, and the unclosed
         # guard's release (step/unclosed.py) keeps recovery: a dropped guard must go
-        self._stream = BatchStream(
+        stream = self._streams.current = BatchStream(
             iterable,
             self.config.accumulation_steps,
             self._consensus,
@@ -170,9 +172,9 @@ class Guard(GuardAssembly):
             **(resumed.stream_args() if resumed is not None else {}),
         )
         if recovery is not None and resumed is not None:
-            recovery.watch(self._stream, iterable, resumed.epoch)
-        self._pipeline.watching(self._stream)
-        return self._watched(iter(self._stream))
+            recovery.watch(stream, iterable, resumed.epoch)
+        self._pipeline.watching(stream)
+        return self._watched(iter(stream))
 
     def _watched(self, batches: Iterator[Any]) -> Iterator[Any]:
         """The loop is ``done`` once it ends (the watchdog then stops looking for hangs)."""
@@ -228,7 +230,18 @@ class Guard(GuardAssembly):
             self._refuse_join()
         if self._sync_free is not None:
             self._sync_free.resolve()
-        return self._pipeline.check(loss, call)
+        try:
+            return self._pipeline.check(loss, call)
+        except SuspectHostExit:  # every rank: the reruns blame this host (step/transient.py)
+            if self.recovery is not None:
+                self.recovery.close()  # a checkpoint being written completes first
+            self._close(raise_errors=False)
+            raise
+
+    @property
+    def _stream(self) -> BatchStream | None:
+        """The loop's current ``watch()`` stream (None: no ``watch()`` yet)."""
+        return self._streams.current
 
     def step(self, loss: LossLike | None = None) -> StepOutcome:
         """``check()``, then the optimizer step (when good) and ``zero_grad`` in one call
@@ -276,13 +289,8 @@ class Guard(GuardAssembly):
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Mark long non-training work (eval, checkpointing) so it is not taken for a hang."""
-        previous = self.progress.push_phase(name)
-        self.events.write("phase", self.state.step, phase=name, state="enter")
-        try:
+        with marked_phase(self.progress, self.events, self.state, name):
             yield
-        finally:
-            self.progress.pop_phase(previous)
-            self.events.write("phase", self.state.step, phase=name, state="exit")
 
     # -- lifecycle ------------------------------------------------------------------------
 

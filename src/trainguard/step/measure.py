@@ -11,7 +11,6 @@ stream and the rank's data and compute seconds (``health.timing``). No host sync
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,7 @@ from torch import Tensor, nn
 from trainguard.health.replicas import ReplicaWatch
 from trainguard.health.timing import StepTimer
 from trainguard.step import amp
-from trainguard.step.batch_stream import BatchStream
+from trainguard.step.batch_stream import BatchStream, StreamSlot
 from trainguard.step.detect import GradStats, grad_stats, is_sharded, loss_columns
 from trainguard.step.evidence import StepEvidence
 from trainguard.step.folded_row import FoldedRow, fold, foldable_losses
@@ -47,7 +46,7 @@ class MeasureParts:
     replicas: ReplicaWatch
     timer: StepTimer | None
     evidence: StepEvidence
-    stream: Callable[[], BatchStream | None]
+    stream: StreamSlot
     """The ``watch()`` stream of the loop (set at ``watch()``), None without one."""
     optimizer: torch.optim.Optimizer
     """Read for the row's ``lr`` column: the rules see the LR agreed, never this rank's."""
@@ -99,7 +98,7 @@ class StepMeasure:
         device = parts.device
         checked = parts.losses.checked(loss)  # ends with the loss, detached (or its twin)
         reported, check = loss_columns(checked, device)
-        stream = parts.stream()
+        stream = parts.stream.current
         batches = parts.evidence.batches_of(step)
         inputs = parts.inputs.value(step, batches, device)
         fingerprint = parts.replicas.fingerprint(step, device)
@@ -127,7 +126,7 @@ class StepMeasure:
             return float(max_abs(inputs, device))
 
         values, layout = fold(losses, stats.per_param, stats.input_norms, confirm)
-        return self._host_fields(values, self._parts.stream(), layout, call)
+        return self._host_fields(values, self._parts.stream.current, layout, call)
 
     def _host_fields(
         self, values: Tensor, stream: BatchStream | None, layout: FoldedRow | None, call: StepCall

@@ -17,7 +17,6 @@ import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from torch import Tensor
 
@@ -27,6 +26,7 @@ from trainguard.events import EventLog
 from trainguard.exitcodes import EXIT_SUSPECT_HOST
 from trainguard.step.consensus import Consensus
 from trainguard.step.detect import GradStats
+from trainguard.step.evidence import StepEvidence
 from trainguard.step.losses import StepLosses
 from trainguard.step.rerun import StepRerun, SuspectHosts
 from trainguard.step.types import Agreement, LocalReport
@@ -65,10 +65,13 @@ class RerunParts:
     losses: StepLosses
     measure: Measure
     """The gradient pass and this rank's report for a loss and step (``StepMeasure``)."""
-    batches_of: Callable[[int], list[Any]]
-    """A step's micro-batches as the guard saw them."""
-    exit_suspect: Callable[[], None]
-    """Closes the guard (and recovery) before the suspect-host exit."""
+    evidence: StepEvidence
+    """A step's micro-batches as the guard saw them (``batches_of``)."""
+
+
+class SuspectHostExit(SystemExit):
+    """Every rank leaves with ``EXIT_SUSPECT_HOST``: the guard that sees it pass closes
+    itself (and recovery) first (``Guard._checked``)."""
 
 
 class TransientFaults:
@@ -87,7 +90,7 @@ class TransientFaults:
     ) -> tuple[Agreement, GradStats]:
         """Every rank reruns the bad step from its start and agrees again."""
         parts = self._parts
-        batches = parts.batches_of(step)
+        batches = parts.evidence.batches_of(step)
         if not batches:  # the loop neither iterates watch() nor calls record_batch()
             self.verdict = None
             parts.events.write("rerun", step, verdict="unavailable", reason="no batches")
@@ -169,5 +172,4 @@ class TransientFaults:
             parts.consensus.rank,
             EXIT_SUSPECT_HOST,
         )
-        parts.exit_suspect()
-        raise SystemExit(EXIT_SUSPECT_HOST)
+        raise SuspectHostExit(EXIT_SUSPECT_HOST)  # the guard closes, then the rank exits
