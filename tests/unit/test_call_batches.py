@@ -134,3 +134,29 @@ def test_watched_batches_stay_what_the_bundle_holds(tmp_path: Path) -> None:
             opt.zero_grad()
     (stored,) = _bundle(tmp_path).batches(0)
     assert isinstance(stored, (list, tuple)) and torch.equal(stored[1], loader[BAD_STEP][1])
+
+
+def test_an_input_made_in_inference_mode_trains_as_it_does_bare(tmp_path: Path) -> None:
+    """An inference tensor keeps no version counter (reading it raises): a forward that
+    takes one without saving it for backward trains guarded as bare."""
+
+    class Shift(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(4))
+
+        def forward(self, x: Tensor) -> Tensor:
+            return (self.bias + x).square().mean()
+
+    model = Shift()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.inference_mode():
+        data = [torch.randn(8, 4) for _ in range(3)]
+    with tg.Guard(model, opt, run_dir=tmp_path) as guard:
+        for x in data:
+            loss = model(x)
+            loss.backward()
+            assert guard.check(loss)
+            opt.step()
+            opt.zero_grad()
+    assert guard.state.step == 3

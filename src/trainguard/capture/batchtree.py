@@ -49,13 +49,16 @@ def call_versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
     containers (a batch dict, a tuple): one changes when its tensor is written in place (an
     input buffer refilled). Cheap: no deeper walk, every training forward pays it."""
     found = []
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, Tensor):
-            found.append(value._version)
-        elif isinstance(value, (list, tuple)):
-            found += [item._version for item in value if isinstance(item, Tensor)]
-        elif isinstance(value, dict):
-            found += [item._version for item in value.values() if isinstance(item, Tensor)]
+    try:
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, Tensor):
+                found.append(value._version)
+            elif isinstance(value, (list, tuple)):
+                found += [item._version for item in value if isinstance(item, Tensor)]
+            elif isinstance(value, dict):
+                found += [item._version for item in value.values() if isinstance(item, Tensor)]
+    except RuntimeError:  # an inference tensor keeps no version counter (nor is written)
+        found.append(-1)
     return found
 
 
