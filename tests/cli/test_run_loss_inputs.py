@@ -207,3 +207,23 @@ def test_a_child_forked_while_the_mode_waits_for_the_step_does_not_keep_it() -> 
     assert torch._C._len_torch_function_stack() == 1  # the parent's is as it was
     loss_inputs.disarm()
     assert torch._C._len_torch_function_stack() == 0
+
+
+@pytest.mark.parametrize("loss_seen", [True, False])
+def test_the_follower_keeps_no_tensor_past_the_step(loss_seen: bool) -> None:
+    """The function follower is one object for the run; the model's output it followed (a
+    transformer's logits can be gigabytes) is not kept once the step is over."""
+    import gc
+    import weakref
+
+    recorded = RecordedBatches()
+    model, loss_inputs = _armed(recorded)
+    out = model(recorded.current[0])
+    followed = weakref.ref(out)
+    loss_inputs.arm(out, recorded)
+    if loss_seen:
+        F.cross_entropy(out, torch.tensor([0, 2]))
+    loss_inputs.disarm()
+    del out
+    gc.collect()
+    assert followed() is None

@@ -104,13 +104,19 @@ loop that computes much else before its loss)."""
 class _LossCalls(TorchFunctionMode):
     """Follows the model's output through torch calls to the loss (see the module's text)."""
 
-    def __init__(self, outputs: list[Tensor], done: Any) -> None:
+    def __init__(self, done: Any) -> None:
         super().__init__()
-        self.live = True
-        self._followed = [out for out in outputs if out.requires_grad]
+        self.live = False
+        self._followed: list[Tensor] = []
         self._extra: list[Tensor] = []
         self._calls = 0
         self._done = done
+
+    def start(self, outputs: list[Tensor]) -> None:
+        """Follow ``outputs`` (one object for the whole run: the mode on the stack is the same
+        at every step, so a compiled function called under it sees no new mode each step)."""
+        self._followed = [out for out in outputs if out.requires_grad]
+        self._extra, self._calls, self.live = [], 0, True
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -144,9 +150,15 @@ class _LossCalls(TorchFunctionMode):
                 self._followed.append(result)
 
     def _finish(self) -> None:
-        self.live = False
-        extra, self._extra, self._followed = self._extra, [], []
+        extra = self._extra
+        self.stop()
         self._done(extra)
+
+    def stop(self) -> None:
+        """Inert until the next ``start``, holding no tensor (the model's output may be
+        large: it is not kept past the step)."""
+        self.live = False
+        self._extra, self._followed = [], []
 
 
 class LossInputs:
@@ -168,6 +180,8 @@ class LossInputs:
         self._missed = 0
         """Armings in a row where both followers found nothing."""
         self._armings = 0
+        self._calls: _LossCalls | None = None
+        """The function follower, made once (``_mode`` while it is on the stack)."""
 
     def arm(self, output: Any, recorded: RecordedBatches) -> None:
         """After a training call of the model whose micro-batch ``recorded`` holds last.
@@ -195,7 +209,10 @@ class LossInputs:
         armable = FUNCTION in follow and grad and self._mode is None
         if armable and not torch.compiler.is_compiling():
             _leave_in_forked_children()
-            self._mode = _LossCalls(outputs, self._found)
+            if self._calls is None:
+                self._calls = _LossCalls(self._found)
+            self._calls.start(outputs)
+            self._mode = self._calls
             _push_mode(self._mode)  # type: ignore[no-untyped-call]
 
     def disarm(self) -> None:
@@ -229,8 +246,8 @@ class LossInputs:
         if handle is not None:
             handle.remove()
         self._outputs, self._recorded = [], None
-        if self._mode is not None:
-            self._mode.live = False
+        if self._calls is not None:
+            self._calls.stop()
 
     def _found(self, extra: list[Tensor]) -> None:
         """The loss function's own inputs (inside its torch call): they join the micro-batch;
