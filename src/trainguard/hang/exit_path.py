@@ -43,7 +43,15 @@ from trainguard.events import EventLog
 from trainguard.exitcodes import EXIT_HANG, EXIT_PEER_FAILURE
 from trainguard.hang.channel import StoreChannel
 from trainguard.hang.collective_record import CollectiveRecord, describe
-from trainguard.hang.frozen import end, frozen_ranks, process_state, still_frozen, write_note
+from trainguard.hang.frozen import (
+    REPORTER_FIRST_S,
+    end,
+    frozen_ranks,
+    gone_within,
+    process_state,
+    still_frozen,
+    write_note,
+)
 from trainguard.hang.progress import Progress
 from trainguard.hang.report import stack_file, write_report
 from trainguard.hang.rules import HANG, PEER_FAILURE, Verdict, own_failure
@@ -178,6 +186,8 @@ class ExitPath:
         beats, _ = self.channel.read(list(verdict.culprits))
         found = still_frozen(frozen_ranks(beats, self._host, self._pid), self.own_dump_grace)
         for rank in found:
+            if verdict.reporter != self.rank:  # the reporter looks first (its report says
+                gone_within(rank, REPORTER_FIRST_S)  # "frozen"), then ends it; else we do
             ended = end(rank)
             note = functools.partial(
                 write_note, self.folder / stack_file(rank.rank), rank, self.rank

@@ -6,9 +6,11 @@ a native call holding the GIL). The difference shows only on the rank's own host
 ``/proc/<pid>/stat``. A stopped process never ends by itself: the launcher (torchrun's agent)
 sends it SIGTERM, which it cannot handle, and waits 30 s more before SIGKILL, and the job
 hangs that long after every other rank has left. So once a peer failure is decided, each
-survivor on the frozen rank's host ends it with SIGKILL (``end``; several survivors send the
-same signal twice). A process that is not stopped first gets the few seconds its own
-faulthandler fallback needs to dump its stacks and exit (``still_frozen``). The survivor
+survivor on the frozen rank's host ends it with SIGKILL (``end``): the verdict's reporter
+first, the others once it is gone or ``REPORTER_FIRST_S`` later (a process ended by another
+survivor is a zombie, no longer seen as frozen, and the report must say "frozen"). A
+process that is not stopped first gets the few seconds its own faulthandler fallback needs
+to dump its stacks and exit (``still_frozen``). The survivor
 writes what was last known of it where its own stack dump would have gone (it can write
 none), and says "frozen" in the verdict's reason. On another host a stopped heartbeat stays
 "the process died or its interpreter is frozen": nothing more is known there.
@@ -131,6 +133,23 @@ def still_frozen(found: list[FrozenRank], grace: float) -> list[FrozenRank]:
         time.sleep(0.05)
         waiting = [f for f in waiting if process_state(f.pid) is not None]
     return [f for f in found if f.state in STOPPED or f in waiting]
+
+
+REPORTER_FIRST_S = 2.0
+"""Seconds a survivor that does not write the report waits for the frozen rank to be ended
+by the one that does: the first to send SIGKILL leaves the others a zombie to look at, and
+the report would no longer say "frozen" (several survivors on one host, 7 on a node of 8)."""
+
+
+def gone_within(frozen: FrozenRank, seconds: float) -> bool:
+    """Whether the frozen rank's process ends (another survivor's SIGKILL) within
+    ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while process_state(frozen.pid) is not None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def end(frozen: FrozenRank) -> bool:
