@@ -109,14 +109,14 @@ class _LossCalls(TorchFunctionMode):
         self.live = False
         self._followed: list[Tensor] = []
         self._extra: list[Tensor] = []
-        self._calls = 0
+        self._count = 0
         self._done = done
 
     def start(self, outputs: list[Tensor]) -> None:
         """Follow ``outputs`` (one object for the whole run: the mode on the stack is the same
         at every step, so a compiled function called under it sees no new mode each step)."""
         self._followed = [out for out in outputs if out.requires_grad]
-        self._extra, self._calls, self.live = [], 0, True
+        self._extra, self._count, self.live = [], 0, True
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -131,10 +131,10 @@ class _LossCalls(TorchFunctionMode):
         return result
 
     def _seen(self, func: Any, args: tuple[Any, ...], kwargs: Any, result: Any) -> None:
-        self._calls += 1
+        self._count += 1
         tensors = _call_tensors(args, kwargs)
         if not any(_from(t, self._followed) for t in tensors):
-            if self._calls >= MAX_CALLS:
+            if self._count >= MAX_CALLS:
                 self.live = False
             return
         for t in tensors:

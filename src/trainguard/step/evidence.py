@@ -68,7 +68,7 @@ class EvidenceParts:
     progress: Progress
     events: EventLog
     state: GuardState
-    """The capture runs as a ``capture`` phase (``hang.progress.marked_phase``)."""
+    """The capture runs as a ``capture`` phase (``phases.marked_phase``)."""
 
 
 class StepEvidence:
