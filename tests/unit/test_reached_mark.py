@@ -68,6 +68,7 @@ def test_a_torn_or_foreign_mark_is_ignored(tmp_path: Path) -> None:
     mark = ReachedMark(tmp_path)
     mark.mark(41)
     mark.close()
+    mark.mark(42)  # after close: no second file
     (path,) = tmp_path.glob("reached-*.bin")
     assert [m["step"] for m in read_marks(tmp_path)] == [41]
     data = bytearray(path.read_bytes())

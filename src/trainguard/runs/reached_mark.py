@@ -3,7 +3,7 @@
 The metrics log is batched (``metrics_log.py``): a process killed by SIGKILL loses the lines
 still buffered, up to its last second, and ``trainguard report`` then undercounts the steps
 that start ran (and so the steps its restart ran twice). So at every step ``add``ed to the
-log, ``ReachedMark.mark`` stores the step and the wall time into a 32-byte shared mapping of
+log, ``ReachedMark.mark`` stores the step and the wall time into a 28-byte shared mapping of
 ``metrics/reached-<ns>-<pid>.bin``: a memory store, no system call (about 0.5 us). The
 kernel keeps a shared mapping's pages when the process dies, however it dies, so the file
 holds the last step recorded. One file per process (a restart writes its own); the report
@@ -70,6 +70,8 @@ class ReachedMark:
         return self._map
 
     def close(self) -> None:
+        """Unmap the file; a later ``mark`` writes nothing (it would open a new file)."""
+        self._failed = True
         mapped, self._map = self._map, None
         if mapped is not None:
             mapped.close()
