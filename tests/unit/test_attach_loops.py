@@ -183,7 +183,7 @@ def test_record_batch_copies_a_refilled_buffer_and_not_a_batch_handed_over_twice
                 guard.record_batch(x)
                 model(x).square().mean().backward()  # type: ignore[no-untyped-call]
             guard.step(torch.zeros(()))
-        assert not guard._recorded.copying
+        assert not guard._parts.recorded.copying
     assert not [e for e in tg.read_events(tmp_path / "twice") if e["kind"] == "batch_overwritten"]
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

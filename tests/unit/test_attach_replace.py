@@ -18,7 +18,7 @@ def _guard(
 ) -> tg.Guard:
     config = tg.GuardConfig(run_dir=run_dir, run=run, extra=dict(HANDOVER) if run else {})
     guard = tg.Guard(model, optimizer, config=config)
-    guard._drop_update.keep_dropped = True  # as trainguard run has it
+    guard._parts.drop_update.keep_dropped = True  # as trainguard run has it
     return guard
 
 
@@ -57,7 +57,9 @@ def test_the_new_guard_goes_on_with_the_run_the_counters_and_the_steps_start(
         assert new.optimizer is second and new.events.run is not None
         assert old.events.run is not None and new.events.run.id == old.events.run.id
         assert (new.state.step, new.state.total_nonfinite) == (3, 1)
-        assert new._start.step == 3 and new._start.seen  # the step's start, carried
+        assert (
+            new._parts.step_start.step == 3 and new._parts.step_start.seen
+        )  # the step's start, carried
         with torch.no_grad():
             model[0].weight.grad[0, 0] = float("nan")  # step 3 turns out bad
         assert not new.check_gradients()
@@ -96,7 +98,7 @@ def test_a_step_the_old_guard_skipped_gets_its_gradients_back_from_the_new(
     try:
         assert new.state.step == 4 and step_start(new) is None
         second.step()  # nothing to update
-        new._drop_update.give_back()  # the attacher's post-step hook
+        new._parts.drop_update.give_back()  # the attacher's post-step hook
         assert model[2].weight.grad is not None and model[2].weight.grad[0, 0] == float("inf")
     finally:
         new.close()

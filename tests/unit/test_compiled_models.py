@@ -175,7 +175,7 @@ def test_a_model_compiled_in_place_after_the_guard_keeps_its_steps(tmp_path: Pat
         starts, graphs = [], []
         for batch in guard.watch(batches(6, bad=4)):
             loss = loss_fn(model, batch)
-            starts.append(guard._start.step == guard.state.step)
+            starts.append(guard._parts.step_start.step == guard.state.step)
             graphs.append(int(counters["stats"]["unique_graphs"]))
             loss.backward()
             if guard.check(loss):

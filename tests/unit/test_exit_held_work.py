@@ -112,7 +112,7 @@ def test_consensus_all_reduce_is_held(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_guard_close_retires_the_consensus_work(tmp_path: Path) -> None:
     model = TinyNet()
     guard = tg.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=tmp_path)
-    guard._consensus.work._work = _FakeWork()  # as after a distributed step
+    guard._parts.consensus.work._work = _FakeWork()  # as after a distributed step
     before = retired_count()
     guard.close()
-    assert retired_count() == before + 1 and not guard._consensus.work.held
+    assert retired_count() == before + 1 and not guard._parts.consensus.work.held

@@ -154,7 +154,7 @@ def test_every_training_forward_of_the_step_is_kept_and_evaluation_forwards_are_
             F.mse_loss(model(x), y).backward()
         guard.record_loss(torch.tensor(1.0))
         assert guard.check(torch.tensor(1.0)) is False
-        inputs = guard._start.forward_inputs(0)
+        inputs = guard._parts.step_start.forward_inputs(0)
         assert inputs is not None and len(inputs) == 2  # the no_grad forward is not one
     found = tg.load_bundle(tmp_path / "captures" / f"step-{0:08d}").meta(0)["forward_inputs"]
     assert found["nonfinite"] == [{"forward": 1, "path": "args[0]", "positions": [3]}]
@@ -184,12 +184,12 @@ def test_a_loop_handing_batches_to_record_batch_is_covered_too(tmp_path: Path) -
             guard.record_batch((x, y))
             loss = F.mse_loss(model(normalize(x)), y)
             loss.backward()
-            assert len(guard._start.forward_inputs(guard.state.step) or []) == 1
+            assert len(guard._parts.step_start.forward_inputs(guard.state.step) or []) == 1
             if guard.check(loss):
                 opt.step()
             opt.zero_grad()
         guard.close()
-        assert guard._start.forward_inputs(guard.state.step - 1) is None  # released
+        assert guard._parts.step_start.forward_inputs(guard.state.step - 1) is None  # released
     meta = tg.load_bundle(tmp_path / "captures" / f"step-{BAD_STEP:08d}").meta(0)
     assert made_in_loop(meta["forward_inputs"])
 
@@ -202,8 +202,8 @@ def test_a_step_started_in_a_child_keeps_no_inputs(tmp_path: Path) -> None:
     with tg.Guard(model, opt, run_dir=tmp_path) as guard:
         for x, y in guard.watch(list(batches(None))[:2]):
             F.mse_loss(model.lin(x), y).backward()
-            assert guard._start.started(guard.state.step)
-            assert guard._start.forward_inputs(guard.state.step) is None
+            assert guard._parts.step_start.started(guard.state.step)
+            assert guard._parts.step_start.forward_inputs(guard.state.step) is None
             assert guard.check(torch.tensor(0.5))
             opt.zero_grad()
 
@@ -216,7 +216,7 @@ def test_the_sync_free_step_carries_the_forward_inputs_to_its_late_capture(
     model, _ = factory()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     with tg.Guard(model, opt, run_dir=tmp_path) as guard:
-        assert guard._sync_free is not None
+        assert guard._parts.sync_free is not None
         for x, y in guard.watch(batches(constant_at=BAD_STEP)):
             guard.step(F.mse_loss(model(normalize(x)), y))
     assert list(guard.state.nonfinite_steps) == [BAD_STEP]

@@ -224,7 +224,7 @@ def test_the_sync_free_step_reports_what_it_has_read(tmp_path: Path) -> None:
         guard.step(loss)
         seen.append(guard.metrics())
     guard.spikes.total = 2  # as if two spikes had been seen: the saved state keeps them
-    assert guard._sync_free is not None and guard._sync_free.pending is not None
+    assert guard._parts.sync_free is not None and guard._parts.sync_free.pending is not None
     assert guard.state_dict()["state"]["total_spikes"] == 2  # the pending step settled
     guard.close()
     final = guard.metrics()

@@ -43,13 +43,13 @@ class _FullPathCount:
 
     def __init__(self, guard: tg.Guard) -> None:
         self.steps: list[int] = []
-        measure = guard._pipeline.measure
+        measure = guard._parts.pipeline.measure
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.steps.append(guard.state.step)
             return measure(*args, **kwargs)
 
-        guard._pipeline.measure = counted  # type: ignore[assignment]
+        guard._parts.pipeline.measure = counted  # type: ignore[assignment]
 
 
 def _run(run_dir: Path, lone: bool, shape: str = "plain", **options: Any) -> dict[str, Any]:
@@ -72,7 +72,7 @@ def _run(run_dir: Path, lone: bool, shape: str = "plain", **options: Any) -> dic
     )
     guard = tg.Guard(model, opt, config=config)
     if not lone:
-        guard._pipeline.alone = None
+        guard._parts.pipeline.alone = None
     full = _FullPathCount(guard)
     oks = []
     torch.manual_seed(2)  # dropout
@@ -97,7 +97,7 @@ def _run(run_dir: Path, lone: bool, shape: str = "plain", **options: Any) -> dic
         ok = guard.check(loss)
         oks.append(ok)
         if step == 0:  # learned at the first decided step (``BufferKeeper.learn``)
-            learned = sorted(guard._start.buffers._tracked)
+            learned = sorted(guard._parts.step_start.buffers._tracked)
         if ok:
             opt.step()
         opt.zero_grad()
@@ -177,7 +177,7 @@ def test_usual_steps_take_the_lone_path_and_change_nothing(tmp_path: Path, shape
 def test_lone_path_is_built_for_a_world_of_one_only(tmp_path: Path) -> None:
     model = _model()
     guard = tg.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=tmp_path)
-    assert guard._pipeline.alone is not None and guard.world_size == 1
+    assert guard._parts.pipeline.alone is not None and guard.world_size == 1
     guard.close()
 
 
@@ -253,7 +253,7 @@ def test_float64_inputs_take_the_full_path(tmp_path: Path) -> None:
     guard.close()
     assert full.steps == [0, 1, 2]
     assert (
-        guard._pipeline.alone is not None and guard._pipeline.alone.active
+        guard._parts.pipeline.alone is not None and guard._parts.pipeline.alone.active
     )  # per step, not for good
 
 
@@ -270,7 +270,7 @@ def test_sparse_gradients_turn_the_lone_path_off_for_the_run(tmp_path: Path) -> 
         opt.zero_grad()
     guard.close()
     assert full.steps == [0, 1, 2]
-    assert guard._pipeline.alone is not None and not guard._pipeline.alone.active
+    assert guard._parts.pipeline.alone is not None and not guard._parts.pipeline.alone.active
 
 
 def test_a_gradscaler_takes_the_full_path(tmp_path: Path) -> None:
@@ -361,7 +361,7 @@ def test_a_tensor_learning_rate_is_judged_as_on_the_full_path(tmp_path: Path) ->
         )
         guard = tg.Guard(model, opt, config=config)
         if not lone:
-            guard._pipeline.alone = None
+            guard._parts.pipeline.alone = None
         gen = torch.Generator().manual_seed(0)
         data = [(torch.randn(4, 4, generator=gen), torch.randn(4, 1, generator=gen))] * 8
         for step, (x, y) in enumerate(guard.watch(data)):
@@ -394,7 +394,7 @@ def test_fsdp2_shards_turn_the_lone_path_off_for_the_run(tmp_path: Path) -> None
         cpu_fully_shard(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         guard = tg.Guard(model, opt, run_dir=tmp_path / "run", hang_timeout=0)
-        lone = guard._pipeline.alone
+        lone = guard._parts.pipeline.alone
         assert lone is not None and lone.active  # built: a world of one
         full = _FullPathCount(guard)
         tried: list[int] = []  # the fused pass (it would refuse DTensors too: found before)

@@ -107,7 +107,7 @@ def test_a_single_process_guard_leaves_torch_save_alone(tmp_path: Path) -> None:
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with tg.Guard(model, optimizer, run_dir=tmp_path) as guard:
-        assert guard._watchdog is None and torch.save is ORIGINAL  # no watchdog, no phase
+        assert guard._parts.watchdog is None and torch.save is ORIGINAL  # no watchdog, no phase
 
 
 def test_mark_saves_must_be_a_bool(tmp_path: Path) -> None:

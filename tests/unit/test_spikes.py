@@ -359,7 +359,7 @@ def test_an_escalated_spike_stops_the_run_alike_on_both_steps(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=sync_free)
     config = tg.GuardConfig(run_dir=tmp_path, on_spike="skip", hang_timeout=0)
     guard = tg.Guard(model, opt, config=config)
-    assert (guard._sync_free is not None) is sync_free
+    assert (guard._parts.sync_free is not None) is sync_free
     gen = torch.Generator().manual_seed(1)
     with pytest.raises(SpikeError) as raised:
         for step, x in enumerate(

@@ -29,7 +29,7 @@ def test_a_loop_calling_the_model_keeps_the_root_hook_only(tmp_path: Path) -> No
         for batch in guard.watch([torch.randn(3, 4) for _ in range(3)]):
             rng = torch.get_rng_state()
             model(batch).pow(2).mean().backward()
-            assert torch.equal(guard._start.rng["torch"], rng)  # the forward's RNG state
+            assert torch.equal(guard._parts.step_start.rng["torch"], rng)  # the forward's RNG state
             guard.step(torch.zeros(()))
             assert _hooked(model) == ["<root>"]
     assert _hooked(model) == []
@@ -48,8 +48,8 @@ def test_a_loop_calling_children_keeps_their_hooks_or_gets_them_back(tmp_path: P
                 out = model[2](model[1](model[0](batch)))
             out.pow(2).mean().backward()
             if step >= 2:
-                assert guard._start.started(step)
-                assert torch.equal(guard._start.rng["torch"], rng)
+                assert guard._parts.step_start.started(step)
+                assert torch.equal(guard._parts.step_start.rng["torch"], rng)
             guard.step(out.detach().pow(2).mean())
             assert _hooked(model) == (["<root>"] if step == 0 else ["<root>", "0", "1", "2"])
 
@@ -64,7 +64,7 @@ def test_the_autocast_state_is_read_at_each_step_start(tmp_path: Path) -> None:
     for step in range(4):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step in (1, 2)):
             loss = model(torch.randn(8, 4)).float().pow(2).mean()
-        seen.append(dict(guard._start.autocast or {}))
+        seen.append(dict(guard._parts.step_start.autocast or {}))
         loss.backward()
         guard.check(loss)
         opt.zero_grad()
@@ -101,7 +101,7 @@ def test_a_step_started_by_record_batch_records_the_forward_s_autocast(tmp_path:
                 guard.record_batch(torch.randn(8, 4))
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not inside):
                     loss = model(torch.randn(8, 4)).float().pow(2).mean()
-                assert guard._start.autocast == on, (inside, step)
+                assert guard._parts.step_start.autocast == on, (inside, step)
                 loss.backward()
                 guard.check(loss)
                 opt.zero_grad()
@@ -132,12 +132,12 @@ def test_each_step_start_holds_that_moment_s_rng_states_drawn_or_not(tmp_path: P
             if step in noisy:
                 loss = loss + 0.0 * torch.rand(()).item()
             loss.backward()
-            found = guard._start.rng
+            found = guard._parts.step_start.rng
             assert found is not None
             assert found["python"] == expected["python"]
             assert torch.equal(found["torch"], expected["torch"])
             assert str(found["numpy"]) == str(expected["numpy"])
-            snapshots.append(guard._start.rng_snapshot)
+            snapshots.append(guard._parts.step_start.rng_snapshot)
             guard.step(loss)
     distinct = [i for i in range(1, 12) if snapshots[i] is not snapshots[i - 1]]
     assert distinct == [3, 5, 7, 10]  # a new snapshot only after a generator moved
@@ -153,11 +153,11 @@ def test_an_evaluation_forward_is_progress_and_starts_no_step(tmp_path: Path) ->
         for batch in guard.watch([torch.randn(3, 4) for _ in range(2)]):
             model(batch).pow(2).mean().backward()
             guard.step(torch.zeros(()))
-        started, beats = guard._start.step, guard.progress.beats
+        started, beats = guard._parts.step_start.step, guard.progress.beats
         with torch.no_grad():
             model(torch.randn(3, 4))
         model.eval()
         model(torch.randn(3, 4)).sum().backward()  # grad on, eval mode: still an evaluation
         model.train()
         assert guard.progress.beats == beats + 2
-        assert guard._start.step == started  # no step started by either
+        assert guard._parts.step_start.step == started  # no step started by either

@@ -318,7 +318,7 @@ def test_detect_stragglers_off_takes_the_timer_out(tmp_path: Path, on: bool) -> 
         run_dir=tmp_path, hang_timeout=0, health=tg.HealthConfig(detect_stragglers=on)
     )
     with tg.Guard(model, opt, config=config) as guard:
-        assert (guard._timer is not None) is on
+        assert (guard._parts.timer is not None) is on
         assert not model._forward_hooks  # one process: the timer sets no module hook
         for batch in guard.watch([torch.randn(3, 4) for _ in range(3)]):
             loss = model(batch).pow(2).mean()

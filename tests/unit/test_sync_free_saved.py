@@ -43,7 +43,7 @@ def _train(
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
     saved = None
     guard = tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0, **options)
-    assert guard._sync_free is not None  # the fused optimizer: the sync-free step
+    assert guard._parts.sync_free is not None  # the fused optimizer: the sync-free step
     try:
         if state is not None:
             guard.load_state_dict(state)

@@ -115,7 +115,9 @@ def test_good_step_issues_no_host_read(tmp_path: Path) -> None:
         guard.step(loss_fn(model, batch).detach())
     loss = loss_fn(model, batches[2])
     loss.backward()
-    guard._sync_free.pending = None  # isolate this step's own work from reading the previous one
+    guard._parts.sync_free.pending = (
+        None  # isolate this step's own work from reading the previous one
+    )
     with OpRecorder() as rec:
         guard.step(loss)
     names = [name for name, _ in rec.ops]

@@ -73,9 +73,9 @@ def test_a_guarded_model_is_saved_whole_and_loads_without_the_guard(
     for mine, theirs in zip(model.state_dict().values(), loaded.state_dict().values(), strict=True):
         assert torch.equal(mine, theirs)
     assert _hooks(loaded) == []  # nothing of the guard's, not even an inert entry
-    started = guard._start.step
+    started = guard._parts.step_start.step
     _train_forward(loaded).sum().backward()  # a training forward of the loaded copy
-    assert guard._start.step == started  # the guard did not see it
+    assert guard._parts.step_start.step == started  # the guard did not see it
 
 
 def test_a_deep_copy_carries_nothing_of_the_guard(guarded: tuple[tg.Guard, nn.Module]) -> None:
@@ -83,12 +83,12 @@ def test_a_deep_copy_carries_nothing_of_the_guard(guarded: tuple[tg.Guard, nn.Mo
     ema = copy.deepcopy(model)
     assert _hooks(ema) == [] and _hooks(copy.copy(model)) == []
     assert any(isinstance(h, Hook) and not h.inert for h in _hooks(model))  # its own stay
-    started, step = guard._start.step, guard.state.step
+    started, step = guard._parts.step_start.step, guard.state.step
     _train_forward(ema).sum().backward()
-    assert (guard._start.step, guard.state.step) == (started, step)
+    assert (guard._parts.step_start.step, guard.state.step) == (started, step)
     # the guarded model itself still starts its steps: the next forward records step 3
     _train_forward(model)
-    assert guard._start.step == guard.state.step == 3
+    assert guard._parts.step_start.step == guard.state.step == 3
     _train(guard, model, 2)
     assert guard.state.step == 5
 

@@ -1,19 +1,21 @@
 """How a ``Guard`` is put together: its parts, and what each part is handed of the others.
 
-``GuardAssembly`` builds the parts in the order they need each other (the agreement's group
+``GuardParts`` builds the parts in the order they need each other (the agreement's group
 and the run's event log, the per-step path, the health rules, then the decision's parts and
-the services that start the run) and hands each part an explicit view of the others (the
+the services that start the run) from plain arguments (the config, the training objects,
+``rerun``, the process group) and hands each part an explicit view of the others (the
 ``*Parts`` dataclasses: ``MeasureParts``, ``ApplyParts``, ``EvidenceParts``, ...), and
 composes the per-step ones into the one pipeline (``StepPipeline``). The views hold parts,
 never a callback into the guard: the current ``watch()`` stream is a ``StreamSlot`` the guard
 fills, the capture's phase is ``phases.marked_phase`` over the progress and the event log,
 the reruns' suspect-host exit is an exception the guard closes itself on. ``Guard``
-(``step/guard.py``) is the loop's API on top: ``watch``, ``check``, ``step``, ``phase``, the
-state and the lifecycle.
+(``step/guard.py``) holds one ``GuardParts`` and is the loop's API on top: ``watch``,
+``check``, ``step``, ``phase``, the state and the lifecycle. Nothing here knows the guard.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,6 @@ from trainguard.health.timing import StepTimer
 from trainguard.recovery import TrainingObjects, build_recovery, recovery_enabled
 from trainguard.runs.dirs import claim as claim_run_dir
 from trainguard.runs.identity import RunIdentity, identify_run
-from trainguard.step import unclosed
 from trainguard.step.apply import ApplyParts, DecisionApply
 from trainguard.step.batch_stream import StreamSlot
 from trainguard.step.capturer import Capturer
@@ -51,7 +52,6 @@ from trainguard.step.inputs import InputCheck
 from trainguard.step.losses import StepLosses
 from trainguard.step.measure import MeasureParts, StepMeasure
 from trainguard.step.metrics_log import MetricsLog, metrics_path
-from trainguard.step.metrics_view import Dashboard
 from trainguard.step.no_gradients import NoGradientsCheck
 from trainguard.step.pipeline import HealthRules, StepPipeline
 from trainguard.step.recorded_batches import RecordedBatches, report_overwritten
@@ -67,58 +67,87 @@ from trainguard.step.unclosed import UnclosedParts, error_text
 from trainguard.step.update_drop import UpdateDrop
 from trainguard.user_hooks import eager_module
 
+logger = logging.getLogger(__name__)
 
-class GuardAssembly:
-    """Builds the guard's parts and the views they get of each other (``Guard`` runs them)."""
 
-    config: GuardConfig
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scaler: Any
+class GuardParts:
+    """Every part of one guard, built and wired to each other (``Guard`` runs them).
+
+    ``objects``: the model, optimizer, scheduler, scaler and extra state (what recovery
+    saves and restores); ``rerun``: the rerun's loss function; ``process_group``: the group
+    of the per-step agreement. A build that raises closes what it opened so far."""
+
+    def __init__(
+        self,
+        config: GuardConfig,
+        objects: TrainingObjects,
+        rerun: LossFn | None,
+        process_group: dist.ProcessGroup | None,
+    ) -> None:
+        self.config = config
+        self.model = model = objects.model
+        self.optimizer = optimizer = objects.optimizer
+        self.scaler = objects.scaler
+        identity = self._join(model, process_group)
+        try:
+            self._build_step_path(model, optimizer)
+            self._build_health(model, optimizer, process_group)
+            self._build_decision(objects, rerun, process_group)
+            if objects.extra and self.recovery is None and self.rank == 0:
+                logger.warning(
+                    "trainguard: extra_state (%s) is saved and restored by recovery only "
+                    "(on_escalation='rollback', checkpoint_every or resume); with none of "
+                    "them it is not used",
+                    ", ".join(objects.extra),
+                )
+        except BaseException:  # a refused option or resume: the model keeps no hook of ours
+            self._abandon_build()
+            raise
+        self._start_run(identity, process_group)
 
     def _join(self, model: nn.Module, process_group: dist.ProcessGroup | None) -> RunIdentity:
         """The agreement's group, this rank, the run it writes and its event log."""
-        self._params = named_parameters(model)
-        local_device = next((p.device for _, p in self._params), torch.device("cpu"))
-        self._consensus = Consensus(process_group, local_device)
-        self.rank = self._consensus.rank
-        self.world_size = self._consensus.world_size
+        self.params = named_parameters(model)
+        local_device = next((p.device for _, p in self.params), torch.device("cpu"))
+        self.consensus = Consensus(process_group, local_device)
+        self.rank = self.consensus.rank
+        self.world_size = self.consensus.world_size
         self.run_dir = Path(self.config.run_dir)
-        agree_attempt(self._consensus.group, self._consensus.device)  # torchrun counts per node
+        agree_attempt(self.consensus.group, self.consensus.device)  # torchrun counts per node
         resume = self.config.recovery.resume
-        identity = identify_run(self.run_dir, resume, self.config.run, self._consensus)
+        identity = identify_run(self.run_dir, resume, self.config.run, self.consensus)
         self.events = EventLog(self.run_dir, self.rank, identity)  # every event names its run
-        self._run_dir_claim = claim_run_dir(self, self.run_dir, identity.id)  # runs/dirs.py
+        self.release_run_dir = claim_run_dir(self, self.run_dir, identity.id)  # runs/dirs.py
         return identity
 
     def _build_step_path(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """State, progress and the per-step parts: step start, losses, inputs, spikes, history."""
         self.state = GuardState(nonfinite_steps=deque(maxlen=RECORDED_STEPS))
         self.progress = Progress()
-        self._streams = StreamSlot()  # watch() puts its stream here
+        self.streams = StreamSlot()  # watch() puts its stream here
         # record_batch(): loops without watch() (a refilled input buffer: step/recorded_batches.py)
-        self._recorded = RecordedBatches(report_overwritten(self.events, self.rank))
+        self.recorded = RecordedBatches(report_overwritten(self.events, self.rank))
         state = self.state  # not the guard: the hooks' closures must not keep it alive
-        self._start = StepStart(
+        self.step_start = StepStart(
             model, lambda: state.step, restore_buffers=self.config.restore_buffers
         )
-        self._start.on_evaluation = self.progress.beat  # evaluating is not being stuck
-        self._losses = StepLosses()  # record_loss() and check()'s loss: step/losses.py
-        self._no_grads = NoGradientsCheck(self._params, self.events, self.rank)
-        self._drop_update = UpdateDrop(
-            optimizer, self._params, self._start, self.events, self.rank
+        self.step_start.on_evaluation = self.progress.beat  # evaluating is not being stuck
+        self.losses = StepLosses()  # record_loss() and check()'s loss: step/losses.py
+        self.no_grads = NoGradientsCheck(self.params, self.events, self.rank)
+        self.drop_update = UpdateDrop(
+            optimizer, self.params, self.step_start, self.events, self.rank
         )  # a step not applied: gradients cleared, buffers put back (step/update_drop.py)
-        self._capturer = Capturer(self.run_dir, self._consensus, self.events)
+        self.capturer = Capturer(self.run_dir, self.consensus, self.events)
         self.spikes = SpikeWatch(self.config.spikes, self.events, self.rank)
         self.state.spikes = self.spikes  # saved and restored with the counters
-        self._inputs = InputCheck(
+        self.inputs = InputCheck(
             self.config.inputs.check,
             self.events,
             self.rank,
             self.config.inputs.ignore,
             allow_masks=self.config.inputs.allow_masks,
         )
-        self._sampler_epochs = SamplerEpochs(self.events, self.rank)
+        self.sampler_epochs = SamplerEpochs(self.events, self.rank)
         metrics = (
             MetricsLog(
                 metrics_path(self.run_dir),
@@ -128,8 +157,7 @@ class GuardAssembly:
             else None
         )
         self.history = StepHistory(self.config.history.steps, metrics)
-        self._dashboard = Dashboard(self)  # metrics(): reads the parts when called
-        self._timer = (
+        self.timer = (
             StepTimer(eager_module(model), forward_hooks=self.world_size > 1)
             if self.config.health.detect_stragglers
             else None
@@ -143,7 +171,7 @@ class GuardAssembly:
     ) -> None:
         """The cross-rank health rules: stragglers and replica agreement."""
         self.stragglers = StragglerWatch(self.config.health, self.events, self.rank)
-        self._lrs = LrAgreement(self.events, self.rank)
+        self.lrs = LrAgreement(self.events, self.rank)
         self.replicas = ReplicaWatch(
             model,
             optimizer,
@@ -163,63 +191,63 @@ class GuardAssembly:
         """Evidence, the measure, recovery, acting on the decision, the sync-free step, rerun
         (``objects``: what recovery saves and restores)."""
         scaler, optimizer = self.scaler, objects.optimizer
-        self._transient: TransientFaults | None = None  # rerun=: step/transient.py
-        self._evidence = StepEvidence(self._evidence_parts())
-        self._measure = StepMeasure(self._measure_parts())  # this rank's row: step/measure.py
+        self.transient: TransientFaults | None = None  # rerun=: step/transient.py
+        self.evidence = StepEvidence(self._evidence_parts())
+        self.measure = StepMeasure(self._measure_parts())  # this rank's row: step/measure.py
         self.recovery = build_recovery(
             self.config,
             objects,
             self.state,
             self.events,
             process_group,
-            self._consensus.device,
+            self.consensus.device,
             self.rank,
         )
         if self.recovery is not None:  # snapshots at the step's first forward (step/step_start.py)
-            self._start.on_begin = self.recovery.step_boundary
+            self.step_start.on_begin = self.recovery.step_boundary
             self.replicas.on_resync = self.recovery.replicas_resynced  # a snapshot before it
             self.recovery.resync_replicas = self.replicas.resync_from  # holds diverged weights
             self.history.lr_factor = self.recovery.lr_factor  # the LR in force, recorded
-        self._pipeline = self._step_pipeline()  # measure -> agree -> decide -> record -> apply
+        self.pipeline = self._step_pipeline()  # measure -> agree -> decide -> record -> apply
         recovery = self.recovery
         failure = recovery.failure if recovery is not None else None
         if recovery is not None and failure is not None:  # states at a failure (recovery/failure)
-            self._pipeline.boundary = failure.boundary
-            failure.start_buffers(self._start.buffers)
-            self._start.on_recorded = recovery.step_recorded
+            self.pipeline.boundary = failure.boundary
+            failure.start_buffers(self.step_start.buffers)
+            self.step_start.on_recorded = recovery.step_recorded
         # Recovery restores at step boundaries: it needs the decision before the update.
         sync_free = uses_fused(optimizer) and scaler is None
         sync_free = sync_free and not recovery_enabled(self.config) and rerun is None
-        self._sync_free = SyncFreeStep(self._pipeline) if sync_free else None
-        self._transient = self._pipeline.transient = self._transient_part(rerun, scaler)
+        self.sync_free = SyncFreeStep(self.pipeline) if sync_free else None
+        self.transient = self.pipeline.transient = self._transient_part(rerun, scaler)
 
     def _start_run(self, identity: RunIdentity, process_group: dist.ProcessGroup | None) -> None:
         """The run's start event, then the hang watchdog."""
         fields = self.config.start_fields() | {"torch": torch.__version__} | identity.start_fields()
         self.events.write("start", self.state.step, world_size=self.world_size, **fields)
-        self._watchdog: Watchdog | None = start_watchdog(
+        self.watchdog: Watchdog | None = start_watchdog(
             self.progress, self.events, self.config.hang.timeout, self.run_dir, process_group
         )
-        if self._watchdog is not None:  # a hang exits with os._exit: keep the metrics
-            self._watchdog.before_exit(self.history.flush)
+        if self.watchdog is not None:  # a hang exits with os._exit: keep the metrics
+            self.watchdog.before_exit(self.history.flush)
             if self.recovery is not None and self.recovery.failure is not None:
-                self._watchdog.before_exit(self.recovery.failure.save_for_exit)
-            self._watchdog.on_tick.append(self.history.flush_if_stale)  # and before a kill
-        self._saves: SaveMarking | None = None  # torch.save here: a "save" phase (saves.py)
-        if self._watchdog is not None and self.config.hang.mark_saves:
-            self._saves = SAVES.watch(self.progress)
-        self._busy: BusyProbe | None = None  # another module's forwards: progress (busy.py)
-        if self._watchdog is not None:
-            self._busy = BusyProbe(self.progress, self.model)
-            self._watchdog.on_stall.append(self._busy.arm)
+                self.watchdog.before_exit(self.recovery.failure.save_for_exit)
+            self.watchdog.on_tick.append(self.history.flush_if_stale)  # and before a kill
+        self.saves: SaveMarking | None = None  # torch.save here: a "save" phase (saves.py)
+        if self.watchdog is not None and self.config.hang.mark_saves:
+            self.saves = SAVES.watch(self.progress)
+        self.busy: BusyProbe | None = None  # another module's forwards: progress (busy.py)
+        if self.watchdog is not None:
+            self.busy = BusyProbe(self.progress, self.model)
+            self.watchdog.on_stall.append(self.busy.arm)
         failure = self.recovery.failure if self.recovery is not None else None
         closers = [
             c
-            for c in (self._watchdog, self._start, self._timer, self._saves, self._busy, failure)
+            for c in (self.watchdog, self.step_start, self.timer, self.saves, self.busy, failure)
             if c is not None
         ]
-        parts = UnclosedParts(self.progress, self.state, self.events, self.history, closers)
-        self._unclosed = unclosed.watch(self, parts)  # dropped or never closed: step/unclosed.py
+        # what a guard dropped or never closed releases (the guard watches: step/unclosed.py)
+        self.unclosed = UnclosedParts(self.progress, self.state, self.events, self.history, closers)
 
     # -- the views each part gets of the others -------------------------------------------
 
@@ -236,14 +264,14 @@ class GuardAssembly:
             )
         parts = RerunParts(
             config=self.config,
-            consensus=self._consensus,
+            consensus=self.consensus,
             events=self.events,
-            losses=self._losses,
-            measure=self._measure,
-            evidence=self._evidence,
+            losses=self.losses,
+            measure=self.measure,
+            evidence=self.evidence,
         )
-        transient = TransientFaults(StepRerun(rerun, self.model, self._start), parts)
-        self._evidence.rerun = transient  # a capture records the last rerun's verdict
+        transient = TransientFaults(StepRerun(rerun, self.model, self.step_start), parts)
+        self.evidence.rerun = transient  # a capture records the last rerun's verdict
         return transient
 
     def _evidence_parts(self) -> EvidenceParts:
@@ -252,13 +280,13 @@ class GuardAssembly:
             config=self.config,
             model=self.model,
             optimizer=self.optimizer,
-            capturer=self._capturer,
-            start=self._start,
-            recorded=self._recorded,
-            losses=self._losses,
+            capturer=self.capturer,
+            start=self.step_start,
+            recorded=self.recorded,
+            losses=self.losses,
             history=self.history,
             replicas=self.replicas,
-            stream=self._streams,
+            stream=self.streams,
             progress=self.progress,
             events=self.events,
             state=self.state,
@@ -267,52 +295,52 @@ class GuardAssembly:
     def _measure_parts(self) -> MeasureParts:
         """What ``StepMeasure`` (the gradient pass and this rank's row) reads of the guard."""
         return MeasureParts(
-            params=self._params,
-            device=self._consensus.device,
-            start=self._start,
-            losses=self._losses,
-            no_grads=self._no_grads,
-            inputs=self._inputs,
+            params=self.params,
+            device=self.consensus.device,
+            start=self.step_start,
+            losses=self.losses,
+            no_grads=self.no_grads,
+            inputs=self.inputs,
             replicas=self.replicas,
             fold=self.world_size == 1,
-            timer=self._timer,
-            evidence=self._evidence,
-            stream=self._streams,
+            timer=self.timer,
+            evidence=self.evidence,
+            stream=self.streams,
             optimizer=self.optimizer,
             scaler=self.scaler,
         )
 
     def _step_pipeline(self) -> StepPipeline:
         """The one per-step path (``step/pipeline.py``), from the parts built so far."""
-        device = self._consensus.device
+        device = self.consensus.device
         alone = None
         if self.world_size == 1:  # a world of one's usual step, in few calls
             alone = AloneMeasure(
-                self._params,
+                self.params,
                 device,
-                self._start,
-                self._losses,
-                self._inputs,
-                self._evidence,
-                self._timer,
+                self.step_start,
+                self.losses,
+                self.inputs,
+                self.evidence,
+                self.timer,
                 self.optimizer,
             )
         return StepPipeline(
             config=self.config,
             state=self.state,
             progress=self.progress,
-            consensus=self._consensus,
-            start=self._start,
-            losses=self._losses,
-            measure=self._measure,
+            consensus=self.consensus,
+            start=self.step_start,
+            losses=self.losses,
+            measure=self.measure,
             alone=alone,
-            inputs=self._inputs,
+            inputs=self.inputs,
             spikes=self.spikes,
             history=self.history,
             apply=DecisionApply(self._apply_parts()),  # acting on it: step/apply.py
-            evidence=self._evidence,
+            evidence=self.evidence,
             health=(
-                HealthRules(self.stragglers, self._lrs, self.replicas)
+                HealthRules(self.stragglers, self.lrs, self.replicas)
                 if self.world_size > 1
                 else None  # no other rank: no straggler, no replica to compare
             ),
@@ -332,23 +360,23 @@ class GuardAssembly:
             optimizer=self.optimizer,
             events=self.events,
             rank=self.rank,
-            inputs=self._inputs,
-            evidence=self._evidence,
-            drop=self._drop_update,
+            inputs=self.inputs,
+            evidence=self.evidence,
+            drop=self.drop_update,
         )
 
     # -- taking the parts down ------------------------------------------------------------
 
-    def _stop_parts(self, ended_by: BaseException | None) -> None:
+    def stop(self, ended_by: BaseException | None) -> None:
         """Stop what ``_start_run`` started and close what the parts hold open: the
         watchdog, the save marks and busy probe, the ``close`` event (``ended_by``: the
         exception that ended the run), the logs, the step timer, the held collective."""
         self.progress.enter("closed")
-        if self._watchdog is not None:
-            self._watchdog.stop()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self.recovery is not None and self.recovery.failure is not None:
             self.recovery.failure.end(ended_by)  # after the watchdog's SIGTERM dump is off
-        for part in (self._saves, self._busy):  # torch.save as it was; no probe
+        for part in (self.saves, self.busy):  # torch.save as it was; no probe
             if part is not None:
                 part.close()
         error = {} if ended_by is None else {"error": error_text(ended_by)}
@@ -357,15 +385,15 @@ class GuardAssembly:
         )
         self.events.close()
         self.history.close()
-        self._start.close()
-        if self._timer is not None:
-            self._timer.close()
-        self._consensus.work.retire()  # released here, not by gloo's thread
-        self._run_dir_claim()
+        self.step_start.close()
+        if self.timer is not None:
+            self.timer.close()
+        self.consensus.work.retire()  # released here, not by gloo's thread
+        self.release_run_dir()
 
     def _abandon_build(self) -> None:
         """A build that raised (a refused option or resume): close what it opened so far."""
-        for part in (getattr(self, "_start", None), getattr(self, "_timer", None)):
+        for part in (getattr(self, "step_start", None), getattr(self, "timer", None)):
             if part is not None:
                 part.close()
         recovery = getattr(self, "recovery", None)

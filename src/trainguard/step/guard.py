@@ -1,5 +1,5 @@
 """Guard: the loop's API. It composes the parts; each part lives in its own module (built
-and wired to each other by ``assembly.GuardAssembly``).
+and wired to each other by ``assembly.GuardParts``, which the guard holds).
 
 ``watch()`` (batch_stream.BatchStream) -> user forward/backward -> ``check()`` or ``step()``:
 the one per-step pipeline (``step/pipeline.py``): measure -> agree -> decide -> record ->
@@ -32,13 +32,15 @@ from trainguard.config import (
 )
 from trainguard.errors import ConfigError
 from trainguard.recovery.snapshot import TrainingObjects, stateful_objects
-from trainguard.step.assembly import GuardAssembly, check_pair
+from trainguard.step import unclosed
+from trainguard.step.assembly import GuardParts, check_pair
 from trainguard.step.batch_stream import BatchStream
 from trainguard.step.deferred import StepOutcome
 from trainguard.step.guard_state_dict import guard_state_dict, load_guard_state
 from trainguard.step.internals import GuardInternals
 from trainguard.step.join import join_error, shadowed_in_join
 from trainguard.step.losses import LossLike
+from trainguard.step.metrics_view import Dashboard
 from trainguard.step.phases import marked_phase
 from trainguard.step.rerun import LossFn
 from trainguard.step.transient import SuspectHostExit
@@ -47,7 +49,7 @@ from trainguard.step.types import DROPPED_BY_LOOP, DROPPED_WITH_SCALER, USUAL_CA
 logger = logging.getLogger(__name__)
 
 
-class Guard(GuardAssembly):
+class Guard:
     """Guards a training loop: same decision on every rank, evidence when a step goes bad.
 
     See ``GuardConfig`` for the options. ``process_group`` (default: the default group)
@@ -117,25 +119,16 @@ class Guard(GuardAssembly):
         self.optimizer = optimizer
         self.scaler = scaler
         self._closed = False
-        identity = self._join(model, process_group)
-        try:
-            self._build_step_path(model, optimizer)
-            self._build_health(model, optimizer, process_group)
-            objects = TrainingObjects(
-                model, optimizer, scheduler, scaler, stateful_objects(extra_state)
-            )
-            self._build_decision(objects, rerun, process_group)
-            if objects.extra and self.recovery is None and self.rank == 0:
-                logger.warning(
-                    "trainguard: extra_state (%s) is saved and restored by recovery only "
-                    "(on_escalation='rollback', checkpoint_every or resume); with none of "
-                    "them it is not used",
-                    ", ".join(objects.extra),
-                )
-        except BaseException:  # a refused option or resume: the model keeps no hook of ours
-            self._abandon_build()
-            raise
-        self._start_run(identity, process_group)
+        objects = TrainingObjects(
+            model, optimizer, scheduler, scaler, stateful_objects(extra_state)
+        )
+        parts = self._parts = GuardParts(self.config, objects, rerun, process_group)
+        self.rank, self.world_size, self.run_dir = parts.rank, parts.world_size, parts.run_dir
+        self.events, self.state, self.progress = parts.events, parts.state, parts.progress
+        self.history, self.spikes, self.recovery = parts.history, parts.spikes, parts.recovery
+        self.stragglers, self.replicas = parts.stragglers, parts.replicas
+        self._dashboard = Dashboard(parts)  # metrics(): reads the parts when called
+        self._unclosed = unclosed.watch(self, parts.unclosed)  # dropped or never closed
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -157,23 +150,23 @@ class Guard(GuardAssembly):
         resumed = recovery.stream_start(iterable, epoch) if recovery is not None else None
         if resumed is not None:
             iterable = resumed.iterable  # empty for an epoch the resumed run already finished
-        self._sampler_epochs.starting(iterable, self.state.step)
+        self._parts.sampler_epochs.starting(iterable, self.state.step)
         state = self.state  # not the guard: recovery keeps the stream, and the unclosed
         # guard's release (step/unclosed.py) keeps recovery: a dropped guard must go
-        stream = self._streams.current = BatchStream(
+        stream = self._parts.streams.current = BatchStream(
             iterable,
             self.config.accumulation_steps,
-            self._consensus,
+            self._parts.consensus,
             self.progress,
             self.events,
             step_of=lambda: state.step,
             lookahead=2 if self._deferred else 1,  # the sync-free step reads a step late
-            clock=self._timer,
+            clock=self._parts.timer,
             **(resumed.stream_args() if resumed is not None else {}),
         )
         if recovery is not None and resumed is not None:
             recovery.watch(stream, iterable, resumed.epoch)
-        self._pipeline.watching(stream)
+        self._parts.pipeline.watching(stream)
         return self._watched(iter(stream))
 
     def _watched(self, batches: Iterator[Any]) -> Iterator[Any]:
@@ -187,15 +180,15 @@ class Guard(GuardAssembly):
         """Record a micro-batch's loss (gradient accumulation); no host sync. Each loss is
         kept once: ``check()`` does not add its loss again when it is the one last recorded
         (``step/losses.py``, docs/guard.md)."""
-        self._losses.record(loss, self._consensus.device)
+        self._parts.losses.record(loss, self._parts.consensus.device)
 
     def record_batch(self, batch: Any) -> None:
         """For loops that do not iterate ``watch()``: hand each micro-batch over before its
         forward, so that a bad step's capture holds its batches and RNG (references only).
         Without it (and without ``watch()``) the capture holds the guarded model's call
         arguments of each training forward (``StepStart.forward_batches``)."""
-        self._start.begin(self.state.step)
-        self._recorded.record(batch, self.state.step)
+        self._parts.step_start.begin(self.state.step)
+        self._parts.recorded.record(batch, self.state.step)
 
     def check_gradients(self, *, backward_ran: bool = True) -> bool:
         """``check()`` where the loss is not at hand (``trainguard run`` sees the optimizer,
@@ -219,19 +212,19 @@ class Guard(GuardAssembly):
         tensor, or a Python float/int (``loss.item()``); omitted, the losses given to
         ``record_loss()`` in this step (``step/losses.py``)."""
         if loss is None:
-            loss = self._losses.last_recorded()
+            loss = self._parts.losses.last_recorded()
         return self._checked(loss, USUAL_CALL)
 
     def _checked(self, loss: LossLike, call: StepCall) -> bool:
         """The pipeline on the step in progress (``call``: how the loop handed it over)."""
         if not isinstance(loss, Tensor) or not loss.numel():  # a tensor: no call (as_loss)
-            loss = self._losses.tensor(loss, self._consensus.device)
+            loss = self._parts.losses.tensor(loss, self._parts.consensus.device)
         if self.world_size > 1:
             self._refuse_join()
-        if self._sync_free is not None:
-            self._sync_free.resolve()
+        if self._parts.sync_free is not None:
+            self._parts.sync_free.resolve()
         try:
-            return self._pipeline.check(loss, call)
+            return self._parts.pipeline.check(loss, call)
         except SuspectHostExit:  # every rank: the reruns blame this host (step/transient.py)
             if self.recovery is not None:
                 self.recovery.close()  # a checkpoint being written completes first
@@ -241,7 +234,7 @@ class Guard(GuardAssembly):
     @property
     def _stream(self) -> BatchStream | None:
         """The loop's current ``watch()`` stream (None: no ``watch()`` yet)."""
-        return self._streams.current
+        return self._parts.streams.current
 
     def step(self, loss: LossLike | None = None) -> StepOutcome:
         """``check()``, then the optimizer step (when good) and ``zero_grad`` in one call
@@ -254,11 +247,11 @@ class Guard(GuardAssembly):
         "raise" or an escalation surfaces one step later; the skipped update does not.
         """
         if loss is None:
-            loss = self._losses.last_recorded()
-        loss = self._losses.tensor(loss, self._consensus.device)
-        if self._sync_free is not None:
+            loss = self._parts.losses.last_recorded()
+        loss = self._parts.losses.tensor(loss, self._parts.consensus.device)
+        if self._parts.sync_free is not None:
             self._refuse_join()
-            return self._sync_free.step(loss)
+            return self._parts.sync_free.step(loss)
         ok = self.check(loss)
         if ok:
             if self.scaler is not None:
@@ -279,12 +272,12 @@ class Guard(GuardAssembly):
     @property
     def _deferred(self) -> bool:
         """Whether ``step()`` is sync-free (fused optimizer, no GradScaler, no recovery)."""
-        return self._sync_free is not None
+        return self._parts.sync_free is not None
 
     def _resolve_pending(self, raise_errors: bool = True) -> None:
         """Read the last sync-free step on the host and act on it (see ``SyncFreeStep``)."""
-        if self._sync_free is not None:
-            self._sync_free.resolve(raise_errors)
+        if self._parts.sync_free is not None:
+            self._parts.sync_free.resolve(raise_errors)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -309,7 +302,7 @@ class Guard(GuardAssembly):
         step that will stop the run when read is saved as ``stopped_at``, and loading the
         dict raises ``NonFiniteError`` for it, as the run it came from stops there."""
         recovery = self.recovery.state if self.recovery is not None else None
-        sync_free = self._sync_free
+        sync_free = self._parts.sync_free
         counters, stopped_at = (
             sync_free.settled_state() if sync_free is not None else (self.state.state_dict(), None)
         )
@@ -355,8 +348,8 @@ class Guard(GuardAssembly):
         Called in a ``finally`` (or ``except``) block while an exception is handled, it
         publishes that exception to the other ranks first, as ``with Guard(...)`` does."""
         failing = sys.exc_info()[1]
-        if failing is not None and self._watchdog is not None and not self._closed:
-            self._watchdog.publish_failure(failing)
+        if failing is not None and self._parts.watchdog is not None and not self._closed:
+            self._parts.watchdog.publish_failure(failing)
         self._close(raise_errors=True, ended_by=failing)
 
     def _close(self, raise_errors: bool, ended_by: BaseException | None = None) -> None:
@@ -369,7 +362,7 @@ class Guard(GuardAssembly):
             if raise_errors and self.recovery is not None:
                 self.recovery.close()  # every rank: a background checkpoint write completes
         finally:
-            self._stop_parts(ended_by)
+            self._parts.stop(ended_by)
 
     def __enter__(self) -> Guard:
         return self
@@ -380,8 +373,8 @@ class Guard(GuardAssembly):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc is not None and self._watchdog is not None:
-            self._watchdog.publish_failure(exc)  # tell the other ranks (not NonFiniteError)
+        if exc is not None and self._parts.watchdog is not None:
+            self._parts.watchdog.publish_failure(exc)  # tell the other ranks (not NonFiniteError)
         self._close(raise_errors=exc is None, ended_by=exc)
 
 

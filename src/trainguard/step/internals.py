@@ -23,17 +23,34 @@ from trainguard.step.step_start import StepStart
 from trainguard.step.update_drop import UpdateDrop
 
 
+class Parts(Protocol):
+    """The guard's parts these reach (``step/assembly.py``'s ``GuardParts``)."""
+
+    @property
+    def step_start(self) -> StepStart: ...
+
+    @property
+    def recorded(self) -> RecordedBatches: ...
+
+    @property
+    def drop_update(self) -> UpdateDrop: ...
+
+    @property
+    def evidence(self) -> StepEvidence: ...
+
+    @property
+    def watchdog(self) -> Watchdog | None: ...
+
+
 class Guard(Protocol):
-    """The guard's parts these reach (``step/guard.py``'s ``Guard``; a protocol, so this
-    module does not import the guard that hands it out)."""
+    """The guard these drive (``step/guard.py``'s ``Guard``; a protocol, so this module does
+    not import the guard that hands it out)."""
 
     config: GuardConfig
     state: GuardState
-    _start: StepStart
-    _recorded: RecordedBatches
-    _drop_update: UpdateDrop
-    _evidence: StepEvidence
-    _watchdog: Watchdog | None
+
+    @property
+    def _parts(self) -> Parts: ...
 
     def _check_dropped(self, scaled: bool) -> bool: ...
 
@@ -60,11 +77,11 @@ class GuardInternals:
     def recorded_batches(self) -> RecordedBatches:
         """The step's micro-batches as ``record_batch`` kept them (``trainguard run`` adds the
         loss's own inputs to them: ``attach/loss_inputs.py``)."""
-        return self._guard._recorded
+        return self._guard._parts.recorded
 
     def started_step(self) -> int | None:
         """The step whose first forward the guard's hook saw last (None: none yet)."""
-        return self._guard._start.step
+        return self._guard._parts.step_start.step
 
     def check_dropped(self, scaled: bool) -> bool:
         """Check a step this rank's loop left out itself (``Guard._check_dropped``)."""
@@ -73,15 +90,15 @@ class GuardInternals:
     def keep_dropped_gradients(self) -> None:
         """A skip holds the cleared gradients back until ``give_back_gradients`` (the script's
         own optimizer step comes after the check)."""
-        self._guard._drop_update.keep_dropped = True
+        self._guard._parts.drop_update.keep_dropped = True
 
     def give_back_gradients(self) -> None:
         """A skipped step's gradients, held back, are the script's again."""
-        self._guard._drop_update.give_back()
+        self._guard._parts.drop_update.give_back()
 
     def take_held_gradients(self, other: Guard) -> None:
         """The gradients ``other`` (a guard this one succeeds) holds back from a skip."""
-        self._guard._drop_update.dropped = other._drop_update.dropped
+        self._guard._parts.drop_update.dropped = other._parts.drop_update.dropped
 
     def load_state_quietly(self, state: dict[str, Any]) -> None:
         """``load_state_dict`` without its ``state_loaded`` event: a guard taking over a run
@@ -92,19 +109,19 @@ class GuardInternals:
         """The start of the step in progress, as the guard's forward hook recorded it (None
         when it saw none)."""
         guard = self._guard
-        start = guard._start
+        start = guard._parts.step_start
         if start.step != guard.state.step or start.autocast is None:
             return None
         rng = start.rng  # the snapshot's states (built now, once)
         if rng is None:
             return None
-        return StartRecord(rng, start.autocast, start.buffers, guard._recorded)
+        return StartRecord(rng, start.autocast, start.buffers, guard._parts.recorded)
 
     def adopt_start(self, start: StartRecord, step: int) -> None:
         """Take ``start`` as the start of ``step`` (recorded before this guard existed), as if
         its own hook had seen that forward: buffers, RNG, autocast, micro-batches."""
         guard = self._guard
-        record = guard._start
+        record = guard._parts.step_start
         if guard.config.restore_buffers:
             record.buffers = start.buffers
         record.step, record.rng, record.autocast, record.seen = (
@@ -113,14 +130,14 @@ class GuardInternals:
             start.autocast,
             True,
         )
-        guard._recorded.adopt(start.recorded, step)
+        guard._parts.recorded.adopt(start.recorded, step)
 
     @property
     def watchdog_on(self) -> bool:
         """Whether the hang watchdog runs."""
-        return self._guard._watchdog is not None
+        return self._guard._parts.watchdog is not None
 
     def name_loss_source(self, source: str | None) -> None:
         """What computed the loss the loop checks, when not the model's own forward (the HF
         Trainer's ``compute_loss``): each bundle says so."""
-        self._guard._evidence.loss_source = source
+        self._guard._parts.evidence.loss_source = source

@@ -72,7 +72,7 @@ KEYS = (
 first decided step on; ``loss_scale``/``overflow_steps`` with a GradScaler)."""
 
 
-class GuardParts(Protocol):
+class DashboardSource(Protocol):
     """What the dashboard reads from the Guard (its public parts)."""
 
     state: GuardState
@@ -87,7 +87,7 @@ class GuardParts(Protocol):
 class Dashboard:
     """Builds ``guard.metrics()`` from the guard's parts, at the caller's pace."""
 
-    def __init__(self, guard: GuardParts) -> None:
+    def __init__(self, guard: DashboardSource) -> None:
         self._guard = guard
         self._scale = ScaleReader()
 
