@@ -64,6 +64,37 @@ def test_growth_needs_a_rising_history() -> None:
     assert growth(None) is None and growth(rising[:2]) is None
 
 
+def test_a_gradient_norm_at_zero_all_along_is_no_growth() -> None:
+    """A single-class cross-entropy (PyTorch's DDP tutorial: one output, loss -0, gradient
+    norm 0 at every step) read as an infinite growth from 0 to 0 once, and the replay then
+    took the whole step for a divergence and did not look for the bad sample."""
+    zero = [{"step": i, "losses": [], "grad_norm": 0.0} for i in range(11)]
+    bad = {"step": 11, "losses": [], "grad_norm": "inf"}
+    assert growth([*zero, bad]) is None
+    rose = [*zero, {"step": 11, "losses": [], "grad_norm": 3.0}, bad]
+    found = growth(rose)
+    assert found is not None and found.factor == float("inf")  # from 0 it rose: unbounded
+
+
+@pytest.mark.parametrize("history", ["flat_zero", "diverging"])
+def test_a_bad_input_is_searched_for_its_samples_whatever_the_history(history: str) -> None:
+    """The batch holding a NaN is a sample's doing: the culprit is bisected for, even after a
+    history that grew (the growth is reported, the sample named)."""
+    case = nc.BY_NAME["bad_input"]
+    model, loss_fn, batch = case.build()
+    records = (
+        [{"step": i, "losses": [], "grad_norm": 0.0} for i in range(11)]
+        if history == "flat_zero"
+        else nc.diverging_run()[3][:-1]
+    )
+    records.append({"step": len(records), "losses": ["nan"], "grad_norm": "nan"})
+    r = tg.diagnose(model, loss_fn, batch, bisect=True, history=records).to_dict()
+    assert (r["verdict"], r["bisected"]) == ("bad_input", True)
+    assert [c["position"] for c in r["culprit_samples"]] == [case.sample]
+    assert "not searched" not in r["summary"]
+    assert (r.get("growth") is None) == (history == "flat_zero")
+
+
 def test_overflow_bf16_is_its_own_class() -> None:
     import torch
     from torch import nn

@@ -33,7 +33,10 @@ class Growth:
 
     @property
     def factor(self) -> float:
-        return self.end / self.start if self.start > 0 else math.inf
+        """``end / start``; from 0: infinite when it rose, 1 when it stayed at 0."""
+        if self.start > 0:
+            return self.end / self.start
+        return math.inf if self.end > 0 else 1.0
 
     def text(self) -> str:
         name = "gradient norm" if self.metric == "grad_norm" else "loss"
@@ -92,8 +95,8 @@ def growth(history: list[dict[str, Any]] | None, window: int = 64) -> Growth | N
             continue
         low = min(range(len(series)), key=lambda i: series[i][1])
         (first, start), (last, end) = series[low], series[-1]
-        if end < max(v for _, v in series) or low == len(series) - 1:
-            continue
+        if end < max(v for _, v in series) or low == len(series) - 1 or end <= start:
+            continue  # not its highest at the end, or flat (a gradient norm 0 all along)
         found = Growth(metric, start, end, len(series) - low, first, last)
         if found.factor >= GROWTH and (best is None or found.factor > best.factor):
             best = found

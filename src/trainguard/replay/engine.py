@@ -115,7 +115,10 @@ def diagnose_runs(
     ran_away = None if finding.parameter_origins else runaway(history, largest_weight(runner.model))
     some_read = finding.weights is not None and finding.weights.sample_specific
     diverged = grew is not None or ran_away is not None
-    whole_step = diverged or (bool(finding.parameter_origins) and not some_read)
+    # the batch itself non-finite is its samples' doing, however the run went before it
+    whole_step = finding.phase != "inputs" and (
+        diverged or (bool(finding.parameter_origins) and not some_read)
+    )
     culprits = _culprits(runner, finding) if bisect and not whole_step else Culprits(searched=False)
     report = report_of(finding, culprits, deterministic, grew, only_half, ran_away)
     if len(bad) < len(runs):
