@@ -82,6 +82,9 @@ def test_a_jumped_learning_rate_is_divergence_named_by_the_jump_and_the_weights(
     assert ran["largest_weight"] >= RUNAWAY_WEIGHT and ran["param"]
     assert "lower the learning rate" in r["advice"]
     assert r["culprit_samples"] == []  # no sample is blamed for a whole-run cause
+    # and the report says why none was looked for (not "no bisection": bisect was on)
+    assert (r["bisected"], r["unsearched"]) == (False, "the cause is not a sample's")
+    assert "not searched for (the cause is not a sample's)" in r["summary"]
 
 
 def test_an_absurd_learning_rate_from_the_start_is_divergence_too(tmp_path: Path) -> None:
@@ -91,6 +94,7 @@ def test_an_absurd_learning_rate_from_the_start_is_divergence_too(tmp_path: Path
     assert r["verdict"] == "divergence"
     assert r["summary"].startswith("The run diverged: the learning rate was 1e+10 and the weights")
     assert r["runaway"]["lr_before"] is None
+    assert r["unsearched"] == "the cause is not a sample's"
 
 
 def test_a_warm_up_is_no_jump_and_trained_weights_are_no_runaway() -> None:

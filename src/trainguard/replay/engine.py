@@ -59,7 +59,9 @@ class Culprits:
     batch_size: int | None = None
     """The size of the (last) bisected micro-batch."""
     searched: bool = True
-    """False: no bisection ran (``bisect=False``)."""
+    """False: no bisection ran (``bisect=False``, or the whole step is to blame)."""
+    unsearched: str = "no bisection"
+    """Why no bisection ran, as the report says it (``searched`` False)."""
     every_alone: bool = False
     """Batch-level because the samples tried were each bad alone (``Bisection.every_alone``)."""
 
@@ -119,7 +121,10 @@ def diagnose_runs(
     whole_step = finding.phase != "inputs" and (
         diverged or (bool(finding.parameter_origins) and not some_read)
     )
-    culprits = _culprits(runner, finding) if bisect and not whole_step else Culprits(searched=False)
+    if whole_step:  # the weights or the run's course, not a sample: nothing to bisect for
+        culprits = Culprits(searched=False, unsearched="the cause is not a sample's")
+    else:
+        culprits = _culprits(runner, finding) if bisect else Culprits(searched=False)
     report = report_of(finding, culprits, deterministic, grew, only_half, ran_away)
     if len(bad) < len(runs):
         report.summary += f" (Non-finite in {len(bad)} of {len(runs)} replays: nondeterministic.)"
@@ -232,7 +237,9 @@ def report_of(
     lead = verdict_sentence(verdict, finding, grew, only_half, ran_away)
     every = batch_level and culprits.every_alone and verdict != "batch_statistics"
     complete = culprits.complete if culprits.searched else None
-    summary = summarize(finding, culprits.samples, batch_level, complete, every)
+    summary = summarize(
+        finding, culprits.samples, batch_level, complete, every, culprits.unsearched
+    )
     report = ReplayReport(
         True,
         deterministic,
@@ -251,6 +258,7 @@ def report_of(
     report.details.update(
         finding_details(finding),
         bisected=culprits.searched,
+        unsearched=None if culprits.searched else culprits.unsearched,
         batch_level=batch_level,
         every_sample_bad=every,
         weights=finding.weights.to_dict() if finding.weights is not None else None,

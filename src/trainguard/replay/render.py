@@ -311,8 +311,10 @@ def _culprits_text(report: dict[str, Any]) -> str:
     elif report["verdict"] == "spike":
         shown = "not searched (a spike: every sample is finite)"
     elif report["reproduced"] and not report.get("bisected", True):
-        whole = report.get("weights") or report.get("growth")
-        why = "the cause is not a sample's" if whole else "no bisection"
+        whole = report.get("weights") or report.get("growth") or report.get("runaway")
+        why = report.get("unsearched") or (
+            "the cause is not a sample's" if whole else "no bisection"
+        )
         shown = f"not searched ({why})"
     elif report.get("every_sample_bad"):
         shown = "none: every sample tried is bad on its own"

@@ -33,10 +33,11 @@ def culprit_text(
     complete: bool | None = True,
     every: bool = False,
     named: list[int] | None = None,
+    unsearched: str = "no bisection",
 ) -> str:
-    """Who is to blame; ``complete`` None: no bisection ran. ``named``: the samples the
-    finding names (where the non-finite values sit): then no bisection that blames no single
-    sample makes it "the batch as a whole"."""
+    """Who is to blame; ``complete`` None: no bisection ran (``unsearched``: why). ``named``:
+    the samples the finding names (where the non-finite values sit): then no bisection that
+    blames no single sample makes it "the batch as a whole"."""
     if not culprits:
         if named and (batch_level or every):
             noun = "sample" if len(named) == 1 else "samples"
@@ -54,7 +55,7 @@ def culprit_text(
         if batch_level:
             return "no single sample is to blame: the cause is the batch as a whole"
         if complete is None:
-            return "the samples to blame were not searched for (no bisection)"
+            return f"the samples to blame were not searched for ({unsearched})"
         if not complete:
             return "the samples to blame were not searched for to the end (bisection budget)"
         return "no sample was singled out"
@@ -80,9 +81,10 @@ def summarize(
     batch_level: bool,
     complete: bool | None = True,
     every: bool = False,
+    unsearched: str = "no bisection",
 ) -> str:
     origin, phase = finding.origin, finding.phase
-    who = culprit_text(culprits, batch_level, complete, every, finding.named_samples)
+    who = culprit_text(culprits, batch_level, complete, every, finding.named_samples, unsearched)
     if origin is None:
         what = {
             "inputs": "the batch holds non-finite values",
