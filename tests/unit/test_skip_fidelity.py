@@ -5,6 +5,7 @@ step's real start and holds the step's own micro-batches, however far the loop f
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -209,20 +210,48 @@ def test_a_bundle_after_a_replica_divergence_says_so(tmp_path: Path) -> None:
     assert bundle.meta(0)["replica_divergence"] == 1
 
 
-def test_rerun_without_the_steps_batches_says_so_and_the_policy_goes_on(tmp_path: Path) -> None:
+@pytest.mark.parametrize("first_bad", [2, 0])
+def test_rerun_without_the_steps_batches_says_so_and_the_policy_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, first_bad: int
+) -> None:
+    """Said at the first step checked, in one line (promise 3: a loop it cannot guard is told
+    at start), and again for each bad step as its ``rerun`` event; never twice for one step."""
     torch.manual_seed(0)
     model = BufferNet()
     opt = _sgd(model)
+    said_at: list[int] = []
     with tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0, rerun=loss_fn) as guard:
-        for batch in batches(4, bad=2):  # not through watch(): no batches to rerun
+        for batch in batches(4, bad=first_bad):  # not through watch(): no batches to rerun
+            loss = loss_fn(model, batch)
+            loss.backward()
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="trainguard"):
+                if guard.check(loss):
+                    opt.step()
+            lines = [r.getMessage() for r in caplog.records if "cannot" in r.getMessage()]
+            said_at += [guard.state.step - 1] * len(lines)
+            opt.zero_grad()
+    assert said_at == ([0, first_bad] if first_bad else [0]), said_at
+    assert list(guard.state.nonfinite_steps) == [first_bad]
+    reruns = _events(tmp_path, "rerun")
+    assert [(e["step"], e["verdict"]) for e in reruns] == [(first_bad, "unavailable")]
+
+
+def test_rerun_with_the_steps_batches_says_nothing_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    torch.manual_seed(0)
+    model = BufferNet()
+    opt = _sgd(model)
+    watching = caplog.at_level(logging.WARNING, logger="trainguard")
+    with watching, tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0, rerun=loss_fn) as guard:
+        for batch in guard.watch(batches(3)):
             loss = loss_fn(model, batch)
             loss.backward()
             if guard.check(loss):
                 opt.step()
             opt.zero_grad()
-    assert list(guard.state.nonfinite_steps) == [2]
-    reruns = _events(tmp_path, "rerun")
-    assert [(e["step"], e["verdict"]) for e in reruns] == [(2, "unavailable")]
+    assert not [r for r in caplog.records if "cannot" in r.getMessage()]
 
 
 def test_restore_where_puts_buffers_back_in_one_launch_each() -> None:

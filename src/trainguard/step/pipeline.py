@@ -128,6 +128,9 @@ class StepPipeline:
         try:
             return self.apply(decision, spike, agreement, stats, step, call)
         finally:
+            transient = self.transient
+            if transient is not None and not transient.looked:  # rerun=: the first step
+                transient.first_step(step)
             self.losses.clear()
             self.evidence.taken(step)
             self.progress.enter("step", step + 1)

@@ -84,6 +84,21 @@ class TransientFaults:
         self.verdict: str | None = None
         """The last rerun's verdict: "transient", "persistent" or None (not rerun)."""
         self.suspect_hosts = SuspectHosts(parts.config.rerun.suspect_host_after, SUSPECT_WINDOW)
+        self.looked = False
+        """Whether the first checked step's batches were looked for (``first_step``)."""
+
+    def first_step(self, step: int) -> None:
+        """At the first step checked: a loop whose batches the guard does not see (neither
+        ``watch()`` nor ``record_batch()``) cannot be rerun; say so now, once, in one line,
+        rather than at its first bad step."""
+        self.looked = True
+        if self._parts.evidence.batches_of(step) or self._parts.consensus.rank != 0:
+            return
+        logger.warning(
+            "trainguard: rerun= cannot rerun this loop's steps: the guard does not see its "
+            "batches; iterate guard.watch(loader), or call guard.record_batch(batch) before "
+            "each forward (a bad step is skipped, not rerun, until then)"
+        )
 
     def rerun(
         self, step: int, first: Agreement, first_stats: GradStats
@@ -93,6 +108,7 @@ class TransientFaults:
         batches = parts.evidence.batches_of(step)
         if not batches:  # the loop neither iterates watch() nor calls record_batch()
             self.verdict = None
+            self.looked = True  # said here: no second line at the step's end
             parts.events.write("rerun", step, verdict="unavailable", reason="no batches")
             logger.warning(
                 "trainguard: step %d cannot be rerun: the guard has not seen its batches "
