@@ -9,10 +9,12 @@ parts at every forward of the copy).
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -186,3 +188,48 @@ def test_a_guarded_model_saved_whole_loads_where_trainguard_is_not_installed(
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "(2, 1)"
+
+
+def _lr_hooks(opt: torch.optim.Optimizer) -> int:
+    return len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks)
+
+
+def _steps(guard: tg.Guard, model: nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for x in guard.watch([torch.randn(8, 4, generator=gen) for _ in range(n)]):
+        loss = model(x).square().mean()
+        loss.backward()
+        if guard.check(loss):
+            opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("ending", ["closed", "dropped", "refused"])
+def test_the_optimizer_keeps_no_step_hook_of_a_guard_that_ended(
+    tmp_path: Path, ending: str
+) -> None:
+    """Recovery's LR backoff hooks the optimizer's step: a guard that closed, was dropped
+    unclosed, or refused an option after recovery was built takes them off. They stayed
+    once: each guard made over the same optimizer added its pair to the last one's, and a
+    pickled or deep-copied optimizer carried them."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    options: dict[str, Any] = {"run_dir": tmp_path, "hang_timeout": 0, "on_escalation": "rollback"}
+    if ending == "refused":  # rerun= with a scaler: refused after recovery was built
+        scaler = torch.amp.GradScaler("cpu")
+        with pytest.raises(tg.ConfigError, match="rerun"):
+            tg.Guard(model, opt, rerun=lambda m, b: m(b).sum(), scaler=scaler, **options)
+    else:
+        guard = tg.Guard(model, opt, **options)
+        assert _lr_hooks(opt) == 2  # the backoff's pre and post step hooks, while it runs
+        _steps(guard, model, opt, 3)
+        if ending == "closed":
+            guard.close()
+        else:
+            del guard
+            gc.collect()
+    assert _lr_hooks(opt) == 0
+    with tg.Guard(model, opt, **options) as again:  # a second guard: its own pair, once
+        assert _lr_hooks(opt) == 2
+        _steps(again, model, opt, 2)
+    assert _lr_hooks(opt) == 0

@@ -114,9 +114,12 @@ class LrFactor:
         for group, lr in zip(optimizer.param_groups, saved, strict=True):
             group["lr"] = lr
 
-    def remove(self) -> None:
+    def close(self) -> None:
+        """Take the step hooks off the optimizer (idempotent): a closed guard leaves nothing
+        of its own in the user's optimizer, and a later guard over it adds its own once."""
         for handle in self._handles:
             handle.remove()
+        self._handles = []
 
 
 def _scaled(lr: Any, factor: float) -> Any:

@@ -81,5 +81,6 @@ def build_recovery(
         except BaseException:
             if recovery.failure is not None:  # no SIGTERM handler of ours stays behind
                 recovery.failure.abandon()
+            recovery.lr.close()  # nor a step hook on the optimizer
             raise
     return recovery

@@ -241,9 +241,18 @@ class GuardParts:
             self.busy = BusyProbe(self.progress, self.model)
             self.watchdog.on_stall.append(self.busy.arm)
         failure = self.recovery.failure if self.recovery is not None else None
+        lr = self.recovery.lr if self.recovery is not None else None  # its optimizer hooks
         closers = [
             c
-            for c in (self.watchdog, self.step_start, self.timer, self.saves, self.busy, failure)
+            for c in (
+                self.watchdog,
+                self.step_start,
+                self.timer,
+                self.saves,
+                self.busy,
+                failure,
+                lr,
+            )
             if c is not None
         ]
         # what a guard dropped or never closed releases (the guard watches: step/unclosed.py)
@@ -374,8 +383,10 @@ class GuardParts:
         self.progress.enter("closed")
         if self.watchdog is not None:
             self.watchdog.stop()
-        if self.recovery is not None and self.recovery.failure is not None:
-            self.recovery.failure.end(ended_by)  # after the watchdog's SIGTERM dump is off
+        if self.recovery is not None:
+            if self.recovery.failure is not None:
+                self.recovery.failure.end(ended_by)  # after the watchdog's SIGTERM dump is off
+            self.recovery.lr.close()  # the optimizer's step hooks: the user's own again
         for part in (self.saves, self.busy):  # torch.save as it was; no probe
             if part is not None:
                 part.close()
@@ -397,8 +408,10 @@ class GuardParts:
             if part is not None:
                 part.close()
         recovery = getattr(self, "recovery", None)
-        if recovery is not None and recovery.failure is not None:
-            recovery.failure.abandon()
+        if recovery is not None:
+            if recovery.failure is not None:
+                recovery.failure.abandon()
+            recovery.lr.close()  # the optimizer keeps no step hook of ours
 
 
 def check_pair(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
