@@ -60,6 +60,8 @@ def test_the_hooks_are_installed_however_torch_is_reached(tmp_path: Path, way: s
 TRANSFORMERS_FIRST = """
 import transformers  # looks torch up (find_spec) before it imports it
 import torch
+
+from trainguard.cli import main
 from torch import nn
 
 torch.manual_seed(0)
@@ -123,3 +125,44 @@ def test_a_script_updating_its_parameters_by_hand_is_told_it_is_unguarded(
     assert "python -I" not in done.stderr
     assert lines[-1].startswith("trainguard run: the run was not guarded: the script updates")
     assert done.stdout.count("STEP") == 6  # the script ran as it does bare
+
+
+LBFGS = """
+import sys
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+x = torch.randn(64, 4)
+y = x.sum(-1, keepdim=True).sin()
+optimizer = torch.optim.LBFGS(model.parameters(), lr=0.8)  # time-sequence-prediction's
+for _ in range(3):
+    def closure():
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+    optimizer.step(closure)
+print("WEIGHTS", [round(float(p.double().sum()), 12) for p in model.parameters()])
+"""
+
+
+@pytest.mark.timeout(160)
+def test_an_lbfgs_closure_loop_is_told_in_one_line_with_the_fix_and_runs_as_bare(
+    tmp_path: Path,
+) -> None:
+    """LBFGS evaluates its closure several times a step: no step boundary to check at. The
+    guard stands aside at its first step, in one line naming the reason and how to guard
+    such a loop by hand; the script trains as without ``trainguard run``."""
+    done = _trainguard_run(tmp_path, LBFGS)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (told,) = [line for line in done.stderr.splitlines() if "not guarding" in line]
+    assert told.startswith("trainguard run: rank 0: not guarding: LBFGS evaluates its closure")
+    assert "loss = closure(); if guard.check(loss): optimizer.step(closure)" in told
+    bare = subprocess.run(
+        [sys.executable, str(tmp_path / "script.py")], capture_output=True, text=True, timeout=100
+    )
+    weights = [line for line in done.stdout.splitlines() if line.startswith("WEIGHTS")]
+    assert weights == [line for line in bare.stdout.splitlines() if line.startswith("WEIGHTS")]
+    assert len(weights) == 1

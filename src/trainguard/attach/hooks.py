@@ -269,7 +269,12 @@ class Attacher:
                 self._before_update(optimizer, None)
             return None
         if isinstance(optimizer, torch.optim.LBFGS):
-            self.stand_aside("LBFGS evaluates its closure several times per step")
+            self.stand_aside(
+                "LBFGS evaluates its closure several times per step",
+                "the script runs unguarded (to guard such a loop, use trainguard.Guard in the "
+                "script and check the closure's first loss: loss = closure(); if "
+                "guard.check(loss): optimizer.step(closure))",
+            )
             return None
         wrapped = self._checked_closure(optimizer, closure)
         if "closure" in kwargs:
