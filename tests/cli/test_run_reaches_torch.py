@@ -128,7 +128,6 @@ def test_a_script_updating_its_parameters_by_hand_is_told_it_is_unguarded(
 
 
 LBFGS = """
-import sys
 import torch
 from torch import nn
 
@@ -144,7 +143,11 @@ for _ in range(3):
         loss.backward()
         return loss
     optimizer.step(closure)
-print("WEIGHTS", [round(float(p.double().sum()), 12) for p in model.parameters()])
+import hashlib
+digest = hashlib.sha256()
+for p in model.parameters():
+    digest.update(p.detach().numpy().tobytes())
+print("WEIGHTS", digest.hexdigest())  # bit for bit
 """
 
 

@@ -79,8 +79,6 @@ def build_recovery(
         try:
             recovery.resume()
         except BaseException:
-            if recovery.failure is not None:  # no SIGTERM handler of ours stays behind
-                recovery.failure.abandon()
-            recovery.lr.close()  # nor a step hook on the optimizer
+            recovery.abandon()
             raise
     return recovery

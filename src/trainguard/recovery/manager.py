@@ -273,6 +273,13 @@ class Recovery:
         """Complete a background save (the checkpoint stays pending: not good)."""
         self.checkpoints.finish()
 
+    def abandon(self) -> None:
+        """A guard whose build failed after this was made: no SIGTERM handler of ours stays
+        behind, nor a step hook on the optimizer."""
+        if self.failure is not None:
+            self.failure.abandon()
+        self.lr.close()
+
     def resume(self) -> None:
         """Collective, at construction: load the freshest state every rank can be given (a
         state at a failure: ``failure/``), else the newest good checkpoint, if any."""

@@ -409,9 +409,7 @@ class GuardParts:
                 part.close()
         recovery = getattr(self, "recovery", None)
         if recovery is not None:
-            if recovery.failure is not None:
-                recovery.failure.abandon()
-            recovery.lr.close()  # the optimizer keeps no step hook of ours
+            recovery.abandon()
 
 
 def check_pair(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -92,7 +92,7 @@ class TransientFaults:
         ``watch()`` nor ``record_batch()``) cannot be rerun; say so now, once, in one line,
         rather than at its first bad step."""
         self.looked = True
-        if self._parts.evidence.batches_of(step) or self._parts.consensus.rank != 0:
+        if self._parts.consensus.rank != 0 or self._parts.evidence.batches_of(step):
             return
         logger.warning(
             "trainguard: rerun= cannot rerun this loop's steps: the guard does not see its "
