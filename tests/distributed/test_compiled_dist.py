@@ -1,6 +1,6 @@
 """nanoGPT's structure, ``DDP(torch.compile(model))`` (and DDP around a model compiled in place),
 on 2 ranks: compiled once on every rank, not at every step (the guard's hooks are not traced:
-tests/unit/test_compiled_models.py), the bad step skipped on both ranks with its buffers put
+tests/unit/step/test_compiled_models.py), the bad step skipped on both ranks with its buffers put
 back, the ranks bit-identical to a run that never saw the bad batch, and each rank's forward
 timed by hooks that run eagerly (the straggler rule's compute phase)."""
 

@@ -375,7 +375,7 @@ def test_a_script_that_clips_is_checked_before_its_clip(tmp_path: Path) -> None:
     before the clip, so a NaN put in one gradient is named there (the clip would spread it to
     every gradient) and the recorded gradient norm is the one the clip measured, not the
     clipped one; the skip leaves every rank as the bare script leaving the step out. 2 ranks
-    only (the wrappers are the same in one process: tests/unit/test_attach_clip.py)."""
+    only (the wrappers are the same in one process: tests/unit/attach/test_attach_clip.py)."""
     ranks = 2
     bare, out, run_dir = tmp_path / "bare", tmp_path / "out", tmp_path / "run"
     clip = ["--clip", str(CLIP)]

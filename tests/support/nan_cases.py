@@ -4,7 +4,7 @@ Each case builds ``(model, loss_fn, batch)`` whose step goes non-finite for one 
 and says what a diagnosis should name: the ``phase`` (inputs, forward, loss, backward), the
 ``op`` (a substring of the aten op, or of the forward op whose gradient failed), the
 ``module``, the source ``line`` (marked ``# ROOT:<case>`` below), the culprit ``sample``
-and trainguard's ``verdict``. Used by tests/unit/test_diagnosis_*.py and by
+and trainguard's ``verdict``. Used by tests/unit/replay/test_diagnosis_*.py and by
 benchmarks/diagnosis_suite.py (the tool comparison of docs/diagnosis.md).
 """
 

@@ -9,7 +9,7 @@
 - ``loss_only_worker``: a 2-rank DDP run whose rank 1's loss is 0/0 (an empty class) while
   every gradient stays finite.
 - ``guarded_loop``: a plain guarded loop with the loop's own ``forward(x)`` (``normalize``
-  before it, for the cases below and ``tests/unit/test_forward_inputs.py``).
+  before it, for the cases below and ``tests/unit/replay/test_forward_inputs.py``).
 - ``made_in_loop_worker``: a 2-rank DDP run whose loop normalizes each batch by its std;
   rank 1's batch at step 1 has a constant feature: 0/0 in the model's input, not in the batch.
 - ``ddp_worker``: these, one after the other, in one spawn.

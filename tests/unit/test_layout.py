@@ -296,6 +296,23 @@ def test_every_part_has_its_reason_and_the_maps_are_the_code() -> None:
     assert _generated(readme) == render_readme_table(), fix
 
 
+UNIT_TESTS = Path(__file__).resolve().parent
+WHOLE_PACKAGE_TESTS = {"test_layout.py", "test_public_api.py", "test_user_hooks.py", "test_cuda.py"}
+"""The unit tests at ``tests/unit``'s top: the package as a whole (its layout, its public API,
+what it leaves in the user's objects, its CUDA paths across parts)."""
+
+
+def test_the_unit_tests_mirror_the_package() -> None:
+    """``tests/unit/<part>/`` holds the tests of ``src/trainguard/<part>/``: a test file goes
+    in the folder of the part whose behaviour it pins, so the next move of a part moves one
+    folder of tests with it."""
+    parts = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    folders = {p.name for p in UNIT_TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    assert folders <= parts, f"no src/trainguard/ part for tests/unit/{sorted(folders - parts)}"
+    loose = {p.name for p in UNIT_TESTS.glob("test_*.py")} - WHOLE_PACKAGE_TESTS
+    assert not loose, f"move into tests/unit/<part>/ (the part they test): {sorted(loose)}"
+
+
 def _write(path: Path, block: str) -> None:
     text = path.read_text()
     start, end = text.index(MAP_BEGIN), text.index(MAP_END) + len(MAP_END)

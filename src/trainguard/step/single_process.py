@@ -15,7 +15,7 @@ the step's losses (those recorded with ``record_loss`` and ``check()``'s,
 (``Tensor.item``: a ``stack`` costs more than a few reads), elsewhere one ``stack`` and one
 read. These are the values the folded row of the full measure holds (``folded_row``),
 reduced as ``reduce_row`` reduces a finite row, into the agreement ``Consensus`` builds for a
-world of one (``alone_agreement``; ``tests/unit/test_lone.py`` runs a loop both ways and
+world of one (``alone_agreement``; ``tests/unit/step/test_lone.py`` runs a loop both ways and
 compares every record). The pipeline then decides, records and applies it like any other
 step.
 

@@ -1,7 +1,7 @@
 """A training script shaped like nanoGPT's ``train.py`` (a flat script: DDP when RANK is set,
 gradient accumulation, a GradScaler, clipping, ``lr = get_lr(iter_num)``, evaluation and
 checkpoints on rank 0, ``init_from='resume'``), with a tiny model, for the test that applies
-docs/existing-loop.md's diff to it and runs it (tests/unit/test_existing_loop_doc.py).
+docs/existing-loop.md's diff to it and runs it (tests/distributed/test_existing_loop_doc.py).
 Options as ``--name=value`` (nanoGPT's configurator style, reduced to what this needs).
 """
 

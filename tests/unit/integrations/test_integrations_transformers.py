@@ -24,7 +24,7 @@ from trainguard.integrations.transformers import (
     model_loss,
 )
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "hf_trainer.py"
 
 
 def _example() -> Any:

@@ -27,7 +27,7 @@ import trainguard as tg
 from trainguard.events import EventLog
 from trainguard.integrations.tensorboard import TensorBoardLogger, summary_writer
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tensorboard_metrics.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tensorboard_metrics.py"
 TEXT = "trainguard/events/text_summary"  # add_text's tag, as SummaryWriter stores it
 
 

@@ -23,7 +23,7 @@ import trainguard as tg
 from trainguard.errors import ConfigError
 from trainguard.integrations.transformers import TrainGuardCallback
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "hf_trainer.py"
 FAULT_STEP = 1
 
 

@@ -14,7 +14,7 @@ import torch
 
 from trainguard.events import read_events
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_ddp.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "lightning_ddp.py"
 
 
 def _starts(run_dir: Path) -> list[tuple[str, str]]:

@@ -22,7 +22,7 @@ import trainguard as tg  # noqa: E402
 from trainguard.errors import ConfigError  # noqa: E402
 from trainguard.integrations.lightning import TrainGuard, training_step_loss  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_ddp.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "lightning_ddp.py"
 
 
 def _example() -> Any:

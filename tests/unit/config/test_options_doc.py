@@ -1,6 +1,6 @@
 """docs/options.md is the options' own text: every option, its name, default and docstring,
 read from ``trainguard/config/`` itself, so the page cannot go stale. Regenerate it with
-``python tests/unit/test_options_doc.py``."""
+``python tests/unit/config/test_options_doc.py``."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from pathlib import Path
 import trainguard as tg
 from trainguard import config as options
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "options.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "options.md"
 
 HEAD = """# Options
 
 Every option of `tg.Guard`, generated from `src/trainguard/config/` (the text is each
-option's docstring; `tests/unit/test_options_doc.py` keeps this page equal to it).
+option's docstring; `tests/unit/config/test_options_doc.py` keeps this page equal to it).
 
 `GuardConfig` holds what the step itself uses; each section is read by one part of the
 guard. The options people set are `tg.Guard` keywords (marked **keyword**); a section
@@ -79,7 +79,7 @@ def render() -> str:
 
 
 def test_the_options_page_is_the_code() -> None:
-    assert DOC.read_text() == render(), "regenerate: python tests/unit/test_options_doc.py"
+    assert DOC.read_text() == render(), "regenerate: python tests/unit/config/test_options_doc.py"
 
 
 def test_every_option_name_is_taken_by_the_one_path() -> None:
