@@ -97,6 +97,32 @@ def test_report_on_a_hang_names_the_culprit(hang_run: Path) -> None:
     assert "hangs       step 3: hang, culprit ranks [1]" in text  # rank 1 never got past 3
 
 
+NO_TORCH = (
+    "import sys\n"
+    "from trainguard.cli import main\n"
+    "code = main(sys.argv[1:])\n"
+    "assert 'torch' not in sys.modules, 'trainguard report imported torch'\n"
+    "raise SystemExit(code)\n"
+)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("options", [(), ("--json",), ("--no-html",)])
+def test_report_reads_a_capture_and_a_hang_without_importing_torch(
+    demo_run: Path, hang_run: Path, options: tuple[str, ...]
+) -> None:
+    """A report is JSON read back: it must not pay torch's import (2 s here) on a login node.
+    The demo run holds a capture and its replay, the hang run a hang's stacks; the output is
+    the same as the command's."""
+    for run_dir in (demo_run, hang_run):
+        args = ["report", str(run_dir), *options]
+        done = subprocess.run(
+            [sys.executable, "-c", NO_TORCH, *args], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == trainguard(*args).stdout
+
+
 @pytest.mark.timeout(150)
 def test_corrupt_events_are_skipped_and_said(demo_run: Path, tmp_path: Path) -> None:
     copy = tmp_path / "run"

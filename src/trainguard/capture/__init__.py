@@ -12,8 +12,37 @@ helpers. Offers: ``Bundle``, ``load_bundle``, ``inspect_bundle``, ``rng_state``,
 ``set_rng_state``. Imports only the shared base modules.
 """
 
-from trainguard.capture.bundle import Bundle, load_bundle
-from trainguard.capture.inspect import inspect_bundle
-from trainguard.capture.rng import rng_state, set_rng_state
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainguard.capture.bundle import Bundle, load_bundle
+    from trainguard.capture.inspect import inspect_bundle
+    from trainguard.capture.rng import rng_state, set_rng_state
 
 __all__ = ["Bundle", "inspect_bundle", "load_bundle", "rng_state", "set_rng_state"]
+
+_LAZY = {
+    "Bundle": "trainguard.capture.bundle",
+    "load_bundle": "trainguard.capture.bundle",
+    "inspect_bundle": "trainguard.capture.inspect",
+    "rng_state": "trainguard.capture.rng",
+    "set_rng_state": "trainguard.capture.rng",
+}
+"""Where each name lives: imported on first use, so that reading a bundle's JSON (``trainguard
+report``, ``capture/forward_inputs.py``) does not import torch."""
+
+
+def __getattr__(name: str) -> Any:
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'trainguard.capture' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value  # once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

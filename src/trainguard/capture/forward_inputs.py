@@ -18,8 +18,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from trainguard.capture.batchtree import nonfinite_tensors
-
 logger = logging.getLogger(__name__)
 
 
@@ -31,6 +29,8 @@ def forward_findings(
     sample positions), and whether the fetched ``batches`` held any (None: the guard was
     handed no batch, so nothing tells where the value came from); None when the forward
     inputs are unknown or all finite."""
+    from trainguard.capture.batchtree import nonfinite_tensors  # torch: ``report`` reads without
+
     found = [
         {"forward": index, "path": name + entry["path"], "positions": entry["positions"]}
         for index, (args, kwargs) in enumerate(forward or [])

@@ -26,7 +26,30 @@ Offers: ``Watchdog``, ``start_watchdog``. Imports only the shared base modules
 (``progress``, ``events``, ``exitcodes``, ``errors``).
 """
 
-from trainguard.hang.watchdog import Watchdog
-from trainguard.hang.watchdog_start import start_watchdog
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainguard.hang.watchdog import Watchdog
+    from trainguard.hang.watchdog_start import start_watchdog
 
 __all__ = ["Watchdog", "start_watchdog"]
+
+_LAZY = {"Watchdog": "trainguard.hang.watchdog", "start_watchdog": "trainguard.hang.watchdog_start"}
+"""Imported on first use: ``trainguard report`` reads a hang's stacks (``frames``) without
+importing torch."""
+
+
+def __getattr__(name: str) -> Any:
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'trainguard.hang' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value  # once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

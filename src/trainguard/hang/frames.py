@@ -25,9 +25,8 @@ import sysconfig
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.util import find_spec
 from types import FrameType, TracebackType
-
-import torch
 
 COLLECTIVES = frozenset(
     {
@@ -66,7 +65,17 @@ DDP_BROADCAST = "DDP's buffer broadcast"
 GUARD_ALL_REDUCE = "trainguard's check all_reduce"
 
 _SEP = os.sep
-TORCH_DIR = os.path.dirname(torch.__file__) + _SEP
+
+
+def _package_dir(name: str) -> str:
+    """The folder of the installed package ``name``, found without importing it."""
+    spec = find_spec(name)
+    origin = spec.origin if spec is not None else None
+    return os.path.dirname(origin or "") + _SEP
+
+
+TORCH_DIR = _package_dir("torch")
+"""torch's folder (found without importing torch: ``trainguard report`` reads stacks)."""
 TRAINGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + _SEP
 _STDLIB = tuple(
     {sysconfig.get_paths()[key] + _SEP for key in ("stdlib", "platstdlib")}

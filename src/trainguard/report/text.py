@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainguard.capture import batchpaths
 from trainguard.events import number
 from trainguard.report.crashes import crash_line
 from trainguard.report.readers import int_of
@@ -219,6 +218,8 @@ def _bad_input(e: dict[str, Any]) -> str:
     if where:
         line += ": " + "; ".join(where)
     if tensors and all(t.get("additive_mask") for t in tensors):
+        from trainguard.capture import batchpaths  # imports torch: only for such an event
+
         found = sorted({str(t.get("path")) for t in tensors})
         names = tuple(dict.fromkeys(batchpaths.ignore_name(path) for path in found))
         leave_out = f"inputs.ignore={names!r}" if all(names) else "inputs.check=False"
