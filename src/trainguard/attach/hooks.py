@@ -124,8 +124,10 @@ def second_optimizer_reason(new: torch.optim.Optimizer, guarded: torch.optim.Opt
     else:
         what = (
             f"a second optimizer ({new_name}) steps besides the guarded {guarded_name}: "
-            "trainguard run guards scripts with one optimizer (use trainguard.Guard in the "
-            "script for more)"
+            "trainguard run guards scripts with one optimizer (to guard a GAN's or an "
+            "actor-critic's updates, put a trainguard.Guard per model and optimizer in the "
+            "script, each checked before its own step: docs/guard.md, 'Several models, "
+            "several guards')"
         )
     return what
 

@@ -248,6 +248,7 @@ def test_an_optimizer_made_anew_is_followed_and_others_are_named() -> None:
     assert anew.startswith("a new optimizer (SGD) over every guarded parameter and parameters")
     head = second_optimizer_reason(torch.optim.Adam(net[0].parameters()), unfrozen)
     assert head.startswith("a second optimizer (Adam) steps besides the guarded SGD")
+    assert "put a trainguard.Guard per model and optimizer in the script" in head  # the fix
 
 
 def test_run_options_make_the_attached_guards_config() -> None:
