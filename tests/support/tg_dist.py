@@ -142,8 +142,11 @@ def _entry(
         pass
 
 
-PRELOAD = ["torch", "torch.distributed", "trainguard"]
-"""What the fork server imports once, before it forks any rank."""
+PRELOAD = ["torch", "torch.distributed", "trainguard", "torch._dynamo"]
+"""What the fork server imports once, before it forks any rank. ``torch._dynamo``: the first
+``DistributedDataParallel(...)`` of a process imports it (about 800 modules, 1.3 s of CPU on
+the 2-core machine, torch 2.13), so every rank of a DDP test paid it again; a real DDP worker
+has it imported too by the time its guard is built (and the guard reads only whether it is)."""
 
 
 def _context() -> Any:
