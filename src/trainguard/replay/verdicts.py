@@ -21,6 +21,9 @@ The classes, checked in this order:
 - ``nonfinite_rows``: weights non-finite before the step that only some samples read (rows
   of an embedding, per-class rows, per-expert weights): the rows, the op and the samples
   that read them, and whether an update ever touched them (weights.py, rows.py).
+- ``nonfinite_initial_weights``: weights non-finite before the run's first update (the
+  history runs from step 0 and none was applied before the step): the initialization or a
+  loaded checkpoint made them (weights.py).
 - ``nonfinite_weights``: any other weights or buffers non-finite before the step.
 - ``nonfinite_constant``: an op read a non-finite tensor made before the step outside the
   model and the batch: a loss module's buffer (class weights with an inf), a tensor the loop
@@ -68,6 +71,7 @@ VERDICTS = (
     "input_handled",
     "nonfinite_hyperparameter",
     "nonfinite_rows",
+    "nonfinite_initial_weights",
     "nonfinite_weights",
     "nonfinite_constant",
     "masked_row",
@@ -127,6 +131,13 @@ ADVICE = {
     "the labelled token), give such targets the loss's ignore_index, or mask with a finite "
     "value (torch.finfo(dtype).min) so that one bad target costs a large finite loss instead "
     "of the step.",
+    "nonfinite_initial_weights": "The weights were non-finite before the run's first update: "
+    "the model's initialization or the checkpoint it loaded made them. A model built on the "
+    "meta device (or with torch.empty) holds uninitialized memory after to_empty() until every "
+    "parameter is initialized: call reset_parameters() or an nn.init on every submodule, not "
+    "only on the top module's own layers; check the weights once after building or loading "
+    "(all(torch.isfinite(p).all() for p in model.parameters())). If a checkpoint was loaded, "
+    "check that file, or load an earlier one.",
     "nonfinite_weights": "The weights were corrupted before this step (a bad checkpoint or an "
     "earlier silent update): resume from the last good checkpoint and find the step that "
     "wrote them.",
@@ -231,7 +242,12 @@ DOMAIN_OPS = frozenset(
     ]
 )
 HALF_DTYPES = {"float16": "overflow_fp16", "bfloat16": "overflow_bf16"}
-WEIGHTS = ("nonfinite_hyperparameter", "nonfinite_rows", "nonfinite_weights")
+WEIGHTS = (
+    "nonfinite_hyperparameter",
+    "nonfinite_rows",
+    "nonfinite_initial_weights",
+    "nonfinite_weights",
+)
 """The verdicts of weights non-finite before the step (weights.py)."""
 
 

@@ -9,6 +9,10 @@
 - ``nonfinite_hyperparameter``: the update before the step wrote them, through a param group
   whose hyper-parameter was not finite (a learning-rate schedule that divided by zero):
   writer.py, from the history and the optimizer state.
+- ``nonfinite_initial_weights``: no update of the run came before the step (the history
+  runs from step 0 with none applied): the model's initialization or the weights the script
+  loaded made them (a model built on the meta device whose parameters were not all
+  initialized after ``to_empty()``: PyTorch's FSDP2 example on a CPU).
 - ``nonfinite_weights``: any other; with what is known of the update that wrote them.
 """
 
@@ -58,6 +62,8 @@ class WeightsEvidence:
             return "nonfinite_hyperparameter"
         if self.sample_specific:
             return "nonfinite_rows"
+        if self.writer.before_any_update:
+            return "nonfinite_initial_weights"
         return "nonfinite_weights"
 
     def lead(self) -> str:
@@ -69,6 +75,8 @@ class WeightsEvidence:
         shown = ", ".join(self.names[:5]) + (
             f" and {len(self.names) - 5} more" if len(self.names) > 5 else ""
         )
+        if self.verdict == "nonfinite_initial_weights":
+            return f"Non-finite weights before the run's first update: {shown}."
         return f"Non-finite weights before the step: {shown}."
 
     def body(self, who: str) -> str | None:
@@ -76,6 +84,12 @@ class WeightsEvidence:
         beyond the names."""
         if self.verdict == "nonfinite_rows":
             return self._rows_body(who)
+        if self.verdict == "nonfinite_initial_weights":
+            return (
+                "No update of this run wrote them (the history runs from step 0 and none "
+                "before this step was applied): they were non-finite when training began, "
+                "made by the model's initialization or by the weights the script loaded."
+            )
         return _writer_body(self.writer, self.names)
 
     def _rows_body(self, who: str) -> str:

@@ -61,6 +61,9 @@ class Writer:
     """The optimizer's state of the non-finite parameters: ``finite``, ``nonfinite``,
     ``none`` (it keeps none: plain SGD) or ``unknown`` (not matched to names)."""
     moment_names: list[str] = field(default_factory=list)
+    before_any_update: bool = False
+    """No update of the run came before the step: the history holds every step from the
+    run's first (step 0) and none before this one was applied (or this is step 0)."""
 
     @property
     def finite_before(self) -> bool:
@@ -78,6 +81,7 @@ class Writer:
             "exact": self.exact,
             "hyperparameters": [h.to_dict() for h in self.hypers],
             "from_history": self.from_history,
+            "before_any_update": self.before_any_update,
             "moments": self.moments,
             "moment_names": self.moment_names,
         }
@@ -94,6 +98,7 @@ def find_writer(
     before step ``step`` (module docstring)."""
     found = Writer()
     record = _applied_before(history or [], step)
+    found.before_any_update = record is None and _from_the_start(history or [], step)
     if record is not None:
         found.step = record.get("step")
         found.decision = record.get("decision")
@@ -110,6 +115,16 @@ def find_writer(
         found.exact = found.group.size == len(bad) and found.group.names is None
     found.moments, found.moment_names = _moments(bad, shapes, view)
     return found
+
+
+def _from_the_start(history: list[dict[str, Any]], step: int | None) -> bool:
+    """The history holds every step of the run up to ``step``: it is step 0, or the records
+    run from step 0 to it without a gap."""
+    if step == 0:
+        return True
+    steps = sorted({r["step"] for r in history if isinstance(r.get("step"), int)})
+    earlier = [s for s in steps if step is not None and s < step]
+    return bool(earlier) and earlier == list(range(len(earlier)))
 
 
 def _applied_before(history: list[dict[str, Any]], step: int | None) -> dict[str, Any] | None:
