@@ -169,3 +169,85 @@ def test_an_lbfgs_closure_loop_is_told_in_one_line_with_the_fix_and_runs_as_bare
     weights = [line for line in done.stdout.splitlines() if line.startswith("WEIGHTS")]
     assert weights == [line for line in bare.stdout.splitlines() if line.startswith("WEIGHTS")]
     assert len(weights) == 1
+
+
+DCP_RESUME = """
+import hashlib, json, os, sys
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+opt = torch.optim.Adam(model.parameters(), lr=0.01)
+if sys.argv[1] == "make":
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "opt": get_optimizer_state_dict(model, opt)}, "s.pt")
+    raise SystemExit(0)
+saved = torch.load("s.pt")
+model.load_state_dict(saved["model"])
+set_optimizer_state_dict(model, opt, saved["opt"])  # steps opt once, at lr 0: it has no state
+for step in range(6):
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    if step == int(sys.argv[2]):
+        x[3, 0] = float("nan")
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+digest = hashlib.sha256()
+for tensor in [*model.state_dict().values(), *opt.state_dict()["state"][0].values()]:
+    digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+print("WEIGHTS", digest.hexdigest())
+"""
+
+
+@pytest.mark.timeout(160)
+def test_a_resume_through_torch_distributed_checkpoint_is_guarded_from_its_first_step(
+    tmp_path: Path,
+) -> None:
+    """``set_optimizer_state_dict`` on an optimizer without state steps it once, at lr 0 on
+    zero gradients, before the script's first forward (PyTorch's FSDP2 example resumes so).
+    That step updates nothing and is no training step: the guard waits for the first one
+    (it once stood aside there, "cannot find the model"), guards the run and skips its NaN
+    step; without a fault the weights and moments are the bare script's, bit for bit."""
+
+    def python(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, str(tmp_path / "script.py"), *args],
+            capture_output=True,
+            text=True,
+            timeout=100,
+            cwd=tmp_path,
+        )
+
+    (tmp_path / "script.py").write_text(DCP_RESUME)
+    assert python("make").returncode == 0
+    bare = python("train", "-1")
+    assert bare.returncode == 0, bare.stderr[-2000:]
+    command = [sys.executable, "-m", "trainguard", "run", "--run-dir"]
+    for run, nan_step in (("clean", "-1"), ("nan", "2")):
+        done = subprocess.run(
+            [*command, str(tmp_path / run), "--", sys.executable, "script.py", "train", nan_step],
+            capture_output=True,
+            text=True,
+            timeout=150,
+            cwd=tmp_path,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "trainguard run: rank 0: guarding Adam over Sequential" in done.stderr
+        assert "not guarding" not in done.stderr, done.stderr[-2000:]
+        if run == "clean":
+            assert [line for line in done.stdout.splitlines() if line.startswith("WEIGHTS")] == [
+                line for line in bare.stdout.splitlines() if line.startswith("WEIGHTS")
+            ]
+        else:
+            events = [
+                json.loads(line)
+                for line in (tmp_path / run / "events" / "rank-0.jsonl").read_text().splitlines()
+            ]
+            assert [(e["kind"], e["step"]) for e in events if e["kind"] == "skip"] == [("skip", 2)]

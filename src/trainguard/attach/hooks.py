@@ -334,8 +334,8 @@ class Attacher:
     def _attach(self, optimizer: torch.optim.Optimizer) -> bool:
         prestart = self._prestart
         found = find_model(prestart.candidates, optimizer)
-        if not prestart.calls and not _has_gradients(optimizer):
-            return False  # a step before any training forward (nothing to update): wait
+        if not prestart.calls and (not _has_gradients(optimizer) or _at_rate_zero(optimizer)):
+            return False  # a step before any training forward that updates nothing: wait
         prestart.remove()
         if found.model is None:
             self.stand_aside(f"cannot find the model: {found.reason}")
@@ -447,3 +447,11 @@ class Attacher:
 
 def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
     return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+
+
+def _at_rate_zero(optimizer: torch.optim.Optimizer) -> bool:
+    """Every param group's learning rate is 0: a step that makes the optimizer's state and
+    updates nothing. ``torch.distributed.checkpoint``'s ``set_optimizer_state_dict`` steps an
+    optimizer without state so, on zero gradients, before it loads one (PyTorch's FSDP2
+    example resumes that way before its first forward); the training steps come after."""
+    return all(float(group.get("lr", 1.0)) == 0.0 for group in optimizer.param_groups)
