@@ -7,8 +7,7 @@ no torch, so ``trainguard --version``, ``trainguard report`` and the bootstrap o
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trainguard.config import (
     GuardConfig,
@@ -38,6 +37,7 @@ from trainguard.exitcodes import (
     EXIT_PEER_FAILURE,
     EXIT_SUSPECT_HOST,
 )
+from trainguard.lazy_names import lazy_names
 from trainguard.replay import replay  # the function (the subpackage's own name: its docstring)
 
 if TYPE_CHECKING:
@@ -95,14 +95,4 @@ _LAZY = {
 """The public names that import torch, and where they live."""
 
 
-def __getattr__(name: str) -> Any:
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module 'trainguard' has no attribute {name!r}")
-    value = getattr(importlib.import_module(where), name)
-    globals()[name] = value  # once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)

@@ -14,8 +14,9 @@ helpers. Offers: ``Bundle``, ``load_bundle``, ``inspect_bundle``, ``rng_state``,
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from trainguard.lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from trainguard.capture.bundle import Bundle, load_bundle
@@ -35,14 +36,4 @@ _LAZY = {
 report``, ``capture/forward_inputs.py``) does not import torch."""
 
 
-def __getattr__(name: str) -> Any:
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module 'trainguard.capture' has no attribute {name!r}")
-    value = getattr(importlib.import_module(where), name)
-    globals()[name] = value  # once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)

@@ -28,8 +28,9 @@ Offers: ``Watchdog``, ``start_watchdog``. Imports only the shared base modules
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from trainguard.lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from trainguard.hang.watchdog import Watchdog
@@ -42,14 +43,4 @@ _LAZY = {"Watchdog": "trainguard.hang.watchdog", "start_watchdog": "trainguard.h
 importing torch."""
 
 
-def __getattr__(name: str) -> Any:
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module 'trainguard.hang' has no attribute {name!r}")
-    value = getattr(importlib.import_module(where), name)
-    globals()[name] = value  # once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)
