@@ -453,5 +453,9 @@ def _at_rate_zero(optimizer: torch.optim.Optimizer) -> bool:
     """Every param group's learning rate is 0: a step that makes the optimizer's state and
     updates nothing. ``torch.distributed.checkpoint``'s ``set_optimizer_state_dict`` steps an
     optimizer without state so, on zero gradients, before it loads one (PyTorch's FSDP2
-    example resumes that way before its first forward); the training steps come after."""
-    return all(float(group.get("lr", 1.0)) == 0.0 for group in optimizer.param_groups)
+    example resumes that way before its first forward, on every rank alike: it is
+    collective); the training steps come after. An lr that is no number: not zero."""
+    try:
+        return all(float(group.get("lr", 1.0)) == 0.0 for group in optimizer.param_groups)
+    except (TypeError, ValueError, RuntimeError):
+        return False

@@ -68,10 +68,11 @@ _SEP = os.sep
 
 
 def _package_dir(name: str) -> str:
-    """The folder of the installed package ``name``, found without importing it."""
+    """The folder of the installed package ``name``, found without importing it (a folder no
+    file is in when it is not installed: no frame is taken for its)."""
     spec = find_spec(name)
     origin = spec.origin if spec is not None else None
-    return os.path.dirname(origin or "") + _SEP
+    return os.path.dirname(origin) + _SEP if origin else f"{_SEP}\0{name}-not-installed{_SEP}"
 
 
 TORCH_DIR = _package_dir("torch")

@@ -88,7 +88,8 @@ class WeightsEvidence:
             return (
                 "No update of this run wrote them (the history runs from step 0 and none "
                 "before this step was applied): they were non-finite when training began, "
-                "made by the model's initialization or by the weights the script loaded."
+                "made by the model's initialization or by the weights the script loaded (or "
+                "by steps taken before the guard was)."
             )
         return _writer_body(self.writer, self.names)
 

@@ -91,7 +91,7 @@ def test_weights_never_initialized_are_named_before_the_first_update(tmp_path: P
         "Non-finite weights before the run's first update: body.weight. No update of this run "
         "wrote them (the history runs from step 0 and none before this step was applied): they "
         "were non-finite when training began, made by the model's initialization or by the "
-        "weights the script loaded."
+        "weights the script loaded (or by steps taken before the guard was)."
     )
     assert "to_empty()" in r["advice"] and "reset_parameters()" in r["advice"]
     assert r["weights"]["writer"]["before_any_update"] is True
