@@ -251,3 +251,58 @@ def test_a_resume_through_torch_distributed_checkpoint_is_guarded_from_its_first
                 for line in (tmp_path / run / "events" / "rank-0.jsonl").read_text().splitlines()
             ]
             assert [(e["kind"], e["step"]) for e in events if e["kind"] == "skip"] == [("skip", 2)]
+
+
+CARRIED = """
+import hashlib, sys
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+nan_step, left_out = int(sys.argv[1]), int(sys.argv[2])
+for step in range(8):
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    if step == left_out:  # what a skip leaves: no update, no gradients carried on
+        for p in model.parameters():
+            p.grad = None
+        continue
+    if step == nan_step:
+        x[3, 0] = float("nan")
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()  # and never zero_grad: the gradients pile up over the steps
+digest = hashlib.sha256()
+for tensor in [*model.state_dict().values(), *opt.state_dict()["state"][0].values()]:
+    digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+print("WEIGHTS", digest.hexdigest())
+"""
+
+
+@pytest.mark.timeout(160)
+def test_a_loop_that_never_zeroes_its_gradients_goes_on_after_a_skip(tmp_path: Path) -> None:
+    """PyTorch's tensor-parallel example never calls zero_grad: its gradients pile up over
+    the steps. A skipped step's gradients, given back after the optimizer's step, stayed on
+    the parameters, so every later step was non-finite and the guard escalated 5 steps on.
+    Now the next training forward clears the given-back gradients the loop left as they were
+    (with one warning): the steps after the skip are applied, and the weights equal the bare
+    loop's that leaves the step out and carries no gradient past it."""
+    guarded = CARRIED.replace("sys.argv[1]", "'2'").replace("sys.argv[2]", "'-1'")
+    done = _trainguard_run(tmp_path, guarded)  # a NaN at step 2
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "step 2 began with" not in done.stderr  # said at the step after the skip
+    assert "step 3 began with the skipped step's gradients still on the parameters" in (done.stderr)
+    events = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "events" / "rank-0.jsonl").read_text().splitlines()
+    ]
+    assert [e["step"] for e in events if e["kind"] == "skip"] == [2]
+    assert not [e for e in events if e["kind"] == "escalate"]
+    expected = tmp_path / "expected.py"
+    expected.write_text(CARRIED)
+    left_out = subprocess.run(
+        [sys.executable, str(expected), "-1", "2"], capture_output=True, text=True, timeout=100
+    )
+    weights = [line for line in done.stdout.splitlines() if line.startswith("WEIGHTS")]
+    assert len(weights) == 1
+    assert weights == [line for line in left_out.stdout.splitlines() if line.startswith("WEIGHTS")]

@@ -412,6 +412,7 @@ class Attacher:
         if not torch.is_grad_enabled() or not in_training(module):
             return  # an evaluation: progress, counted by the guard's step-start hook
         guard.progress.enter("step")
+        guard.internals.clear_carried_gradients()  # a skip's, left on by the loop
         self._clip.forward()
         self._drops.forward()
         guard.record_batch(batch_of(args, kwargs))

@@ -96,6 +96,13 @@ class GuardInternals:
         """A skipped step's gradients, held back, are the script's again."""
         self._guard._parts.drop_update.give_back()
 
+    def clear_carried_gradients(self) -> None:
+        """At a training forward: the skipped step's given-back gradients the loop carried
+        into this step unchanged are cleared (``UpdateDrop.carried``), said once."""
+        drop = self._guard._parts.drop_update
+        if drop.given:
+            drop.carried(self._guard.state.step)
+
     def take_held_gradients(self, other: Guard) -> None:
         """The gradients ``other`` (a guard this one succeeds) holds back from a skip."""
         self._guard._parts.drop_update.dropped = other._parts.drop_update.dropped

@@ -42,6 +42,10 @@ class UpdateDrop:
         optimizer step runs after the skip, and its code after that may read them)."""
         self.dropped: list[tuple[nn.Parameter, torch.Tensor]] = []
         """With ``keep_dropped``: the last dropped step's gradients, for ``give_back``."""
+        self._said_carried = False
+        self.given: list[tuple[nn.Parameter, torch.Tensor, int]] = []
+        """The gradients ``give_back`` put back, with their version counters: the loop's
+        next training forward looks whether it left them as they were (``carried``)."""
 
     def give_back(self) -> None:
         """Put the last dropped step's gradients back on their parameters (after the
@@ -49,7 +53,32 @@ class UpdateDrop:
         for param, grad in self.dropped:
             if param.grad is None:
                 param.grad = grad
+                self.given.append((param, grad, grad._version))
         self.dropped = []
+
+    def carried(self, step: int) -> int:
+        """At the loop's next training forward (of ``step``): clear the given-back gradients
+        it left as they were (neither set to None nor zeroed in place: a loop that carries
+        gradients across optimizer steps), which hold the skipped step's non-finite values and
+        would make every later step non-finite. Returns how many were cleared; the gradients
+        the loop carried into the skipped step are lost with it (said on the first time)."""
+        given, self.given = self.given, []
+        cleared = 0
+        for param, grad, version in given:
+            if param.grad is grad and grad._version == version:
+                param.grad = None
+                cleared += 1
+        if cleared and not self._said_carried:
+            self._said_carried = True
+            logger.warning(
+                "trainguard: rank %d: step %d began with the skipped step's gradients still "
+                "on the parameters (the loop carries gradients across optimizer steps): "
+                "cleared, else every later step would be non-finite; the gradients carried "
+                "into the skipped step are dropped with it",
+                self._rank,
+                step,
+            )
+        return cleared
 
     def __call__(self, step: int) -> int:
         """Drop ``step``'s update; returns how many buffers were put back."""
