@@ -120,11 +120,10 @@ def find_writer(
 def _from_the_start(history: list[dict[str, Any]], step: int | None) -> bool:
     """The history holds every step of the run up to ``step``: it is step 0, or the records
     run from step 0 to it without a gap."""
-    if step == 0:
-        return True
+    if step is None or step <= 0:
+        return step == 0
     steps = sorted({r["step"] for r in history if isinstance(r.get("step"), int)})
-    earlier = [s for s in steps if step is not None and s < step]
-    return bool(earlier) and earlier == list(range(len(earlier)))
+    return [s for s in steps if s < step] == list(range(step))
 
 
 def _applied_before(history: list[dict[str, Any]], step: int | None) -> dict[str, Any] | None:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 import trainguard as tg
+from trainguard.replay.writer import find_writer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,3 +109,17 @@ def test_weights_corrupted_after_applied_updates_are_not_called_initial(tmp_path
     assert r["step"] == 3 and r["verdict"] == "nonfinite_weights"
     assert r["weights"]["writer"]["before_any_update"] is False
     assert r["summary"].startswith("Non-finite weights before the step: body.weight.")
+
+
+def test_only_a_history_from_step_0_without_a_gap_says_no_update_came() -> None:
+    """A history that starts later (a bounded one, a resume) or has a gap may hide an applied
+    update: then the verdict stays the plain one."""
+
+    def before_any(steps: list[int], step: int, decision: str = "skip") -> bool:
+        history = [{"step": s, "decision": decision, "grad_norm": "inf"} for s in steps]
+        return find_writer(["w"], {"w": (2,)}, step, history, None).before_any_update
+
+    assert before_any([0, 1, 2, 3], 4) and before_any([], 0)
+    assert not before_any([0, 1, 2], 10)  # steps 3..9 unknown
+    assert not before_any([5, 6, 7], 8)  # a history that starts later
+    assert not before_any([0, 1, 2, 3], 4, decision="ok")  # updates were applied
