@@ -57,9 +57,9 @@ from trainguard.attach.discovery import (
     existing_guard,
     find_model,
     in_training,
-    optimizer_params,
 )
 from trainguard.attach.drops import DropWatch
+from trainguard.attach.first_steps import LBFGS_REASON, second_optimizer_reason, updates_nothing
 from trainguard.attach.loss_inputs import LossInputs
 from trainguard.attach.options import RunOptions
 from trainguard.attach.prestart import PreStart
@@ -107,29 +107,6 @@ def announcer() -> logging.Logger:
         log.propagate = False
         log.setLevel(logging.INFO)
     return log
-
-
-def second_optimizer_reason(new: torch.optim.Optimizer, guarded: torch.optim.Optimizer) -> str:
-    """Why an optimizer other than the guarded one stepping ends the guarding (one made anew
-    over the guarded model's parameters is followed instead: ``replace.py``): one over every
-    guarded parameter and others outside the guarded model, or one over part of them."""
-    new_name, guarded_name = type(new).__name__, type(guarded).__name__
-    if optimizer_params(new) >= optimizer_params(guarded):
-        what = (
-            f"a new optimizer ({new_name}) over every guarded parameter and parameters "
-            f"outside the guarded model steps instead of, or besides, the guarded "
-            f"{guarded_name}: trainguard run follows an optimizer made anew over the same "
-            "model only (use trainguard.Guard in the script)"
-        )
-    else:
-        what = (
-            f"a second optimizer ({new_name}) steps besides the guarded {guarded_name}: "
-            "trainguard run guards scripts with one optimizer (to guard a GAN's or an "
-            "actor-critic's updates, put a trainguard.Guard per model and optimizer in the "
-            "script, each checked before its own step: docs/guard.md, 'Several models, "
-            "several guards')"
-        )
-    return what
 
 
 def _rank() -> int:
@@ -271,12 +248,7 @@ class Attacher:
                 self._before_update(optimizer, None)
             return None
         if isinstance(optimizer, torch.optim.LBFGS):
-            self.stand_aside(
-                "LBFGS evaluates its closure several times per step",
-                "the script runs unguarded (to guard such a loop, use trainguard.Guard in the "
-                "script and check the closure's first loss: loss = closure(); if "
-                "guard.check(loss): optimizer.step(closure))",
-            )
+            self.stand_aside(*LBFGS_REASON)
             return None
         wrapped = self._checked_closure(optimizer, closure)
         if "closure" in kwargs:
@@ -334,7 +306,7 @@ class Attacher:
     def _attach(self, optimizer: torch.optim.Optimizer) -> bool:
         prestart = self._prestart
         found = find_model(prestart.candidates, optimizer)
-        if not prestart.calls and (not _has_gradients(optimizer) or _at_rate_zero(optimizer)):
+        if not prestart.calls and updates_nothing(optimizer):
             return False  # a step before any training forward that updates nothing: wait
         prestart.remove()
         if found.model is None:
@@ -444,19 +416,3 @@ class Attacher:
             guard.run_dir,
             UNSEEN,
         )
-
-
-def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
-    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
-
-
-def _at_rate_zero(optimizer: torch.optim.Optimizer) -> bool:
-    """Every param group's learning rate is 0: a step that makes the optimizer's state and
-    updates nothing. ``torch.distributed.checkpoint``'s ``set_optimizer_state_dict`` steps an
-    optimizer without state so, on zero gradients, before it loads one (PyTorch's FSDP2
-    example resumes that way before its first forward, on every rank alike: it is
-    collective); the training steps come after. An lr that is no number: not zero."""
-    try:
-        return all(float(group.get("lr", 1.0)) == 0.0 for group in optimizer.param_groups)
-    except (TypeError, ValueError, RuntimeError):
-        return False

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from trainguard.attach.discovery import describe, describe_module, existing_guard, find_model
-from trainguard.attach.hooks import second_optimizer_reason
+from trainguard.attach.first_steps import second_optimizer_reason
 from trainguard.attach.launch import guard_exit_code
 from trainguard.attach.options import BOOTSTRAP_DIR, ENV_VAR, RunOptions, child_env, launcher_of
 from trainguard.attach.replace import made_anew

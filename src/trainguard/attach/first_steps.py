@@ -1,0 +1,62 @@
+"""What a step of an optimizer other than the guarded one, or one before the first training
+forward, means for ``trainguard run`` (``hooks.Attacher``): a step to wait out, or the reason
+in the line it stands aside with. Pure functions of the optimizers, no hooks."""
+
+from __future__ import annotations
+
+import torch
+
+from trainguard.attach.discovery import optimizer_params
+
+LBFGS_REASON = (
+    "LBFGS evaluates its closure several times per step",
+    "the script runs unguarded (to guard such a loop, use trainguard.Guard in the script and "
+    "check the closure's first loss: loss = closure(); if guard.check(loss): "
+    "optimizer.step(closure))",
+)
+"""``stand_aside``'s reason and what follows, for ``torch.optim.LBFGS``."""
+
+
+def second_optimizer_reason(new: torch.optim.Optimizer, guarded: torch.optim.Optimizer) -> str:
+    """Why an optimizer other than the guarded one stepping ends the guarding (one made anew
+    over the guarded model's parameters is followed instead: ``replace.py``): one over every
+    guarded parameter and others outside the guarded model, or one over part of them."""
+    new_name, guarded_name = type(new).__name__, type(guarded).__name__
+    if optimizer_params(new) >= optimizer_params(guarded):
+        what = (
+            f"a new optimizer ({new_name}) over every guarded parameter and parameters "
+            f"outside the guarded model steps instead of, or besides, the guarded "
+            f"{guarded_name}: trainguard run follows an optimizer made anew over the same "
+            "model only (use trainguard.Guard in the script)"
+        )
+    else:
+        what = (
+            f"a second optimizer ({new_name}) steps besides the guarded {guarded_name}: "
+            "trainguard run guards scripts with one optimizer (to guard a GAN's or an "
+            "actor-critic's updates, put a trainguard.Guard per model and optimizer in the "
+            "script, each checked before its own step: docs/guard.md, 'Several models, "
+            "several guards')"
+        )
+    return what
+
+
+def updates_nothing(optimizer: torch.optim.Optimizer) -> bool:
+    """A step of ``optimizer`` would change no weight: no parameter has a gradient, or every
+    param group's learning rate is 0 (``_at_rate_zero``)."""
+    return not _has_gradients(optimizer) or _at_rate_zero(optimizer)
+
+
+def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+
+
+def _at_rate_zero(optimizer: torch.optim.Optimizer) -> bool:
+    """Every param group's learning rate is 0: a step that makes the optimizer's state and
+    updates nothing. ``torch.distributed.checkpoint``'s ``set_optimizer_state_dict`` steps an
+    optimizer without state so, on zero gradients, before it loads one (PyTorch's FSDP2
+    example resumes that way before its first forward, on every rank alike: it is
+    collective); the training steps come after. An lr that is no number: not zero."""
+    try:
+        return all(float(group.get("lr", 1.0)) == 0.0 for group in optimizer.param_groups)
+    except (TypeError, ValueError, RuntimeError):
+        return False
