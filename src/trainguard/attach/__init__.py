@@ -5,6 +5,7 @@ them to every process), ``bootstrap/sitecustomize.py`` (runs at each process's s
 installs the hooks once torch is imported), ``prestart`` (the first step's start, recorded
 before the guard exists), ``discovery`` (which module is the model; a guard already there),
 ``hooks`` (the optimizer and model hooks, the guard they attach, standing aside),
+``leaving`` (every rank of a job standing aside together), ``announce`` (the lines it says),
 ``clip`` (a script's gradient clip: checked before it), ``drops`` (a step the script leaves
 out itself, seen at its ``zero_grad``) and ``launch`` (running the command, its exit
 status). See docs/run.md.

@@ -37,7 +37,6 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -50,9 +49,9 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
+from trainguard.attach.announce import announce_guarding, announcer
 from trainguard.attach.clip import ClipWatch
 from trainguard.attach.discovery import (
-    describe,
     describe_module,
     existing_guard,
     find_model,
@@ -60,6 +59,16 @@ from trainguard.attach.discovery import (
 )
 from trainguard.attach.drops import DropWatch
 from trainguard.attach.first_steps import LBFGS_REASON, second_optimizer_reason, updates_nothing
+from trainguard.attach.leaving import (
+    UNGUARDED,
+    AsideReason,
+    agree_verdicts,
+    agreed_reason,
+    disarm,
+    job_rank,
+    job_world,
+    peer_reason,
+)
 from trainguard.attach.loss_inputs import LossInputs
 from trainguard.attach.options import RunOptions
 from trainguard.attach.prestart import PreStart
@@ -72,12 +81,6 @@ from trainguard.step.join import JOIN_REASON, shadowed_in_join
 from trainguard.user_hooks import HookHandle, add_forward_hooks
 
 logger = logging.getLogger(__name__)
-
-ANNOUNCER = "trainguard.run"
-"""The logger of ``trainguard run``'s own lines (start-up, standing aside): its own stderr
-handler, not propagated, so the script's logging setup neither hides nor doubles them."""
-
-UNSEEN = "it cannot see the loss value, loss spikes or uneven data across ranks"
 
 _attacher: Attacher | None = None
 
@@ -96,23 +99,6 @@ def install(raw: Mapping[str, Any]) -> None:
     _attacher.install()
 
 
-def announcer() -> logging.Logger:
-    """The ``trainguard.run`` logger, with its own stderr handler (added once)."""
-    log = logging.getLogger(ANNOUNCER)
-    if not any(getattr(h, "trainguard_run", False) for h in log.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        handler.trainguard_run = True  # type: ignore[attr-defined]
-        log.addHandler(handler)
-        log.propagate = False
-        log.setLevel(logging.INFO)
-    return log
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 class Attacher:
     """One process's hooks: waiting for the first step, then guarding, or standing aside."""
 
@@ -128,6 +114,9 @@ class Attacher:
         self._loss_inputs = LossInputs()  # criterion(model(x), y): y joins the micro-batch
         self._handles: list[RemovableHandle | HookHandle] = []
         self._restore_destroy: Callable[[], None] | None = None
+        self._leaving: AsideReason | None = None
+        """In a job of several ranks: why this rank stands aside, until every rank does
+        (``leaving.py``): at attach, or after the next check."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -142,19 +131,35 @@ class Attacher:
         self._wrap_destroy()
 
     def stand_aside(
-        self, reason: str, then: str = "the script runs unguarded", own_guard: bool = False
+        self, reason: str, then: str = UNGUARDED, own_guard: bool = False, alone: bool = False
     ) -> None:
         """Remove every hook, close the guard if any, and say why (one line; and in the run
         dir for the command's last word: ``status.py``). ``own_guard``: the script's own
-        guard keeps the run."""
+        guard keeps the run. ``alone``: this rank found the reason on its own; in a job of
+        several ranks it then waits until every rank stands aside with it (``leaving.py``).
+        Otherwise every rank stands aside at this point (a Join, a failure at attach) or the
+        process is exiting."""
+        if self.aside:
+            return
+        if alone and job_world() > 1:
+            if self._leaving is None:
+                self._leaving = AsideReason(reason, then, own_guard)
+            return
+        self._stand_aside_now(AsideReason(reason, then, own_guard))
+
+    def _stand_aside_now(self, aside: AsideReason) -> None:
+        """``stand_aside`` on every rank alike (``aside.origin``: the rank whose reason it
+        is, named in the line; its reason is what the command's last word repeats)."""
         if self.aside:
             return
         self.aside = True
         self._remove_hooks()
-        announcer().warning("trainguard run: rank %d: not guarding: %s; %s", _rank(), reason, then)
-        write_reason(self.options.run_dir, _rank(), reason, guarded=own_guard)
+        said, then = aside.said, aside.then
+        announcer().warning("trainguard run: rank %d: not guarding: %s; %s", job_rank(), said, then)
+        origin = job_rank() if aside.origin is None else aside.origin
+        write_reason(self.options.run_dir, origin, aside.reason, guarded=aside.own_guard)
         if self.guard is not None:  # the run dir says so too: its report is no guarded run
-            self.guard.events.write("stand_aside", self.guard.state.step, reason=reason, then=then)
+            self.guard.events.write("stand_aside", self.guard.state.step, reason=said, then=then)
         self.close()
 
     def close(self) -> None:
@@ -162,6 +167,10 @@ class Attacher:
         hook goes with it: registered, it kept this attacher, and with it the script's model
         (a DDP module the process's hang probe then still finds), alive until exit."""
         atexit.unregister(self.close)
+        leaving = self._leaving
+        if leaving is not None and not self.aside:  # the training ended first: say it now
+            self._stand_aside_now(leaving)
+            return
         guard, self.guard = self.guard, None
         if guard is None:
             return
@@ -179,7 +188,10 @@ class Attacher:
         self._drops.remove()
         self._loss_inputs.disarm()
         for handle in self._handles:
-            handle.remove()
+            if isinstance(handle, RemovableHandle):
+                disarm(handle)
+            else:
+                handle.remove()
         self._handles = []
         if self._restore_destroy is not None:
             self._restore_destroy()
@@ -214,13 +226,18 @@ class Attacher:
             "changed between two training forwards with no torch.optim optimizer step), and "
             "trainguard run checks each step at its optimizer's step(); use a torch.optim "
             "optimizer (torch.optim.SGD(model.parameters(), lr=LR) makes the same update as "
-            "p -= LR * p.grad)"
+            "p -= LR * p.grad)",
+            alone=True,
         )
 
     def _never_stepped(self) -> None:
         """At exit: a process that trained (training forwards) and never reached an optimizer
-        step says so, as ``stand_aside`` would have."""
-        if self.optimizer is None and not self.aside and self._prestart.calls:
+        step says so, as ``stand_aside`` would have (or the reason it found before, which
+        waited for an optimizer step to be agreed on: ``leaving.py``)."""
+        leaving = self._leaving
+        if leaving is not None and not self.aside:
+            self._stand_aside_now(leaving)
+        elif self.optimizer is None and not self.aside and self._prestart.calls:
             self.stand_aside(
                 "the script ran training forwards but no torch.optim optimizer step: "
                 "trainguard run checks each step at its optimizer's step()",
@@ -232,12 +249,14 @@ class Attacher:
     def _pre_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if self.aside:
+        if self.aside or self._left():
             return None
         self._loss_inputs.disarm()  # a functional loss: no loss call came; nothing to read
         if self.optimizer is not None and optimizer is not self.optimizer:
+            if self._leaving is not None:
+                return None  # leaving after the guarded optimizer's next check: unguarded
             if self.model is None or not made_anew(optimizer, self.optimizer, self.model):
-                self.stand_aside(second_optimizer_reason(optimizer, self.optimizer))
+                self.stand_aside(second_optimizer_reason(optimizer, self.optimizer), alone=True)
                 return None
             if not self._replace(optimizer, self.model):
                 return None
@@ -248,7 +267,9 @@ class Attacher:
                 self._before_update(optimizer, None)
             return None
         if isinstance(optimizer, torch.optim.LBFGS):
-            self.stand_aside(*LBFGS_REASON)
+            self.stand_aside(*LBFGS_REASON, alone=True)
+            if self.guard is None:  # several ranks: every rank's verdict, agreed now
+                self._agreed(None, optimizer)
             return None
         wrapped = self._checked_closure(optimizer, closure)
         if "closure" in kwargs:
@@ -282,6 +303,7 @@ class Attacher:
             self._clip.stepped()
             guard.internals.give_back_gradients()  # a skipped step's: the script's again
             guard.progress.enter("data")  # next: the loop fetches a batch
+            self._left()
 
     def _before_update(self, optimizer: torch.optim.Optimizer, loss: Tensor | None) -> None:
         self._loss_inputs.disarm()  # a closure's loss (Lightning): the update runs bare
@@ -294,7 +316,9 @@ class Attacher:
             return
         self._drops.busy = True  # a skip's own zero_grad is not the script leaving it out
         try:
-            if loss is not None:
+            if self._leaving is not None:  # every rank stands aside after this step
+                guard.internals.check_leaving(loss)
+            elif loss is not None:
                 guard.check(loss)
             else:
                 guard.check_gradients()
@@ -309,18 +333,19 @@ class Attacher:
         if not prestart.calls and updates_nothing(optimizer):
             return False  # a step before any training forward that updates nothing: wait
         prestart.remove()
-        if found.model is None:
-            self.stand_aside(f"cannot find the model: {found.reason}")
-            return False
         model = found.model
-        other = existing_guard(model)
-        if other is not None:
-            self.stand_aside(
+        if model is None:
+            verdict = AsideReason(f"cannot find the model: {found.reason}")
+        elif (other := existing_guard(model)) is not None:
+            verdict = AsideReason(
                 f"{describe_module(model)} already has a trainguard guard (a {other} hook: "
                 "Lightning's TrainGuard, the HF TrainGuardCallback or a Guard in the script)",
                 then="the script's own guard keeps the run",
                 own_guard=True,
             )
+        else:
+            verdict = None
+        if not self._agreed(verdict, optimizer) or model is None:
             return False
         try:
             guard = self._new_guard(model, optimizer, None)
@@ -334,7 +359,31 @@ class Attacher:
         # around a model compiled in place (user_hooks.add_forward_hooks)
         self._handles.append(add_forward_hooks(model, pre=self._model_pre, post=self._model_post))
         atexit.register(self.close)
-        self._announce(guard, optimizer, model)
+        announce_guarding(guard, optimizer, model)
+        return True
+
+    def _agreed(self, verdict: AsideReason | None, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether every rank can be guarded, agreed at attach (``leaving.py``): this rank's
+        ``verdict`` (or the reason it found before), every rank's in a job of several; when
+        some rank cannot be, this one stands aside, saying which rank and why."""
+        mine = self._leaving or verdict
+        if job_world() > 1:
+            device = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
+            mine = agreed_reason(agree_verdicts(mine, device or torch.device("cpu")), job_rank())
+        if mine is None:
+            return True
+        self._stand_aside_now(mine)
+        return False
+
+    def _left(self) -> bool:
+        """Whether this rank stood aside now because the last agreed step said that some rank
+        stops guarding (``leaving.py``): at the guarded optimizer's post-step hook, or at the
+        next training forward or optimizer step of a rank that left that step out itself."""
+        guard = self.guard
+        if guard is None or not (ranks := guard.internals.leaving_ranks()):
+            return False
+        mine = self._leaving or peer_reason(ranks)
+        self._stand_aside_now(mine)
         return True
 
     def _new_guard(
@@ -379,7 +428,7 @@ class Attacher:
     def _model_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._loss_inputs.disarm()  # the model's next call: the last one's loss was not seen
         guard = self.guard
-        if guard is None:
+        if guard is None or self._left():
             return
         if not torch.is_grad_enabled() or not in_training(module):
             return  # an evaluation: progress, counted by the guard's step-start hook
@@ -396,23 +445,3 @@ class Attacher:
         if guard is None or not torch.is_grad_enabled() or not in_training(module):
             return
         self._loss_inputs.arm(output, guard.internals.recorded_batches())
-
-    def _announce(self, guard: Guard, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-        world = guard.world_size
-        timeout = guard.config.hang.timeout
-        if not guard.internals.watchdog_on:
-            watchdog = "watchdog off" + (" (single process)" if world == 1 else "")
-        else:
-            watchdog = f"watchdog on (hang timeout {'adaptive' if timeout is None else timeout})"
-        announcer().info(
-            "trainguard run: rank %d: guarding %s, %d rank%s, %s, on non-finite: %s, run dir %s; "
-            "%s",
-            guard.rank,
-            describe(optimizer, model),
-            world,
-            "" if world == 1 else "s",
-            watchdog,
-            guard.config.on_nonfinite,
-            guard.run_dir,
-            UNSEEN,
-        )

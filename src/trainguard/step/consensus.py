@@ -34,10 +34,12 @@ COLUMNS = (
     "dropped",
     "lr",
     "loss_scale",
+    "leaving",
 )
 DEVICE_COLUMNS = 5
 """The first columns come from the device (``LocalReport.values``); the rest from the host,
-but for ``loss_scale``, copied on the device from the GradScaler's scale tensor."""
+but for ``loss_scale``, copied on the device from the GradScaler's scale tensor, and
+``leaving``, filled only on the rare step a rank's caller stops guarding."""
 _NCOL = len(COLUMNS)
 _NORM = COLUMNS.index("grad_norm")
 _INPUT = COLUMNS.index("input")
@@ -49,6 +51,7 @@ _COMPUTE_TIME = COLUMNS.index("compute_time")
 _DROPPED = COLUMNS.index("dropped")
 _LR = COLUMNS.index("lr")
 _SCALE = COLUMNS.index("loss_scale")
+_LEAVING = COLUMNS.index("leaving")
 
 
 class Consensus:
@@ -63,19 +66,9 @@ class Consensus:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
-        self.device = self._buffer_device(local_device or torch.device("cpu"))
+        self.device = buffer_device(group, local_device or torch.device("cpu"))
         self.work = HeldWork()
         """The latest all-reduce's work, released on this thread (see ``collective_work``)."""
-
-    def _buffer_device(self, local_device: torch.device) -> torch.device:
-        """Where the buffer lives: the collective's device, or (one process) the model's, so
-        the flags never cross between host and device before the decision is read."""
-        if not self.distributed:
-            return local_device
-        backend = str(dist.get_backend(self.group)).lower()
-        if "nccl" in backend and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
     def reduce(self, report: LocalReport, sum_grad_norms: bool) -> Reduced:
         """Start the step's all-reduce; the buffer stays on ``device``, unread.
@@ -91,6 +84,8 @@ class Consensus:
             row[column].fill_(value)  # a scalar fill: no host-to-device copy
         if report.loss_scale is not None:  # a device-to-device copy: no host sync
             row[_SCALE].copy_(report.loss_scale.reshape(()), non_blocking=True)
+        if report.leaving:
+            row[_LEAVING].fill_(1.0)
         # not synchronous: the work is kept, so gloo's thread never releases ``buf``
         self.work.wait(dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
         return Reduced(buf, report, sum_grad_norms)
@@ -169,7 +164,20 @@ class Consensus:
             drops=[row[_DROPPED] for row in rows] if any(row[_DROPPED] for row in rows) else [],
             lrs=[row[_LR] for row in rows],
             loss_scales=[row[_SCALE] for row in rows],
+            leaving_ranks=[r for r, row in enumerate(rows) if row[_LEAVING] > 0.5],
         )
+
+
+def buffer_device(group: dist.ProcessGroup | None, local_device: torch.device) -> torch.device:
+    """Where a buffer of ``group``'s collectives lives: the collective's device, or (no process
+    group) the model's ``local_device``, so the flags never cross between host and device
+    before the decision is read."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return local_device
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def replicated_norm(norms: list[float]) -> float:
@@ -195,6 +203,7 @@ def _alone(values: list[float], report: LocalReport, sharded: bool) -> Agreement
         report.dropped,
         report.lr,
         float(report.loss_scale) if report.loss_scale is not None else 0.0,
+        report.leaving,
     )
 
 
@@ -208,6 +217,7 @@ def alone_agreement(
     dropped: float = 0.0,
     lr: float = 0.0,
     loss_scale: float = 0.0,
+    leaving: bool = False,
 ) -> Agreement:
     """A world of one's agreement: its reduced device columns ``values`` (``COLUMNS`` order)
     and its host fields (also ``step/single_process.py``'s, for the usual step)."""
@@ -226,6 +236,7 @@ def alone_agreement(
         drops=[dropped] if dropped else [],
         lrs=[lr],
         loss_scales=[loss_scale],
+        leaving_ranks=[0] if leaving else [],
     )
 
 

@@ -206,6 +206,13 @@ class Guard:
         self._checked(torch.zeros(()), StepCall(loss_known=False, dropped=dropped))
         return False
 
+    def _check_leaving(self, loss: Tensor | None) -> bool:
+        """``check(loss)`` (``check_gradients()`` when None) of this rank's last guarded step:
+        its row says that this rank's caller stops guarding after it, and every rank learns
+        so from the agreement (``GuardState.leaving_ranks``)."""
+        call = StepCall(loss_known=loss is not None, leaving=True)
+        return self._checked(torch.zeros(()) if loss is None else loss, call)
+
     def check(self, loss: LossLike | None = None) -> bool:
         """After backward, before the optimizer step. True only when the loss and every
         gradient are finite on every rank; every rank gets the same answer. ``loss``: a

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from torch import Tensor
+
 from trainguard.config import GuardConfig
 from trainguard.hang.watchdog import Watchdog
 from trainguard.step.buffers import BufferKeeper
@@ -53,6 +55,7 @@ class Guard(Protocol):
     def _parts(self) -> Parts: ...
 
     def _check_dropped(self, scaled: bool) -> bool: ...
+    def _check_leaving(self, loss: Tensor | None) -> bool: ...
 
     def _load_state(self, state: dict[str, Any]) -> None: ...
 
@@ -86,6 +89,16 @@ class GuardInternals:
     def check_dropped(self, scaled: bool) -> bool:
         """Check a step this rank's loop left out itself (``Guard._check_dropped``)."""
         return self._guard._check_dropped(scaled)
+
+    def check_leaving(self, loss: Tensor | None) -> bool:
+        """Check this rank's last guarded step, saying that it stops guarding after it
+        (``Guard._check_leaving``): every rank stops at that step (``leaving_ranks``)."""
+        return self._guard._check_leaving(loss)
+
+    def leaving_ranks(self) -> list[int]:
+        """The ranks that stop guarding after the last agreed step (the same on every rank;
+        empty while every rank goes on)."""
+        return self._guard.state.leaving_ranks
 
     def keep_dropped_gradients(self) -> None:
         """A skip holds the cleared gradients back until ``give_back_gradients`` (the script's

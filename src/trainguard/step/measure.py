@@ -143,4 +143,5 @@ class StepMeasure:
             dropped=call.dropped,
             lr=row_lr(self._parts.optimizer),
             loss_scale=amp.scale_tensor(self._parts.scaler),
+            leaving=call.leaving,
         )

@@ -117,7 +117,8 @@ class StepPipeline:
         may step, the same on every rank)."""
         step = self.state.step
         alone, measured = self.alone, None
-        if alone is not None and self._scaler is None:  # a scaler unscales first: agree()
+        if alone is not None and self._scaler is None and not call.leaving:  # a scaler unscales
+            # first, and the fast row has no leaving column: agree()
             measured = alone.take(loss, step, call.dropped)
         agreement, stats = measured if measured is not None else self.agree(loss, step, call)
         if self.boundary is not None:  # the guard's state changes from here
@@ -179,6 +180,8 @@ class StepPipeline:
         stream = self.stream
         if stream is not None:
             stream.agreed(agreement, steps_ago)
+        if agreement.leaving_ranks:  # a caller stops guarding: every rank learns it here
+            self.state.leaving_ranks = agreement.leaving_ranks
         self.history.record(step, agreement, decision, self.optimizer, call.loss_known)
 
     def apply(

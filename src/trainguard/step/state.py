@@ -42,6 +42,9 @@ class GuardState:
     last_streak: int = 0
     """Bad steps in a row ending at the last decided step, kept through a rollback (which
     restores ``consecutive_nonfinite`` to the snapshot's): what the escalating step had."""
+    leaving_ranks: list[int] = field(default_factory=list)
+    """The ranks whose caller stops guarding after the last agreed step
+    (``Agreement.leaving_ranks``; empty while every rank's goes on): a run's end, not saved."""
     spikes: Part | None = field(default=None, repr=False, compare=False)
     """The spike statistics (``SpikeWatch``): saved and restored with the counters, so a
     rollback or a resume judges the next steps as the run did at that step."""

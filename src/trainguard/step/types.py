@@ -59,6 +59,11 @@ class StepCall:
     backward_ran: bool = True
     """False: the step ran no backward by design (a Lightning ``training_step`` that returned
     None): finding no gradient is not a forgotten ``backward()``."""
+    leaving: bool = False
+    """The row's ``leaving`` column (``LocalReport.leaving``): this rank's caller stops
+    guarding after this step (``trainguard run`` found a loop it cannot guard on this rank
+    only); every rank learns it from the agreement (``Agreement.leaving_ranks``) and stops
+    at the same step."""
 
 
 USUAL_CALL = StepCall()
@@ -99,6 +104,8 @@ class LocalReport:
     loss_scale: Tensor | None = None
     """This rank's GradScaler scale (a 0-d device tensor, copied into the row on the device:
     no host sync), None without an enabled scaler."""
+    leaving: bool = False
+    """This rank's caller stops guarding after this step (``StepCall.leaving``)."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,9 @@ class Agreement:
     hyper-parameter of that rank's optimizer is not finite)."""
     loss_scales: list[float] = field(default_factory=list)
     """Per rank: its GradScaler's scale (0.0: no scaler)."""
+    leaving_ranks: list[int] = field(default_factory=list)
+    """Ranks whose caller stops guarding after this step (``StepCall.leaving``): every rank
+    stops with them, at this step."""
     mean_loss: float = field(init=False)
     """The mean of the ranks' losses (computed once: every stage reads it)."""
     grad_norm: float = field(init=False)

@@ -6,6 +6,13 @@
         [--block-rank R --block-step S]  rank R's loader blocks at step S
         [--drop-step S]                  every rank leaves out step S (no forward, no update)
         [--second-optimizer]             a second optimizer steps too (from step 2)
+        [--probe-rank R]                 rank R alone trains a linear probe on the model's
+                                         detached output, with an optimizer of its own
+                                         (from step 2)
+        [--loose-param-rank R]           rank R's optimizer also holds a parameter of no
+                                         module (never given a gradient)
+        [--global-step-hooks]            process-wide optimizer step hooks of the script's
+                                         own (a profiler's), counting the steps
         [--clip MAX_NORM]                clip_grad_norm_ before every optimizer step
         [--grad-nan-rank R --grad-nan-step S]  rank R's head.weight gradient gets a NaN
                                          after backward at step S (before the clip)
@@ -37,6 +44,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -134,8 +145,15 @@ def main() -> None:
     parser.add_argument("--save-seconds", type=float, default=0.0)
     parser.add_argument("--eval-seconds", type=float, default=0.0)
     parser.add_argument("--renew-step", type=int, default=-1)
+    parser.add_argument("--probe-rank", type=int, default=-1)
+    parser.add_argument("--loose-param-rank", type=int, default=-1)
+    parser.add_argument("--global-step-hooks", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    hooked: dict[str, int] = {"pre": 0, "post": 0}
+    if args.global_step_hooks:
+        register_optimizer_step_pre_hook(lambda *_: hooked.__setitem__("pre", hooked["pre"] + 1))
+        register_optimizer_step_post_hook(lambda *_: hooked.__setitem__("post", hooked["post"] + 1))
     distributed = "LOCAL_RANK" in os.environ
     if distributed:
         dist.init_process_group("gloo")
@@ -144,7 +162,12 @@ def main() -> None:
     net = Net()
     ema = copy.deepcopy(net)  # evaluated by one rank (--eval-seconds), never trained
     model: nn.Module = nn.parallel.DistributedDataParallel(net) if distributed else net
-    optimizer = make_optimizer(args.optimizer, model.parameters())
+    params = list(model.parameters())
+    if rank == args.loose_param_rank:
+        params.append(nn.Parameter(torch.zeros(1)))
+    optimizer = make_optimizer(args.optimizer, params)
+    probe = nn.Linear(1, 1) if rank == args.probe_rank else None
+    probe_optimizer = torch.optim.SGD(probe.parameters(), lr=0.1) if probe is not None else None
     head = torch.optim.SGD(net.head.parameters(), lr=0.01) if args.second_optimizer else None
     loader = DataLoader(Points(rank, args.steps, args), batch_size=4)
     clip_norms: dict[int, float] = {}
@@ -155,7 +178,8 @@ def main() -> None:
         if step == args.renew_step:  # made anew mid-run (each epoch, after unfreezing)
             optimizer = make_optimizer(args.optimizer, model.parameters())
         optimizer.zero_grad()
-        loss = F.mse_loss(model(x), y)
+        out = model(x)
+        loss = F.mse_loss(out, y)
         if rank == args.overflow_rank and step == args.overflow_step:
             loss = loss * 1e36  # finite, and Inf once scaled
         if scaler is not None:
@@ -177,6 +201,10 @@ def main() -> None:
         optimizer.step()
         if head is not None and step >= 2:
             head.step()
+        if probe is not None and probe_optimizer is not None and step >= 2:
+            probe_optimizer.zero_grad()
+            F.mse_loss(probe(out.detach()), y).backward()
+            probe_optimizer.step()
         if step == args.save_step:  # one rank writes a checkpoint, the others wait for it
             if rank == args.save_rank:
                 torch.save({"model": net.state_dict()}, SlowFile(args.save_seconds))
@@ -188,6 +216,7 @@ def main() -> None:
     if scaler is not None:
         state["scale"] = scaler.get_scale()
     state["clip_norms"] = clip_norms
+    state["hooked"] = hooked
     torch.save(state, args.out / f"rank{rank}.pt")
     print(f"rank {rank}: trained {args.steps} steps, last loss {loss.item():.4f}", flush=True)
     if distributed:

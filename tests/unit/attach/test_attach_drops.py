@@ -149,7 +149,16 @@ def _agreement(drops: list[float], norms: list[float]) -> Agreement:
     rows: list[float] = []
     for dropped, norm in zip(drops, norms, strict=True):
         report = LocalReport(torch.tensor([0.5, 0.5, norm, 0.0, 0.0]), dropped=dropped)
-        rows += [0.5, 0.5, norm, 0.0, 0.0, *_host_columns(report), 0.0]  # no loss scale
+        rows += [
+            0.5,
+            0.5,
+            norm,
+            0.0,
+            0.0,
+            *_host_columns(report),
+            0.0,
+            0.0,
+        ]  # no scale, not leaving
     report = LocalReport(torch.zeros(5))
     return consensus.read(rows, Reduced(report.values, report, False))
 

@@ -54,10 +54,10 @@ class _TwoRanks(Consensus):
         self.other = other
 
     def agree(self, report: LocalReport, sum_grad_norms: bool) -> Agreement:
-        host = [float(report.exhausted), float(report.batches), 0.0, 0.0, 0.0, 0.0, 0.0]
-        mine = [*report.values.tolist(), *host]  # + data, compute, dropped, lr, loss scale
+        host = [float(report.exhausted), float(report.batches), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        mine = [*report.values.tolist(), *host]  # + data, compute, dropped, lr, scale, leaving
         # loss column = its len(); grad norm, input, fingerprint 0; exhausted, all fetched
-        theirs = [float(self.other), 0.0, 0.0, 0.0, 0.0, 1.0, float(self.other)] + [0.0] * 5
+        theirs = [float(self.other), 0.0, 0.0, 0.0, 0.0, 1.0, float(self.other)] + [0.0] * 6
         assert len(mine) == len(theirs) == len(COLUMNS)
         reduced = Reduced(torch.tensor(mine + theirs), report, sum_grad_norms)
         return self.read(mine + theirs, reduced)
