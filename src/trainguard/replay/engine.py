@@ -124,7 +124,8 @@ def diagnose_runs(
     if whole_step:  # the weights or the run's course, not a sample: nothing to bisect for
         culprits = Culprits(searched=False, unsearched="the cause is not a sample's")
     else:
-        culprits = _culprits(runner, finding) if bisect else Culprits(searched=False)
+        recorded = meta.get("dataset_indices")
+        culprits = _culprits(runner, finding, recorded) if bisect else Culprits(searched=False)
     report = report_of(finding, culprits, deterministic, grew, only_half, ran_away)
     if len(bad) < len(runs):
         report.summary += f" (Non-finite in {len(bad)} of {len(runs)} replays: nondeterministic.)"
@@ -344,8 +345,12 @@ def _masked_row(finding: Finding | None) -> dict[str, Any] | None:
     return {**row.to_dict(), "sample": finding.masked_sample}
 
 
-def _culprits(runner: StepRunner, finding: Finding) -> Culprits:
-    """Bisect every micro-batch that is bad on its own; positions plus dataset indices."""
+def _culprits(
+    runner: StepRunner, finding: Finding, recorded: list[list[int] | None] | None = None
+) -> Culprits:
+    """Bisect every micro-batch that is bad on its own; positions plus dataset indices (the
+    batch's own index field, else ``recorded``: ``meta.json``'s per micro-batch, which holds
+    what the ``DataLoader``'s sampler drew)."""
     backward = finding.phase == "backward" or finding.loss_finite  # bad gradients only
     micros = range(len(runner.micro_batches))
     bad_micros = [
@@ -360,6 +365,8 @@ def _culprits(runner: StepRunner, finding: Finding) -> Culprits:
             out.batch_level = True
             continue
         indices = batchtree.dataset_indices(batch)
+        if indices is None and recorded is not None and m < len(recorded):
+            indices = recorded[m]
 
         def bad(positions: Any, m: int = m) -> bool | None:
             with warnings.catch_warnings():  # the loss's own warnings about a sub-batch the

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from trainguard.capture.rng import RngSnapshot
+from trainguard.capture.sampler_indices import SamplerIndices
 from trainguard.events import EventLog
 from trainguard.hang.progress import Progress
 from trainguard.health.timing import StepTimer
@@ -107,10 +108,21 @@ class BatchStream:
         self.unchecked = StepBatches(accumulation_steps, events, consensus.rank)
         """The batches handed out and not yet decided, in order: the checked step's are the
         first ``accumulation_steps`` of them, however far the loop fetched ahead."""
+        self.sampler_indices: SamplerIndices | None = None
+        """The dataset indices a ``DataLoader``'s sampler drew for each item of the pass
+        (``capture/sampler_indices.py``), None for other iterables."""
         self.start_at_yield = True
         """Start the step when its first batch is handed out (the RNG states, and
         recovery's step boundary): the fallback while no forward hook records the step's
         start (``step_start.StepStart``)."""
+
+    def step_indices(self) -> list[list[int] | None] | None:
+        """Per micro-batch of the step being decided, the dataset indices its sampler drew
+        (None: an iterable without a sampler followed)."""
+        found = self.sampler_indices
+        if found is None:
+            return None
+        return [found.indices(position) for position in self.unchecked.step_positions()]
 
     @property
     def exhausted(self) -> bool:
@@ -163,6 +175,7 @@ class BatchStream:
         self._progress.pass_start = True  # the learned hang timeout's grace (hang/timeout.py)
         try:
             iterator = iter(self._iterable)
+            self.sampler_indices = SamplerIndices.follow(iterator, self._taken)
             self._fill(iterator, (self._lookahead + 1) * self._k)
         finally:
             self._progress.pass_start = False

@@ -51,6 +51,10 @@ class StepBatches:
         """The micro-batches of the step being decided (the first ``k`` waiting)."""
         return [batch for batch, _, _ in list(self._items)[: self._k]]
 
+    def step_positions(self) -> list[int]:
+        """The positions in the iterable of the step's micro-batches (``step``'s items)."""
+        return [position for _, _, position in list(self._items)[: self._k]]
+
     def first_position(self) -> int | None:
         """Position of the oldest item waiting: the first batch of the step in progress
         (None: none handed out since the last decided step)."""

@@ -93,6 +93,10 @@ class StepEvidence:
     bundle's weights start from the step's real start (``buffers.BufferKeeper.pre_step``)."""
     factory_config: dict[str, Any] = field(default_factory=dict)
     """``GuardConfig.factory_config``: the manifest's, for the replay factory."""
+    sampler_indices: list[list[int] | None] | None = None
+    """Per micro-batch, the dataset indices the ``DataLoader``'s sampler drew for it
+    (``capture/sampler_indices.py``): ``meta.json``'s ``dataset_indices`` where the batch
+    carries none of its own."""
 
 
 def step_evidence(
@@ -405,6 +409,12 @@ def rank_meta(rank: int, model: nn.Module, evidence: StepEvidence) -> dict[str, 
     agreement = evidence.agreement
     micro = evidence.micro_batches
     indices = [batchtree.dataset_indices(b) for b in micro] if micro is not None else None
+    drawn = evidence.sampler_indices
+    if indices is not None and drawn is not None and len(drawn) == len(indices):
+        indices = [
+            own if own is not None else by_sampler
+            for own, by_sampler in zip(indices, drawn, strict=True)
+        ]
     return {
         "rank": rank,
         "step": evidence.step,

@@ -92,6 +92,15 @@ class StepEvidence:
             return parts.recorded.of(step)
         return stream.unchecked.step()
 
+    def sampler_indices(self) -> list[list[int] | None] | None:
+        """Per micro-batch of the step being decided, the dataset indices a ``DataLoader``'s
+        sampler drew for it (``BatchStream.step_indices``; None: no such loader)."""
+        parts = self._parts
+        stream = parts.stream.current
+        if parts.recorded.used or stream is None:
+            return None
+        return stream.step_indices()
+
     def step_batches(self, step: int) -> tuple[list[Any], dict[str, Any] | None]:
         """The micro-batches of ``step`` and its RNG states: taken at its first forward,
         else when its first batch was handed out."""
@@ -144,7 +153,9 @@ class StepEvidence:
         if pending is not None:
             batches, rng, losses = pending.batches, states_of(pending.rng), pending.losses
             autocast, forward_args = pending.autocast, pending.forward_inputs
+            indices = pending.sampler_indices
         else:
+            indices = self.sampler_indices()
             batches, rng = self.step_batches(step)
             losses = parts.losses.step_losses()
             autocast = parts.start.autocast if parts.start.started(step) else None
@@ -156,6 +167,7 @@ class StepEvidence:
             if called is not None:
                 batches, overwritten = called.batches, called.overwritten
         evidence = step_evidence(step, decision, agreement, stats, batches, rng, losses)
+        evidence.sampler_indices = indices
         if not loss_known:
             evidence.extra.update(loss=None, loss_finite=None, micro_losses=[])
         if self.loss_source is not None:
