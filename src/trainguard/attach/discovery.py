@@ -26,6 +26,13 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> set[int]:
     return {id(p) for group in optimizer.param_groups for p in group["params"]}
 
 
+DIRECT_FORWARD = (
+    "a loop that calls the model's forward itself (model.forward(x), PyTorch's "
+    "forward-forward example) runs no module hook: call model(x)"
+)
+"""The other way a model's forward goes unseen, named with its fix."""
+
+
 @dataclass(frozen=True)
 class Found:
     """The model to guard, or why there is none (``reason``)."""
@@ -45,7 +52,7 @@ def find_model(candidates: Sequence[nn.Module], optimizer: torch.optim.Optimizer
         return Found(
             None,
             "no module ran a training forward (grad enabled, train mode) before the first "
-            "optimizer step",
+            f"optimizer step; {DIRECT_FORWARD}",
         )
     for module in candidates:
         if wanted <= {id(p) for p in module.parameters()}:
@@ -54,7 +61,7 @@ def find_model(candidates: Sequence[nn.Module], optimizer: torch.optim.Optimizer
     return Found(
         None,
         f"no module called in the step ({names}) holds all {len(wanted)} parameters of the "
-        "optimizer (several models under one optimizer?)",
+        f"optimizer (several models under one optimizer?); {DIRECT_FORWARD}",
     )
 
 

@@ -162,6 +162,12 @@ def test_find_model_takes_the_outermost_module_holding_the_optimizers_parameters
     found = find_model([net, other], both)
     assert found.model is None and "several models" in found.reason
     assert find_model([], optimizer).model is None
+    # the forward-forward example calls layer.forward(x) itself: only its ReLU is called
+    direct = find_model([nn.ReLU()], optimizer).reason
+    assert direct.endswith(
+        "model.forward(x), PyTorch's forward-forward example) runs no module hook: call model(x)"
+    )
+    assert "call model(x)" in find_model([], optimizer).reason
     assert describe(optimizer, net) == "SGD over Sequential (9 parameters)"
     assert describe_module(torch.compile(net)) == "OptimizedModule(Sequential)"
 
