@@ -27,20 +27,17 @@ import os
 import platform
 import secrets
 import shutil
-import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
-from trainguard.capture import batchcodec, batchtree
+from trainguard.capture import batchcodec
 from trainguard.capture.bundle import (
     DCP_DIR,
     FORMAT,
@@ -58,70 +55,11 @@ from trainguard.capture.bundle import (
 from trainguard.capture.optim_state import optimizer_state
 from trainguard.distributed.objects import all_gather_objects
 from trainguard.events import EventLog
-from trainguard.numerics import norm_or_inf
+from trainguard.step.bad_step import BadStep, rank_meta
 from trainguard.step.consensus import Consensus
-from trainguard.step.detect import GradStats
-from trainguard.step.types import Agreement, Decision
+from trainguard.step.types import Decision
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepEvidence:
-    """What the guard knows about a bad step when it captures it."""
-
-    step: int
-    decision: Decision
-    agreement: Agreement
-    bad_params: list[str]
-    """This rank's parameters whose gradients are not finite."""
-    param_grad_norms: dict[str, float]
-    local_grad_norm: float
-    micro_losses: list[float]
-    micro_batches: list[Any] | None
-    """The step's micro-batches (references), or None when the loop did not use watch()."""
-    rng: dict[str, Any] | None
-    """RNG states taken before the step's first micro-batch."""
-    reason: str = "first_bad_step"
-    spike: bool = False
-    """A finite step the spike rule skipped or escalated (its manifest's trigger: ``spike``)."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    history: dict[str, Any] | None = None
-    """The recent steps (``StepHistory.bundle_history``): rank 0 writes it as history.json."""
-    buffers: dict[str, Tensor] = field(default_factory=dict)
-    """Buffers the step's forward changed, as they were before it (state-dict names): the
-    bundle's weights start from the step's real start (``buffers.BufferKeeper.pre_step``)."""
-    factory_config: dict[str, Any] = field(default_factory=dict)
-    """``GuardConfig.factory_config``: the manifest's, for the replay factory."""
-    sampler_indices: list[list[int] | None] | None = None
-    """Per micro-batch, the dataset indices the ``DataLoader``'s sampler drew for it
-    (``capture/sampler_indices.py``): ``meta.json``'s ``dataset_indices`` where the batch
-    carries none of its own."""
-
-
-def step_evidence(
-    step: int,
-    decision: Decision,
-    agreement: Agreement,
-    stats: GradStats,
-    micro_batches: list[Any],
-    rng: dict[str, Any] | None,
-    micro_losses: list[Tensor],
-) -> StepEvidence:
-    """Collect the evidence of a bad step (host reads: bad steps only)."""
-    norms = stats.norms.tolist() if stats.norms is not None else []
-    return StepEvidence(
-        step=step,
-        decision=decision,
-        agreement=agreement,
-        bad_params=stats.bad_names(),
-        param_grad_norms=dict(zip(stats.names, norms, strict=True)),
-        local_grad_norm=norm_or_inf(float(stats.norm)),
-        micro_losses=[float(loss.float().mean()) for loss in micro_losses],
-        micro_batches=list(micro_batches) if micro_batches else None,
-        rng=rng,
-        reason="escalation" if decision is Decision.ESCALATE else "first_bad_step",
-    )
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -169,7 +107,7 @@ class Capturer:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        evidence: StepEvidence,
+        evidence: BadStep,
         spike: bool = False,
     ) -> Path | None:
         """Write the bundle on every rank (collective); the same path or None on every rank."""
@@ -225,7 +163,7 @@ class Capturer:
         return all_gather_objects(obj, consensus.group, consensus.device)
 
     def _capture(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, evidence: StepEvidence
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, evidence: BadStep
     ) -> tuple[Path | None, str | None]:
         # rank 0's token and label (the run's earlier bundles are looked up there only)
         token, evidence.reason = self._gather((secrets.token_hex(4), self._label(evidence)))[0]
@@ -273,7 +211,7 @@ class Capturer:
     def _publish(
         self,
         tmp: Path,
-        evidence: StepEvidence,
+        evidence: BadStep,
         sharded: bool,
         results: list[tuple[int, dict[str, FileRecord], str | None]],
     ) -> tuple[str | None, str | None]:
@@ -302,7 +240,7 @@ class Capturer:
             return None, f"rank 0: {type(exc).__name__}: {exc}"
         return str(final), None
 
-    def _label(self, evidence: StepEvidence) -> str:
+    def _label(self, evidence: BadStep) -> str:
         """The bundle's reason: a first bad step (spike) is the run's first only once, even
         across torchrun restarts and resumes of the run (rank 0 looks at its bundles)."""
         run = self._events.run
@@ -340,7 +278,7 @@ def _kind(spike: bool) -> str:
 
 
 def build_manifest(
-    evidence: StepEvidence, sharded: bool, world_size: int, files: dict[str, FileRecord]
+    evidence: BadStep, sharded: bool, world_size: int, files: dict[str, FileRecord]
 ) -> dict[str, Any]:
     agreement = evidence.agreement
     now = datetime.now(timezone.utc)
@@ -379,7 +317,7 @@ def write_rank(
     rank: int,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    evidence: StepEvidence,
+    evidence: BadStep,
     sharded: bool,
 ) -> dict[str, FileRecord]:
     """Write ``rank-{rank}/`` under ``tmp``; returns checksums keyed by bundle-relative path."""
@@ -403,56 +341,3 @@ def write_rank(
     meta = rank_meta(rank, inner, evidence)
     records[f"rank-{rank}/meta.json"] = write_json(folder / "meta.json", meta)
     return records
-
-
-def rank_meta(rank: int, model: nn.Module, evidence: StepEvidence) -> dict[str, Any]:
-    agreement = evidence.agreement
-    micro = evidence.micro_batches
-    indices = [batchtree.dataset_indices(b) for b in micro] if micro is not None else None
-    drawn = evidence.sampler_indices
-    if indices is not None and drawn is not None and len(drawn) == len(indices):
-        indices = [
-            own if own is not None else by_sampler
-            for own, by_sampler in zip(indices, drawn, strict=True)
-        ]
-    return {
-        "rank": rank,
-        "step": evidence.step,
-        "loss": agreement.losses[rank],
-        "micro_losses": evidence.micro_losses,
-        "loss_finite": rank not in agreement.loss_ranks,
-        "grad_finite": rank not in agreement.grad_ranks,
-        "local_grad_norm": evidence.local_grad_norm,
-        "grad_norm": agreement.grad_norm,
-        "nonfinite_params": evidence.bad_params,
-        "param_grad_norms": evidence.param_grad_norms,
-        "batch_stored": micro is not None,
-        "micro_batches": len(micro) if micro is not None else 0,
-        "dataset_indices": indices if indices and any(i is not None for i in indices) else None,
-        "rng_stored": evidence.rng is not None,
-        "model_class": batchtree.type_name(model),
-        "model_training": model.training,
-        "env": environment(rank, model),
-        **evidence.extra,
-    }
-
-
-def environment(rank: int, model: nn.Module) -> dict[str, Any]:
-    device = next((str(p.device) for p in model.parameters()), "cpu")
-    env: dict[str, Any] = {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "rank": rank,
-        "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
-        "device": device,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "backend": str(dist.get_backend())
-        if dist.is_available() and dist.is_initialized()
-        else None,
-    }
-    if torch.cuda.is_available() and device.startswith("cuda"):
-        env["cuda_device"] = torch.cuda.get_device_name(torch.device(device))
-        env["cuda"] = torch.version.cuda
-    return env

@@ -25,8 +25,9 @@ from trainguard.config import GuardConfig
 from trainguard.events import EventLog
 from trainguard.hang.progress import Progress
 from trainguard.health.replicas import ReplicaWatch
+from trainguard.step.bad_step import bad_step_of
 from trainguard.step.batch_stream import StreamSlot
-from trainguard.step.capturer import Capturer, step_evidence
+from trainguard.step.capturer import Capturer
 from trainguard.step.deferred import PendingStep
 from trainguard.step.detect import GradStats
 from trainguard.step.history import StepHistory
@@ -166,7 +167,7 @@ class StepEvidence:
             called = pending.forward_batches if pending else parts.start.forward_batches(step)
             if called is not None:
                 batches, overwritten = called.batches, called.overwritten
-        evidence = step_evidence(step, decision, agreement, stats, batches, rng, losses)
+        evidence = bad_step_of(step, decision, agreement, stats, batches, rng, losses)
         evidence.sampler_indices = indices
         if not loss_known:
             evidence.extra.update(loss=None, loss_finite=None, micro_losses=[])
