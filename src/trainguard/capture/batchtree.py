@@ -279,14 +279,19 @@ def nonfinite_samples(obj: Any, size: int) -> list[int]:
     return sorted(bad)
 
 
-def nonfinite_tensors(batches: Sequence[Any]) -> list[dict[str, Any]]:
+def nonfinite_tensors(
+    batches: Sequence[Any], drawn: Sequence[list[int] | None] | None = None
+) -> list[dict[str, Any]]:
     """Where the non-finite values are (host reads: bad steps only): per tensor, the
     micro-batch, the path in the batch, the sample positions and the dataset indices (of a
-    DTensor, in this rank's shard)."""
+    DTensor, in this rank's shard): the batch's own, else ``drawn``'s (per micro-batch, what
+    its ``DataLoader``'s sampler drew: ``capture/sampler_indices.py``)."""
     found: list[dict[str, Any]] = []
     for micro, batch in enumerate(batches):
         size = batch_size(batch)
         indices = dataset_indices(batch)
+        if indices is None and drawn is not None and micro < len(drawn):
+            indices = drawn[micro]
         for path, leaf in leaves(batch):
             if not isinstance(leaf, Tensor) or not leaf.is_floating_point():
                 continue

@@ -101,7 +101,7 @@ class DecisionApply:
         parts.state.record_bad(step)
         if parts.recovery is not None:
             parts.recovery.after_step(step, False, agreement.mean_loss)
-        self.log_nonfinite(decision, agreement, stats, step)
+        self.log_nonfinite(decision, agreement, stats, step, late)
         bundle = self._capture(decision, agreement, stats, step, loss_known, late, raise_errors)
         if decision is Decision.ESCALATE and self._rolled_back(step):
             return False
@@ -226,11 +226,21 @@ class DecisionApply:
         return parts.recovery.rollback(step, max(streak, 1))
 
     def log_nonfinite(
-        self, decision: Decision, agreement: Agreement, stats: GradStats, step: int
+        self,
+        decision: Decision,
+        agreement: Agreement,
+        stats: GradStats,
+        step: int,
+        late: PendingStep | None = None,
     ) -> None:
-        """The ``bad_input`` and non-finite events and log lines of a bad step."""
+        """The ``bad_input`` and non-finite events and log lines of a bad step (``late``: a
+        sync-free step read late brings its own sampler indices)."""
         parts = self._parts
-        parts.inputs.report(agreement, step)
+        if late is not None:
+            drawn = late.sampler_indices
+            parts.inputs.report(agreement, step, lambda: drawn)
+        else:
+            parts.inputs.report(agreement, step, parts.evidence.sampler_indices)
         consecutive = parts.state.consecutive_nonfinite
         found = nonfinite_hyperparameters(parts.optimizer) if agreement.hyper_ranks else None
         log_nonfinite(

@@ -220,13 +220,21 @@ class InputCheck:
     def _is_mask(self, entry: dict[str, Any]) -> bool:
         return bool(entry.get("additive_mask")) or batchpaths.is_ignored(entry["path"], self.ignore)
 
-    def report(self, agreement: Agreement, step: int) -> None:
+    def report(
+        self,
+        agreement: Agreement,
+        step: int,
+        drawn: Callable[[], list[list[int] | None] | None] | None = None,
+    ) -> None:
         """On a step with a non-finite input somewhere: a ``bad_input`` event on every rank
-        (this rank's tensors named when the bad input is here)."""
+        (this rank's tensors named when the bad input is here, with their dataset indices:
+        the batch's own, else those ``drawn()`` gives, the sampler's per micro-batch)."""
         if not agreement.input_ranks:
             return
         batches = next((b for s, b in self._checked if s == step), [])
-        here = self._nonfinite_here(batches) if self._rank in agreement.input_ranks else []
+        here: list[dict[str, Any]] = []
+        if self._rank in agreement.input_ranks:
+            here = self._nonfinite_here(batches, drawn() if drawn is not None else None)
         self._events.write("bad_input", step, ranks=agreement.input_ranks, tensors=here)
         for entry in here:
             logger.warning(
@@ -241,9 +249,11 @@ class InputCheck:
                 mask_note(entry["path"]) if entry.get("additive_mask") else "",
             )
 
-    def _nonfinite_here(self, batches: list[Any]) -> list[dict[str, Any]]:
+    def _nonfinite_here(
+        self, batches: list[Any], drawn: list[list[int] | None] | None = None
+    ) -> list[dict[str, Any]]:
         """``batchtree.nonfinite_tensors`` of the entries the check reads."""
-        found = batchtree.nonfinite_tensors(batches)
+        found = batchtree.nonfinite_tensors(batches, drawn)
         if not self.ignore:
             return found
         return [entry for entry in found if not batchpaths.is_ignored(entry["path"], self.ignore)]

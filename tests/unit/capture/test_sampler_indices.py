@@ -120,3 +120,41 @@ def test_the_diagnosis_names_the_bad_sample_by_its_dataset_index(
     assert BAD in indices and start % 8 == 0 and indices == order[start : start + 8]
     report = tg.replay(bundle, _factory).to_dict()
     assert [c["index"] for c in report["culprit_samples"]] == [BAD]
+
+
+class NanRow(Rows):
+    """Sample ``bad``'s features hold a NaN (an input the guard's input check finds)."""
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        x, y = super().__getitem__(index)
+        if index == self.bad:
+            x = x.clone()
+            x[1] = float("nan")
+        return x, y
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_a_non_finite_input_is_named_by_its_dataset_index(tmp_path: Path, sync_free: bool) -> None:
+    """The ``bad_input`` event and its line name the sample by the index the sampler drew,
+    also from the sync-free step, which reads the step a step late."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=sync_free)
+    guard = tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0, capture=False)
+    sampler = DistributedSampler(NanRow(21), num_replicas=1, rank=0, shuffle=True, seed=2)
+    for x, y in guard.watch(DataLoader(NanRow(21), batch_size=8, sampler=sampler)):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        if sync_free:
+            guard.step(loss)
+        elif guard.check(loss):
+            opt.step()
+        if not sync_free:
+            opt.zero_grad()
+    guard.close()
+    (event,) = [e for e in tg.read_events(tmp_path, 0) if e["kind"] == "bad_input"]
+    (tensor,) = event["tensors"]
+    order = list(sampler)
+    step = order.index(21) // 8
+    assert event["step"] == step and tensor["dataset_indices"] == [21]
+    assert order[step * 8 + tensor["positions"][0]] == 21
