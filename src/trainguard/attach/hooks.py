@@ -227,17 +227,12 @@ class Attacher:
             "trainguard run checks each step at its optimizer's step(); use a torch.optim "
             "optimizer (torch.optim.SGD(model.parameters(), lr=LR) makes the same update as "
             "p -= LR * p.grad)",
-            alone=True,
-        )
+        )  # at once, on every rank alike: such a script reaches no optimizer step to agree at
 
     def _never_stepped(self) -> None:
         """At exit: a process that trained (training forwards) and never reached an optimizer
-        step says so, as ``stand_aside`` would have (or the reason it found before, which
-        waited for an optimizer step to be agreed on: ``leaving.py``)."""
-        leaving = self._leaving
-        if leaving is not None and not self.aside:
-            self._stand_aside_now(leaving)
-        elif self.optimizer is None and not self.aside and self._prestart.calls:
+        step says so, as ``stand_aside`` would have."""
+        if self.optimizer is None and not self.aside and self._prestart.calls:
             self.stand_aside(
                 "the script ran training forwards but no torch.optim optimizer step: "
                 "trainguard run checks each step at its optimizer's step()",

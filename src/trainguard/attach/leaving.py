@@ -1,7 +1,7 @@
 """Every rank of a job stands aside together: ``trainguard run``'s own decisions, agreed.
 
 ``trainguard run`` decides in each process whether it can guard the script: the model found,
-no guard of the script's own, one optimizer, no LBFGS, no update by hand. A decision one
+no guard of the script's own, one optimizer, no LBFGS. A decision one
 rank takes alone splits the job. Rank 0 of a DDP job that trains a linear probe of its own
 with a second optimizer stood aside at the probe's first step and stopped joining the
 guard's all-reduce, while rank 1 waited in it: the next collective of the script was a
@@ -9,7 +9,8 @@ collective mismatch (gloo aborted both ranks); the bare script ran to its end. S
 of several ranks these decisions are agreed too:
 
 - **at attach** (every rank's first optimizer step, before any guard exists): each rank's
-  verdict (None, or why it cannot be guarded) goes round in one small all-gather
+  verdict (None, or why it cannot be guarded: no model found, a guard of the script's own,
+  LBFGS) goes round in one small all-gather
   (``agree_verdicts``; once a run). When any rank cannot be guarded, every rank stands
   aside, each line naming the rank and its reason (``agreed_reason``);
 - **once guarded**: the rank that finds a reason goes on guarding its optimizer and says so in
@@ -19,7 +20,8 @@ of several ranks these decisions are agreed too:
   applied everywhere. The steps of the second optimizer meanwhile run unguarded, as they
   would after standing aside.
 
-A process alone stands aside at once, as before.
+A process alone stands aside at once, as before; so does every rank of a script that updates
+its parameters by hand (it reaches no optimizer step to agree at, on any rank).
 
 Standing aside happens inside the optimizer's step hooks, while torch iterates its
 process-wide dict of them: our hooks there are made inert (``disarm``), not deleted.
