@@ -47,7 +47,7 @@ def _train(rank: int, world: int, run_dir: str, leaver: int, nan_rank: int) -> d
         if ok:
             opt.step()
         opt.zero_grad()
-        seen.append(list(guard.internals.leaving_ranks()))
+        seen.append(list(guard.state.leaving_ranks))
     guard.close()
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
     return {"seen": seen, "applied": applied, "params": params}

@@ -21,6 +21,18 @@ def _aside_steps(run_dir: Path, ranks: int) -> list[list[int]]:
     ]
 
 
+def _as_bare_two_ranks(tmp_path: Path, *args: str) -> str:
+    """The 2-rank script bare and under ``trainguard run``: both end with 0 and every rank's
+    weights and optimizer state are bit-identical; the guarded run's stderr."""
+    bare = run([*launch(2, bare=True), "--out", str(tmp_path / "bare"), *args])
+    assert bare.returncode == 0, bare.stderr[-3000:]
+    cmd = [*guarded(tmp_path / "run"), "--", *launch(2), "--out", str(tmp_path / "out")]
+    done = run([*cmd, *args])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same(tmp_path / "bare", tmp_path / "out", 2)
+    return done.stderr
+
+
 def test_standing_aside_inside_a_step_leaves_the_scripts_own_step_hooks_working(
     tmp_path: Path,
 ) -> None:
@@ -45,22 +57,14 @@ def test_a_second_optimizer_on_one_rank_makes_every_rank_stand_aside_at_one_step
     collective mismatch, a job the bare script ends. Now rank 0 says so in its next check's
     row, and both ranks stand aside after that step (attach/leaving.py): the job ends as the
     bare one, bit for bit."""
-    probe = ["--probe-rank", "0", "--steps", "6"]
-    bare = run([*launch(2, bare=True), "--out", str(tmp_path / "bare"), *probe])
-    assert bare.returncode == 0, bare.stderr[-3000:]
-    cmd = [*guarded(tmp_path / "run"), "--", *launch(2), "--out", str(tmp_path / "out")]
-    done = run([*cmd, *probe])
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "rank 0: not guarding: a second optimizer (SGD) steps besides the guarded" in (
-        done.stderr
-    )
+    stderr = _as_bare_two_ranks(tmp_path, "--probe-rank", "0", "--steps", "6")
+    assert "rank 0: not guarding: a second optimizer (SGD) steps besides the guarded" in stderr
     assert (
         "rank 1: not guarding: rank 0 found a loop it cannot guard (its own line says why), "
         "and every rank stops guarding at the same step; the script runs unguarded"
-    ) in done.stderr
+    ) in stderr
     # the probe first steps after step 2; step 3's row says so; both stand aside after it
     assert _aside_steps(tmp_path / "run", 2) == [[4], [4]]
-    assert_same(tmp_path / "bare", tmp_path / "out", 2)
 
 
 @pytest.mark.timeout(200)
@@ -71,17 +75,11 @@ def test_a_rank_that_cannot_be_guarded_at_attach_makes_every_rank_stand_aside(
     ranks' verdicts are agreed at the first step, so both stand aside there, rank 0's line
     naming rank 1 and its reason, and the job ends as the bare one (it hung or aborted when
     rank 1 stood aside alone while rank 0's guard began)."""
-    loose = ["--loose-param-rank", "1", "--steps", "4"]
-    bare = run([*launch(2, bare=True), "--out", str(tmp_path / "bare"), *loose])
-    assert bare.returncode == 0, bare.stderr[-3000:]
-    cmd = [*guarded(tmp_path / "run"), "--", *launch(2), "--out", str(tmp_path / "out")]
-    done = run([*cmd, *loose])
-    assert done.returncode == 0, done.stderr[-3000:]
+    stderr = _as_bare_two_ranks(tmp_path, "--loose-param-rank", "1", "--steps", "4")
     reason = "cannot find the model: no module called in the step (DistributedDataParallel(Net))"
-    assert f"trainguard run: rank 1: not guarding: {reason}" in done.stderr
-    assert f"trainguard run: rank 0: not guarding: rank 1: {reason}" in done.stderr
-    assert "guarding AdamW" not in done.stderr  # no rank began guarding
-    last = done.stderr.strip().splitlines()[-1]  # the reason once, as rank 1 found it
-    assert last == f"trainguard run: the run was not guarded: {reason}" + last.split(reason)[1]
+    assert f"trainguard run: rank 1: not guarding: {reason}" in stderr
+    assert f"trainguard run: rank 0: not guarding: rank 1: {reason}" in stderr
+    assert "guarding AdamW" not in stderr  # no rank began guarding
+    last = stderr.strip().splitlines()[-1]  # the reason once, as rank 1 found it
+    assert last.startswith(f"trainguard run: the run was not guarded: {reason}")
     assert last.count("cannot find the model") == 1
-    assert_same(tmp_path / "bare", tmp_path / "out", 2)

@@ -65,8 +65,6 @@ from trainguard.attach.leaving import (
     agree_verdicts,
     agreed_reason,
     disarm,
-    job_rank,
-    job_world,
     peer_reason,
 )
 from trainguard.attach.loss_inputs import LossInputs
@@ -75,6 +73,8 @@ from trainguard.attach.prestart import PreStart
 from trainguard.attach.replace import HANDOVER, adopt_start, hand_over, made_anew
 from trainguard.attach.status import write_reason
 from trainguard.capture.batchtree import call_batch as batch_of
+from trainguard.distributed.world import rank as job_rank
+from trainguard.distributed.world import world_size as job_world
 from trainguard.errors import ConfigError
 from trainguard.step.guard import Guard
 from trainguard.step.join import JOIN_REASON, shadowed_in_join
@@ -375,7 +375,7 @@ class Attacher:
         stops guarding (``leaving.py``): at the guarded optimizer's post-step hook, or at the
         next training forward or optimizer step of a rank that left that step out itself."""
         guard = self.guard
-        if guard is None or not (ranks := guard.internals.leaving_ranks()):
+        if guard is None or not (ranks := guard.state.leaving_ranks):  # agreed state
             return False
         mine = self._leaving or peer_reason(ranks)
         self._stand_aside_now(mine)

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from trainguard.distributed.objects import all_gather_objects
@@ -57,18 +56,6 @@ class AsideReason:
     def said(self) -> str:
         """The reason as this process's line says it: another rank's named."""
         return self.reason if self.origin is None else f"rank {self.origin}: {self.reason}"
-
-
-def job_world() -> int:
-    """The job's number of ranks (1 without an initialized process group)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 1
-
-
-def job_rank() -> int:
-    """This process's rank in the job (0 without an initialized process group)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def agree_verdicts(mine: AsideReason | None, device: torch.device) -> list[AsideReason | None]:

@@ -132,6 +132,10 @@ class SamplerIndices:
         found = self._draws[-back]
         return None if found is None else found.tolist()
 
+    def of_positions(self, positions: list[int]) -> list[list[int] | None]:
+        """``indices`` of each position (a step's micro-batches)."""
+        return [self.indices(position) for position in positions]
+
     def _drawn_again(self, position: int) -> list[int] | None:
         """One of the draws made before the wrap, from a sampler whose iteration is pure."""
         if self._sampler is None or _epoch(self._sampler) != self._epoch:

@@ -21,13 +21,14 @@ import torch.distributed as dist
 from trainguard.capture.optim_state import clear_optimizer_state
 from trainguard.capture.rng import RngSnapshot, set_rng_state
 from trainguard.config import GuardConfig
+from trainguard.distributed.world import world_size
 from trainguard.events import EventLog
 from trainguard.recovery import snapshot as snap
 from trainguard.recovery import target as targets
 from trainguard.recovery.agree import same_on_every_rank
 from trainguard.recovery.backoff import Backoff, LrFactor
 from trainguard.recovery.disk_checkpoints import DiskCheckpoints
-from trainguard.recovery.failure.part import FailureState, world_size
+from trainguard.recovery.failure.part import FailureState
 from trainguard.recovery.first_loss import FirstLossCheck
 from trainguard.recovery.ladder import Rung, rung_for
 from trainguard.recovery.ledger import SkipEntry, SkipLedger, SkippedPositions

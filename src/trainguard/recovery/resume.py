@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.distributed.elastic import RESTART_HAZARD_FIX, restart_store_hazard
+from trainguard.distributed.world import world_size
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
 from trainguard.recovery import checkpoint as ckpt
@@ -117,7 +118,7 @@ def _same_world_size(path: Path, group: dist.ProcessGroup | None) -> None:
     """Refuse (on every rank: they read the same manifest) a checkpoint written by another
     number of ranks: each rank's data position, loader state and buffers are its own."""
     written = ckpt.world_size_of(path)
-    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    world = world_size(group)
     if written is None or written == world:
         return
     ranks = f"{written} rank" + ("s" if written != 1 else "")

@@ -236,11 +236,8 @@ class DecisionApply:
         """The ``bad_input`` and non-finite events and log lines of a bad step (``late``: a
         sync-free step read late brings its own sampler indices)."""
         parts = self._parts
-        if late is not None:
-            drawn = late.sampler_indices
-            parts.inputs.report(agreement, step, lambda: drawn)
-        else:
-            parts.inputs.report(agreement, step, parts.evidence.sampler_indices)
+        draws = late.sampler_draws if late is not None else parts.evidence.sampler_draws()
+        parts.inputs.report(agreement, step, draws)
         consecutive = parts.state.consecutive_nonfinite
         found = nonfinite_hyperparameters(parts.optimizer) if agreement.hyper_ranks else None
         log_nonfinite(

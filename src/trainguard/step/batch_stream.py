@@ -24,6 +24,7 @@ step, at no extra collective and no per-step cost.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -116,13 +117,13 @@ class BatchStream:
         recovery's step boundary): the fallback while no forward hook records the step's
         start (``step_start.StepStart``)."""
 
-    def step_indices(self) -> list[list[int] | None] | None:
-        """Per micro-batch of the step being decided, the dataset indices its sampler drew
-        (None: an iterable without a sampler followed)."""
+    def step_draws(self) -> Callable[[], list[list[int] | None]] | None:
+        """What gives, per micro-batch of the step being decided, the dataset indices its
+        sampler drew, read only when wanted (a bad step); None: no sampler followed."""
         found = self.sampler_indices
         if found is None:
             return None
-        return [found.indices(position) for position in self.unchecked.step_positions()]
+        return functools.partial(found.of_positions, self.unchecked.step_positions())
 
     @property
     def exhausted(self) -> bool:

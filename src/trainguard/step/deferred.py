@@ -52,9 +52,9 @@ class PendingStep:
     """The autocast state the step's forward ran under (``step_start.autocast_state``)."""
     forward_inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] | None = None
     """The inputs of the step's training forwards (``StepStart.forward_inputs``)."""
-    sampler_indices: list[list[int] | None] | None = None
-    """Per micro-batch, the dataset indices its ``DataLoader``'s sampler drew
-    (``StepEvidence.sampler_indices``), None without one."""
+    sampler_draws: Callable[[], list[list[int] | None]] | None = None
+    """What gives, per micro-batch, the dataset indices its ``DataLoader``'s sampler drew
+    (``StepEvidence.sampler_draws``; read only if the step is bad), None without one."""
     forward_batches: ForwardBatches | None = None
     """Without ``batches``: the step's micro-batches as the model was called with them
     (``StepStart.forward_batches``, taken when the step ended)."""

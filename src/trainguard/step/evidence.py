@@ -12,6 +12,7 @@ non-finite input the batches did not hold (``capture/forward_inputs.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,6 +50,8 @@ class Reruns(Protocol):
 
 
 Rng = RngSnapshot | dict[str, Any] | None
+Draws = Callable[[], list[list[int] | None]]
+"""Per micro-batch, the dataset indices its sampler drew (``BatchStream.step_draws``)."""
 
 
 @dataclass
@@ -93,14 +96,15 @@ class StepEvidence:
             return parts.recorded.of(step)
         return stream.unchecked.step()
 
-    def sampler_indices(self) -> list[list[int] | None] | None:
-        """Per micro-batch of the step being decided, the dataset indices a ``DataLoader``'s
-        sampler drew for it (``BatchStream.step_indices``; None: no such loader)."""
+    def sampler_draws(self) -> Draws | None:
+        """What gives, per micro-batch of the step being decided, the dataset indices a
+        ``DataLoader``'s sampler drew for it (``BatchStream.step_draws``; None: no such
+        loader). Called when wanted: a bad step's capture or input report."""
         parts = self._parts
         stream = parts.stream.current
         if parts.recorded.used or stream is None:
             return None
-        return stream.step_indices()
+        return stream.step_draws()
 
     def step_batches(self, step: int) -> tuple[list[Any], dict[str, Any] | None]:
         """The micro-batches of ``step`` and its RNG states: taken at its first forward,
@@ -154,9 +158,9 @@ class StepEvidence:
         if pending is not None:
             batches, rng, losses = pending.batches, states_of(pending.rng), pending.losses
             autocast, forward_args = pending.autocast, pending.forward_inputs
-            indices = pending.sampler_indices
+            draws = pending.sampler_draws
         else:
-            indices = self.sampler_indices()
+            draws = self.sampler_draws()
             batches, rng = self.step_batches(step)
             losses = parts.losses.step_losses()
             autocast = parts.start.autocast if parts.start.started(step) else None
@@ -168,7 +172,7 @@ class StepEvidence:
             if called is not None:
                 batches, overwritten = called.batches, called.overwritten
         evidence = bad_step_of(step, decision, agreement, stats, batches, rng, losses)
-        evidence.sampler_indices = indices
+        evidence.sampler_indices = draws() if draws is not None else None
         if not loss_known:
             evidence.extra.update(loss=None, loss_finite=None, micro_losses=[])
         if self.loss_source is not None:

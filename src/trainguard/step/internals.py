@@ -92,13 +92,9 @@ class GuardInternals:
 
     def check_leaving(self, loss: Tensor | None) -> bool:
         """Check this rank's last guarded step, saying that it stops guarding after it
-        (``Guard._check_leaving``): every rank stops at that step (``leaving_ranks``)."""
+        (``Guard._check_leaving``): every rank stops at that step
+        (``GuardState.leaving_ranks``)."""
         return self._guard._check_leaving(loss)
-
-    def leaving_ranks(self) -> list[int]:
-        """The ranks that stop guarding after the last agreed step (the same on every rank;
-        empty while every rank goes on)."""
-        return self._guard.state.leaving_ranks
 
     def keep_dropped_gradients(self) -> None:
         """A skip holds the cleared gradients back until ``give_back_gradients`` (the script's

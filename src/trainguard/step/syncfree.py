@@ -88,7 +88,7 @@ class SyncFreeStep:
         """The step's staged flags and evidence (batches, RNG, losses: references only)."""
         pipeline = self._pipeline
         host_values, ready = self._stager.stage(reduced.buf)
-        indices = pipeline.evidence.sampler_indices()
+        draws = pipeline.evidence.sampler_draws()  # read only if the step is bad
         batches, rng = pipeline.evidence.step_batches_taken(step)
         start = pipeline.start
         return PendingStep(
@@ -104,7 +104,7 @@ class SyncFreeStep:
             autocast=start.autocast if start.started(step) else None,
             forward_inputs=start.forward_inputs(step),
             forward_batches=None if batches else start.forward_batches(step),
-            sampler_indices=indices,
+            sampler_draws=draws,
         )
 
     def _optimizer_device(self, stats: GradStats) -> torch.device:

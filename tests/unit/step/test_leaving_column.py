@@ -45,6 +45,6 @@ def test_a_world_of_one_reads_its_leaving_from_its_own_row(tmp_path: Path) -> No
             assert guard.internals.check_leaving(None)  # the gradients alone decide
         else:
             assert guard.check(loss)
-        assert guard.internals.leaving_ranks() == ([] if step == 0 else [0])
+        assert guard.state.leaving_ranks == ([] if step == 0 else [0])
         opt.zero_grad()
     guard.close()

@@ -42,10 +42,6 @@ def _boundary(step: int, stream: Stream, at: str, rng: RngSnapshot) -> Boundary:
     return Boundary(step, stream.epoch, position, loader, rng, at)
 
 
-def world_size(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-
-
 def replicated(model: nn.Module, world: int) -> bool:
     """Whether every rank holds the same weights and optimizer state (DDP, or one rank): one
     survivor's state then serves every rank."""
