@@ -40,12 +40,14 @@ def announce_guarding(guard: Guard, optimizer: torch.optim.Optimizer, model: nn.
         watchdog = "watchdog off" + (" (single process)" if world == 1 else "")
     else:
         watchdog = f"watchdog on (hang timeout {'adaptive' if timeout is None else timeout})"
+    step = guard.state.step  # > 0: the script resumed its optimizer (``resumed.py``)
     announcer().info(
-        "trainguard run: rank %d: guarding %s, %d rank%s, %s, on non-finite: %s, run dir %s; %s",
+        "trainguard run: rank %d: guarding %s, %d rank%s%s, %s, on non-finite: %s, run dir %s; %s",
         guard.rank,
         describe(optimizer, model),
         world,
         "" if world == 1 else "s",
+        f", from step {step} (the updates its optimizer's state holds)" if step else "",
         watchdog,
         guard.config.on_nonfinite,
         guard.run_dir,

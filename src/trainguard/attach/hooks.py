@@ -62,7 +62,7 @@ from trainguard.attach.first_steps import LBFGS_REASON, second_optimizer_reason,
 from trainguard.attach.leaving import (
     UNGUARDED,
     AsideReason,
-    agree_verdicts,
+    agree_at_attach,
     agreed_reason,
     disarm,
     peer_reason,
@@ -71,6 +71,7 @@ from trainguard.attach.loss_inputs import LossInputs
 from trainguard.attach.options import RunOptions
 from trainguard.attach.prestart import PreStart
 from trainguard.attach.replace import HANDOVER, adopt_start, hand_over, made_anew
+from trainguard.attach.resumed import go_on, updates_of
 from trainguard.attach.status import write_reason
 from trainguard.capture.batchtree import call_batch as batch_of
 from trainguard.distributed.world import rank as job_rank
@@ -264,7 +265,7 @@ class Attacher:
         if isinstance(optimizer, torch.optim.LBFGS):
             self.stand_aside(*LBFGS_REASON, alone=True)
             if self.guard is None:  # several ranks: every rank's verdict, agreed now
-                self._agreed(None, optimizer)
+                self._agreed(None, optimizer, None)
             return None
         wrapped = self._checked_closure(optimizer, closure)
         if "closure" in kwargs:
@@ -340,7 +341,8 @@ class Attacher:
             )
         else:
             verdict = None
-        if not self._agreed(verdict, optimizer) or model is None:
+        counts = self._agreed(verdict, optimizer, updates_of(optimizer))
+        if counts is None or model is None:
             return False
         try:
             guard = self._new_guard(model, optimizer, None)
@@ -348,7 +350,7 @@ class Attacher:
             self.stand_aside(f"the guard could not start: {type(exc).__name__}: {exc}")
             return False
         self._use(guard, optimizer, model)
-        adopt_start(guard, prestart.calls.get(id(model)), 0)
+        adopt_start(guard, prestart.calls.get(id(model)), go_on(guard, counts))
         prestart.calls.clear()
         # a Hook: a copy of the model (EMA, torch.save) carries an inert one; run eagerly
         # around a model compiled in place (user_hooks.add_forward_hooks)
@@ -357,18 +359,25 @@ class Attacher:
         announce_guarding(guard, optimizer, model)
         return True
 
-    def _agreed(self, verdict: AsideReason | None, optimizer: torch.optim.Optimizer) -> bool:
+    def _agreed(
+        self, verdict: AsideReason | None, optimizer: torch.optim.Optimizer, updates: int | None
+    ) -> list[int | None] | None:
         """Whether every rank can be guarded, agreed at attach (``leaving.py``): this rank's
         ``verdict`` (or the reason it found before), every rank's in a job of several; when
-        some rank cannot be, this one stands aside, saying which rank and why."""
+        some rank cannot be, this one stands aside, saying which rank and why, and None
+        comes back. Else every rank's optimizer update count (``resumed.py``), in rank
+        order, exchanged in the same all-gather."""
         mine = self._leaving or verdict
+        counts = [updates]
         if job_world() > 1:
             device = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
-            mine = agreed_reason(agree_verdicts(mine, device or torch.device("cpu")), job_rank())
+            views = agree_at_attach(mine, updates, device or torch.device("cpu"))
+            mine = agreed_reason([reason for reason, _ in views], job_rank())
+            counts = [count for _, count in views]
         if mine is None:
-            return True
+            return counts
         self._stand_aside_now(mine)
-        return False
+        return None
 
     def _left(self) -> bool:
         """Whether this rank stood aside now because the last agreed step said that some rank

@@ -10,9 +10,10 @@ of several ranks these decisions are agreed too:
 
 - **at attach** (every rank's first optimizer step, before any guard exists): each rank's
   verdict (None, or why it cannot be guarded: no model found, a guard of the script's own,
-  LBFGS) goes round in one small all-gather
-  (``agree_verdicts``; once a run). When any rank cannot be guarded, every rank stands
-  aside, each line naming the rank and its reason (``agreed_reason``);
+  LBFGS) goes round in one small all-gather with its optimizer's update count
+  (``agree_at_attach``; once a run; the count: ``resumed.py``). When any rank cannot be
+  guarded, every rank stands aside, each line naming the rank and its reason
+  (``agreed_reason``);
 - **once guarded**: the rank that finds a reason goes on guarding its optimizer and says so in
   the row of its next check (``StepCall.leaving``, one column of the step's all-reduce: no
   collective of its own). Every rank reads it in that step's agreement
@@ -58,10 +59,13 @@ class AsideReason:
         return self.reason if self.origin is None else f"rank {self.origin}: {self.reason}"
 
 
-def agree_verdicts(mine: AsideReason | None, device: torch.device) -> list[AsideReason | None]:
-    """Every rank's verdict at attach, in rank order (one all-gather over the default group,
-    on its collective's device: ``device`` is the optimizer's, for a process group of none)."""
-    return all_gather_objects(mine, None, buffer_device(None, device))
+def agree_at_attach(
+    mine: AsideReason | None, updates: int | None, device: torch.device
+) -> list[tuple[AsideReason | None, int | None]]:
+    """Every rank's verdict and optimizer update count at attach, in rank order (one
+    all-gather over the default group, on its collective's device: ``device`` is the
+    optimizer's, for a process group of none)."""
+    return all_gather_objects((mine, updates), None, buffer_device(None, device))
 
 
 def agreed_reason(verdicts: list[AsideReason | None], rank: int) -> AsideReason | None:

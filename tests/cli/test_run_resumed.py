@@ -1,0 +1,147 @@
+"""``trainguard run`` over a script that resumes from its own checkpoint (attach/resumed.py):
+the guard counts on from the updates the loaded optimizer state holds, and ranks that loaded
+different states are told so, on every rank, while the script runs as it would bare."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tg_dist import free_port
+from tg_run import FAST_EXIT, TORCHRUN, run_env
+
+SCRIPT = """
+import hashlib, os, sys
+import torch, torch.distributed as dist
+from torch import nn
+
+start, stop, nan_step, load_rank = map(int, sys.argv[1:5])  # load_rank -1: every rank loads
+ddp = "WORLD_SIZE" in os.environ
+if ddp:
+    dist.init_process_group("gloo")
+rank = dist.get_rank() if ddp else 0
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+if start and load_rank in (-1, rank):  # the script's own resume
+    saved = torch.load(f"ck{start}.pt")
+    net.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+model = nn.parallel.DistributedDataParallel(net) if ddp else net
+gen = torch.Generator()
+for step in range(start, stop):
+    gen.manual_seed(1000 * rank + step)
+    x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+    if step == nan_step:
+        x[3, 0] = float("nan")
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+if rank == 0:
+    torch.save({"model": net.state_dict(), "opt": opt.state_dict()}, f"ck{stop}.pt")
+digest = hashlib.sha256()
+for tensor in [*net.state_dict().values(), *opt.state_dict()["state"][0].values()]:
+    digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+print("WEIGHTS", rank, digest.hexdigest())
+if ddp:
+    dist.destroy_process_group()
+"""
+
+
+def _run(cwd: Path, command: list[str]) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=150, cwd=cwd, env=run_env()
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def _guarded(run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "trainguard", "run", "--run-dir", str(run_dir), "--"]
+
+
+def _weights(done: subprocess.CompletedProcess[str]) -> list[str]:
+    return sorted(line for line in done.stdout.splitlines() if line.startswith("WEIGHTS"))
+
+
+def _events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
+    text = (run_dir / "events" / f"rank-{rank}.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+@pytest.mark.timeout(200)
+def test_a_script_resumed_from_its_own_checkpoint_is_counted_on_from_it(tmp_path: Path) -> None:
+    """Two starts of one run: steps 0-4, then the script loads its checkpoint and trains 5-8.
+    The second start is guarded from step 5 (AdamW's count), says so, numbers a NaN at the
+    script's step 7 as step 7, and the report counts 9 steps, none run again; without a fault
+    the weights and moments are the bare script's, bit for bit."""
+    (tmp_path / "script.py").write_text(SCRIPT)
+    python = [sys.executable, "script.py"]
+    run = tmp_path / "run"
+    _run(tmp_path, [*python, "0", "5", "-1", "-1"])
+    bare = _run(tmp_path, [*python, "5", "9", "-1", "-1"])
+    first = _run(tmp_path, [*_guarded(run), *python, "0", "5", "-1", "-1"])
+    assert "from step" not in first.stderr
+    second = _run(tmp_path, [*_guarded(run), *python, "5", "9", "-1", "-1"])
+    assert _weights(second) == _weights(bare)
+    assert "guarding AdamW over Sequential (49 parameters), 1 rank, from step 5 (the updates " in (
+        second.stderr
+    )
+    loaded = [e["step"] for e in _events(run, 0) if e["kind"] == "state_loaded"]
+    assert loaded == [5]
+    report = subprocess.run(
+        [sys.executable, "-m", "trainguard", "report", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    (steps,) = [line.split(None, 1)[1] for line in report.splitlines() if "  steps " in line]
+    assert steps.startswith("9 (1 rank)") and "again" not in steps, report
+
+    nan_run = tmp_path / "nan"
+    _run(tmp_path, [*_guarded(nan_run), *python, "5", "9", "7", "-1"])
+    skips = [e["step"] for e in _events(nan_run, 0) if e["kind"] == "skip"]
+    assert skips == [7]
+
+
+@pytest.mark.timeout(200)
+def test_ranks_that_loaded_different_optimizer_states_are_told_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 loads the checkpoint, rank 0 does not find it (a disk the ranks do not share):
+    every rank's line names both counts, each rank's events hold the same resume_mismatch,
+    the guard counts from 0 on both, and the job's weights are the bare job's."""
+    (tmp_path / "script.py").write_text(SCRIPT)
+    _run(tmp_path, [sys.executable, "script.py", "0", "5", "-1", "-1"])
+
+    def torchrun(*script: str) -> list[str]:
+        return [
+            TORCHRUN,
+            "--nproc-per-node=2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=localhost:{free_port()}",
+            "--monitor-interval=0.2",
+            *script,
+            "5",
+            "9",
+            "-1",
+            "1",
+        ]
+
+    bare = _run(tmp_path, torchrun(str(FAST_EXIT), "script.py"))
+    run = tmp_path / "run"
+    guarded = _run(tmp_path, [*_guarded(run), *torchrun("script.py")])
+    assert _weights(guarded) == _weights(bare) and len(_weights(bare)) == 2
+    told = [line for line in guarded.stderr.splitlines() if "different update counts" in line]
+    assert sorted(line.split(":")[1] for line in told) == [" rank 0", " rank 1"], told
+    assert all("(rank 0: 0, rank 1: 5)" in line for line in told), told
+    for rank in (0, 1):
+        events = _events(run, rank)
+        mismatch = [e for e in events if e["kind"] == "resume_mismatch"]
+        assert [(e["step"], e["updates"]) for e in mismatch] == [(0, [0, 5])]
+        assert not [e for e in events if e["kind"] == "state_loaded"]
