@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tg_dist import free_port
+from tg_dist import free_port, torchrun_env
 from tg_run import FAST_EXIT, TORCHRUN, run_env
 
 SCRIPT = """
@@ -52,9 +52,11 @@ if ddp:
 """
 
 
-def _run(cwd: Path, command: list[str]) -> subprocess.CompletedProcess[str]:
+def _run(
+    cwd: Path, command: list[str], env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
-        command, capture_output=True, text=True, timeout=150, cwd=cwd, env=run_env()
+        command, capture_output=True, text=True, timeout=150, cwd=cwd, env=env or run_env()
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
@@ -145,3 +147,88 @@ def test_ranks_that_loaded_different_optimizer_states_are_told_on_every_rank(
         mismatch = [e for e in events if e["kind"] == "resume_mismatch"]
         assert [(e["step"], e["updates"]) for e in mismatch] == [(0, [0, 5])]
         assert not [e for e in events if e["kind"] == "state_loaded"]
+
+
+RESTARTED = """
+import hashlib, os, sys
+import torch, torch.distributed as dist
+from torch import nn
+
+stop, every, kill_step = map(int, sys.argv[1:4])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+start = 0
+if os.path.exists("ck.pt"):  # the script's own resume, after torchrun restarted it
+    saved = torch.load("ck.pt")
+    net.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    start = saved["step"]
+model = nn.parallel.DistributedDataParallel(net)
+gen = torch.Generator()
+for step in range(start, stop):
+    if step and step % every == 0 and rank == 0:
+        torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "step": step}, "ck.tmp")
+        os.replace("ck.tmp", "ck.pt")
+    if rank == 1 and step == kill_step and not os.path.exists("killed"):
+        open("killed", "w").close()
+        os.kill(os.getpid(), 9)
+    gen.manual_seed(1000 * rank + step)
+    x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+digest = hashlib.sha256()
+for tensor in [*net.state_dict().values(), *opt.state_dict()["state"][0].values()]:
+    digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+print("WEIGHTS", rank, digest.hexdigest())
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_job_torchrun_restarts_from_the_scripts_checkpoint_is_counted_on_from_it(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 is SIGKILLed at step 6; torchrun restarts both ranks and the script loads its
+    checkpoint of step 4. The restarted guard goes on from step 4 on both ranks (the same
+    run), the report counts the job's 9 steps with only steps 4 and 5 run again, and the
+    weights equal the bare job's killed the same way."""
+
+    def job(folder: str, *prefix: str) -> subprocess.CompletedProcess[str]:
+        cwd = tmp_path / folder
+        cwd.mkdir()
+        (cwd / "script.py").write_text(RESTARTED)
+        script = [str(FAST_EXIT), "script.py"] if not prefix else ["script.py"]
+        torchrun = [
+            TORCHRUN,
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=localhost:{free_port()}",
+            "--monitor-interval=0.2",
+        ]
+        env = {**torchrun_env(), "OMP_NUM_THREADS": "1"}  # a fresh store per restart
+        return _run(cwd, [*prefix, *torchrun, *script, "9", "4", "6"], env)
+
+    bare = job("bare")
+    run = tmp_path / "run"
+    guarded = job("guarded", *_guarded(run))
+    assert _weights(guarded) == _weights(bare) and len(_weights(bare)) == 2
+    resumed = [line for line in guarded.stderr.splitlines() if "from step 4 (the updates" in line]
+    assert len(resumed) == 2, guarded.stderr[-3000:]
+    for rank in (0, 1):
+        loaded = [e["step"] for e in _events(run, rank) if e["kind"] == "state_loaded"]
+        assert loaded == [4]
+    report = subprocess.run(
+        [sys.executable, "-m", "trainguard", "report", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "2 starts" in report, report
+    (steps,) = [line.split(None, 1)[1] for line in report.splitlines() if "  steps " in line]
+    assert steps.startswith("9 (2 ranks)") and "(2 again after restarts)" in steps, report
