@@ -23,6 +23,9 @@ attach all-gather they already make (``leaving.agree_at_attach``). Then:
   line and a ``resume_mismatch`` event naming each rank's count, and counts from 0; the
   script runs on as it would bare;
 - no count (SGD keeps none, or the parameters' counts differ) or 0 on every rank: from 0.
+
+A guard run with its own resume on (``-o recovery.resume=true``) that restored a state of
+its own keeps that state's step: it put its own optimizer state back over the script's.
 """
 
 from __future__ import annotations
@@ -57,7 +60,11 @@ def updates_of(optimizer: torch.optim.Optimizer) -> int | None:
 def go_on(guard: Guard, counts: list[int | None]) -> int:
     """Set ``guard``'s step from every rank's count (agreed: ``counts`` is the all-gather's,
     the same list on every rank) and return it: the common count, else 0, said when the
-    ranks' counts differ."""
+    ranks' counts differ. A guard that resumed a state of its own (``-o recovery.resume=
+    true``: its step is already past 0, the same on every rank) keeps its step: it put its
+    own optimizer state back over the script's."""
+    if guard.state.step:
+        return guard.state.step
     if len(set(counts)) > 1:
         guard.events.write(MISMATCH, guard.state.step, updates=counts)
         announcer().warning(
