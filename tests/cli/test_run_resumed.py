@@ -46,7 +46,8 @@ if rank == 0:
 digest = hashlib.sha256()
 for tensor in [*net.state_dict().values(), *opt.state_dict()["state"][0].values()]:
     digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-print("WEIGHTS", rank, digest.hexdigest())
+with open(f"weights-{rank}.txt", "w") as fh:  # a file a rank: stdout interleaves
+    fh.write(digest.hexdigest())
 if ddp:
     dist.destroy_process_group()
 """
@@ -66,8 +67,14 @@ def _guarded(run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "trainguard", "run", "--run-dir", str(run_dir), "--"]
 
 
-def _weights(done: subprocess.CompletedProcess[str]) -> list[str]:
-    return sorted(line for line in done.stdout.splitlines() if line.startswith("WEIGHTS"))
+def _weights(cwd: Path) -> list[str]:
+    """Each rank's digest of its weights and moments, as the job that ran last in ``cwd``
+    wrote them (and took them away)."""
+    out = []
+    for path in sorted(cwd.glob("weights-*.txt")):
+        out.append(f"{path.stem}: {path.read_text()}")
+        path.unlink()
+    return out
 
 
 def _events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
@@ -85,11 +92,12 @@ def test_a_script_resumed_from_its_own_checkpoint_is_counted_on_from_it(tmp_path
     python = [sys.executable, "script.py"]
     run = tmp_path / "run"
     _run(tmp_path, [*python, "0", "5", "-1", "-1"])
-    bare = _run(tmp_path, [*python, "5", "9", "-1", "-1"])
+    _run(tmp_path, [*python, "5", "9", "-1", "-1"])
+    bare = _weights(tmp_path)
     first = _run(tmp_path, [*_guarded(run), *python, "0", "5", "-1", "-1"])
     assert "from step" not in first.stderr
     second = _run(tmp_path, [*_guarded(run), *python, "5", "9", "-1", "-1"])
-    assert _weights(second) == _weights(bare)
+    assert _weights(tmp_path) == bare and len(bare) == 1
     assert "guarding AdamW over Sequential (49 parameters), 1 rank, from step 5 (the updates " in (
         second.stderr
     )
@@ -135,10 +143,11 @@ def test_ranks_that_loaded_different_optimizer_states_are_told_on_every_rank(
             "1",
         ]
 
-    bare = _run(tmp_path, torchrun(str(FAST_EXIT), "script.py"))
+    _run(tmp_path, torchrun(str(FAST_EXIT), "script.py"))
+    bare = _weights(tmp_path)
     run = tmp_path / "run"
     guarded = _run(tmp_path, [*_guarded(run), *torchrun("script.py")])
-    assert _weights(guarded) == _weights(bare) and len(_weights(bare)) == 2
+    assert _weights(tmp_path) == bare and len(bare) == 2
     told = [line for line in guarded.stderr.splitlines() if "different update counts" in line]
     assert sorted(line.split(":")[1] for line in told) == [" rank 0", " rank 1"], told
     assert all("(rank 0: 0, rank 1: 5)" in line for line in told), told
@@ -183,7 +192,8 @@ for step in range(start, stop):
 digest = hashlib.sha256()
 for tensor in [*net.state_dict().values(), *opt.state_dict()["state"][0].values()]:
     digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-print("WEIGHTS", rank, digest.hexdigest())
+with open(f"weights-{rank}.txt", "w") as fh:  # a file a rank: stdout interleaves
+    fh.write(digest.hexdigest())
 dist.destroy_process_group()
 """
 
@@ -197,7 +207,7 @@ def test_a_job_torchrun_restarts_from_the_scripts_checkpoint_is_counted_on_from_
     run), the report counts the job's 9 steps with only steps 4 and 5 run again, and the
     weights equal the bare job's killed the same way."""
 
-    def job(folder: str, *prefix: str) -> subprocess.CompletedProcess[str]:
+    def job(folder: str, *prefix: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
         cwd = tmp_path / folder
         cwd.mkdir()
         (cwd / "script.py").write_text(RESTARTED)
@@ -211,12 +221,13 @@ def test_a_job_torchrun_restarts_from_the_scripts_checkpoint_is_counted_on_from_
             "--monitor-interval=0.2",
         ]
         env = {**torchrun_env(), "OMP_NUM_THREADS": "1"}  # a fresh store per restart
-        return _run(cwd, [*prefix, *torchrun, *script, "9", "4", "6"], env)
+        done = _run(cwd, [*prefix, *torchrun, *script, "9", "4", "6"], env)
+        return done, _weights(cwd)
 
-    bare = job("bare")
+    _, bare = job("bare")
     run = tmp_path / "run"
-    guarded = job("guarded", *_guarded(run))
-    assert _weights(guarded) == _weights(bare) and len(_weights(bare)) == 2
+    guarded, weights = job("guarded", *_guarded(run))
+    assert weights == bare and len(bare) == 2
     resumed = [line for line in guarded.stderr.splitlines() if "from step 4 (the updates" in line]
     assert len(resumed) == 2, guarded.stderr[-3000:]
     for rank in (0, 1):
