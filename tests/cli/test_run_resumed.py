@@ -82,6 +82,19 @@ def _events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines()]
 
 
+def _report(run: Path) -> tuple[str, str]:
+    """``trainguard report RUN``'s text and its ``steps`` line's value."""
+    report = subprocess.run(
+        [sys.executable, "-m", "trainguard", "report", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    (steps,) = [line.split(None, 1)[1] for line in report.splitlines() if "  steps " in line]
+    return report, steps
+
+
 @pytest.mark.timeout(200)
 def test_a_script_resumed_from_its_own_checkpoint_is_counted_on_from_it(tmp_path: Path) -> None:
     """Two starts of one run: steps 0-4, then the script loads its checkpoint and trains 5-8.
@@ -103,14 +116,7 @@ def test_a_script_resumed_from_its_own_checkpoint_is_counted_on_from_it(tmp_path
     )
     loaded = [e["step"] for e in _events(run, 0) if e["kind"] == "state_loaded"]
     assert loaded == [5]
-    report = subprocess.run(
-        [sys.executable, "-m", "trainguard", "report", str(run)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    (steps,) = [line.split(None, 1)[1] for line in report.splitlines() if "  steps " in line]
+    report, steps = _report(run)
     assert steps.startswith("9 (1 rank)") and "again" not in steps, report
 
     nan_run = tmp_path / "nan"
@@ -233,13 +239,6 @@ def test_a_job_torchrun_restarts_from_the_scripts_checkpoint_is_counted_on_from_
     for rank in (0, 1):
         loaded = [e["step"] for e in _events(run, rank) if e["kind"] == "state_loaded"]
         assert loaded == [4]
-    report = subprocess.run(
-        [sys.executable, "-m", "trainguard", "report", str(run)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    report, steps = _report(run)
     assert "2 starts" in report, report
-    (steps,) = [line.split(None, 1)[1] for line in report.splitlines() if "  steps " in line]
     assert steps.startswith("9 (2 ranks)") and "(2 again after restarts)" in steps, report

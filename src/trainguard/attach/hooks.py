@@ -362,11 +362,9 @@ class Attacher:
     def _agreed(
         self, verdict: AsideReason | None, optimizer: torch.optim.Optimizer, updates: int | None
     ) -> list[int | None] | None:
-        """Whether every rank can be guarded, agreed at attach (``leaving.py``): this rank's
-        ``verdict`` (or the reason it found before), every rank's in a job of several; when
-        some rank cannot be, this one stands aside, saying which rank and why, and None
-        comes back. Else every rank's optimizer update count (``resumed.py``), in rank
-        order, exchanged in the same all-gather."""
+        """Every rank's optimizer ``updates`` (``resumed.py``) when every rank can be guarded,
+        agreed at attach in one all-gather (``leaving.py``) with this rank's ``verdict`` (or
+        the reason it found before); else None: this one stands aside, naming rank and why."""
         mine = self._leaving or verdict
         counts = [updates]
         if job_world() > 1:

@@ -30,7 +30,10 @@ its own keeps that state's step: it put its own optimizer state back over the sc
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import Tensor, nn
 
 from trainguard.attach.announce import announcer
 from trainguard.step.guard import Guard
@@ -42,19 +45,38 @@ MISMATCH = "resume_mismatch"
 def updates_of(optimizer: torch.optim.Optimizer) -> int | None:
     """The updates the optimizer's own state counts: the ``"step"`` every parameter's state
     holds alike; 0 before any state exists; None without such a count (SGD) or when the
-    parameters' counts differ (a group added later)."""
-    counts: set[int] = set()
+    parameters' counts differ (a group added later), or are not plain numbers and tensors."""
+    steps = []
     for state in optimizer.state.values():
         step = state.get("step") if isinstance(state, dict) else None
         if step is None:
             return None
-        try:
-            counts.add(int(float(step)))  # a 0-d tensor or a number
-        except (TypeError, ValueError, RuntimeError):
-            return None
+        steps.append(step)
+    try:
+        counts = {int(value) for value in _host_values(steps)}
+    except (TypeError, ValueError, RuntimeError):
+        return None
     if not counts:
         return 0
     return counts.pop() if len(counts) == 1 else None
+
+
+def _host_values(steps: list[Any]) -> list[float]:
+    """The counts as host numbers, one read per device (a fused or capturable optimizer keeps
+    them on the accelerator: a read each would be a device sync each). A tensor subclass
+    (a DTensor) raises TypeError: its reads may be collectives, and it tells nothing."""
+    values: list[float] = []
+    on_device: dict[torch.device, list[Tensor]] = {}
+    for step in steps:
+        if isinstance(step, Tensor):
+            if type(step) is not Tensor and not isinstance(step, nn.Parameter):
+                raise TypeError(f"a {type(step).__name__} step count")
+            on_device.setdefault(step.device, []).append(step.detach().reshape(()).double())
+        else:
+            values.append(float(step))
+    for tensors in on_device.values():
+        values += torch.stack(tensors).tolist()
+    return values
 
 
 def go_on(guard: Guard, counts: list[int | None]) -> int:
