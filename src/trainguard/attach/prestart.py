@@ -31,6 +31,7 @@ from torch.nn.modules import module as module_hooks
 from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
+from trainguard.attach.compile_warning import QuietCompileWarning
 from trainguard.attach.discovery import in_training
 from trainguard.attach.loss_inputs import LossInputs
 from trainguard.capture.batchtree import call_batch as batch_of
@@ -117,10 +118,12 @@ class PreStart:
         """Calls inside a compile wrapper that ``_pre`` left alone and ``_post`` has not seen."""
         self._main = threading.main_thread()
         self._handles: list[RemovableHandle] = []
+        self._quiet = QuietCompileWarning()
         self._recording: StepZero | None = None
         """The record of the top-level call in progress (its batch is taken at its end)."""
 
     def install(self) -> None:
+        self._quiet.quiet()  # torch.compile's warning about these hooks (compile_warning.py)
         self._handles = [
             module_hooks.register_module_forward_pre_hook(self._pre),
             module_hooks.register_module_forward_hook(
@@ -138,6 +141,7 @@ class PreStart:
             # and torch.compile warns of global hooks at every step
             with_kwargs.pop(handle.id, None)
         self._handles = []
+        self._quiet.restore()
 
     @property
     def candidates(self) -> list[nn.Module]:
