@@ -307,3 +307,45 @@ def test_a_loop_that_never_zeroes_its_gradients_goes_on_after_a_skip(tmp_path: P
     weights = [line for line in done.stdout.splitlines() if line.startswith("WEIGHTS")]
     assert len(weights) == 1
     assert weights == [line for line in left_out.stdout.splitlines() if line.startswith("WEIGHTS")]
+
+
+COMPILED = """
+import hashlib
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = torch.compile(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)), backend="eager")
+opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+for step in range(4):
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+digest = hashlib.sha256()
+for tensor in model.state_dict().values():
+    digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+print("WEIGHTS", digest.hexdigest())
+"""
+
+
+@pytest.mark.timeout(160)
+def test_a_compiled_model_under_warnings_as_errors_trains_as_bare(tmp_path: Path) -> None:
+    """torch warns at each call of a compiled module while a process-wide module hook is in;
+    until the first optimizer step those hooks are ours (attach/compile_warning.py). A script
+    run with warnings as errors (``-W error``, as test suites and CI do) ended with that
+    UserWarning under ``trainguard run``; bare it runs. Now it runs as bare, warning-free."""
+    (tmp_path / "script.py").write_text(COMPILED)
+    python = [sys.executable, "-W", "error::UserWarning", str(tmp_path / "script.py")]
+    bare = subprocess.run(python, capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert bare.returncode == 0, bare.stderr[-2000:]
+    command = [sys.executable, "-m", "trainguard", "run", "--run-dir", str(tmp_path / "run")]
+    done = subprocess.run(
+        [*command, "--", *python], capture_output=True, text=True, timeout=150, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "guarding AdamW over OptimizedModule(Sequential)" in done.stderr
+    assert "global hooks" not in done.stderr
+    weights = [line for line in done.stdout.splitlines() if line.startswith("WEIGHTS")]
+    assert weights == [line for line in bare.stdout.splitlines() if line.startswith("WEIGHTS")]
+    assert len(weights) == 1
