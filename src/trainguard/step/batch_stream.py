@@ -41,7 +41,7 @@ from trainguard.health.timing import StepTimer
 from trainguard.step.batches import StepBatches
 from trainguard.step.consensus import DEVICE_COLUMNS, Consensus
 from trainguard.step.refilled_batches import RefillProbe, refill_reporter
-from trainguard.step.types import Agreement, LocalReport
+from trainguard.step.types import Agreement, LocalReport, SamplerDraws
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class BatchStream:
         recovery's step boundary): the fallback while no forward hook records the step's
         start (``step_start.StepStart``)."""
 
-    def step_draws(self) -> Callable[[], list[list[int] | None]] | None:
+    def step_draws(self) -> SamplerDraws | None:
         """What gives, per micro-batch of the step being decided, the dataset indices its
         sampler drew, read only when wanted (a bad step); None: no sampler followed."""
         found = self.sampler_indices

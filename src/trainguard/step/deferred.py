@@ -19,7 +19,7 @@ from torch import Tensor
 from trainguard.capture.rng import RngSnapshot
 from trainguard.step.detect import GradStats
 from trainguard.step.step_start import ForwardBatches
-from trainguard.step.types import Reduced
+from trainguard.step.types import Reduced, SamplerDraws
 
 
 def uses_fused(optimizer: torch.optim.Optimizer) -> bool:
@@ -52,7 +52,7 @@ class PendingStep:
     """The autocast state the step's forward ran under (``step_start.autocast_state``)."""
     forward_inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] | None = None
     """The inputs of the step's training forwards (``StepStart.forward_inputs``)."""
-    sampler_draws: Callable[[], list[list[int] | None]] | None = None
+    sampler_draws: SamplerDraws | None = None
     """What gives, per micro-batch, the dataset indices its ``DataLoader``'s sampler drew
     (``StepEvidence.sampler_draws``; read only if the step is bad), None without one."""
     forward_batches: ForwardBatches | None = None

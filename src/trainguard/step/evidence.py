@@ -12,7 +12,6 @@ non-finite input the batches did not hold (``capture/forward_inputs.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,7 +37,7 @@ from trainguard.step.phases import marked_phase
 from trainguard.step.recorded_batches import RecordedBatches
 from trainguard.step.state import GuardState
 from trainguard.step.step_start import StepStart
-from trainguard.step.types import Agreement, Decision
+from trainguard.step.types import Agreement, Decision, SamplerDraws
 
 
 class Reruns(Protocol):
@@ -50,8 +49,6 @@ class Reruns(Protocol):
 
 
 Rng = RngSnapshot | dict[str, Any] | None
-Draws = Callable[[], list[list[int] | None]]
-"""Per micro-batch, the dataset indices its sampler drew (``BatchStream.step_draws``)."""
 
 
 @dataclass
@@ -96,7 +93,7 @@ class StepEvidence:
             return parts.recorded.of(step)
         return stream.unchecked.step()
 
-    def sampler_draws(self) -> Draws | None:
+    def sampler_draws(self) -> SamplerDraws | None:
         """What gives, per micro-batch of the step being decided, the dataset indices a
         ``DataLoader``'s sampler drew for it (``BatchStream.step_draws``; None: no such
         loader). Called when wanted: a bad step's capture or input report."""

@@ -28,7 +28,7 @@ from trainguard.capture import batchpaths, batchtree
 from trainguard.events import EventLog
 from trainguard.numerics import stored_values
 from trainguard.step.detect import fused_takes
-from trainguard.step.types import Agreement
+from trainguard.step.types import Agreement, SamplerDraws
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class InputCheck:
         self,
         agreement: Agreement,
         step: int,
-        drawn: Callable[[], list[list[int] | None] | None] | None = None,
+        drawn: SamplerDraws | None = None,
     ) -> None:
         """On a step with a non-finite input somewhere: a ``bad_input`` event on every rank
         (this rank's tensors named when the bad input is here, with their dataset indices:

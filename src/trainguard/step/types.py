@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import Tensor
 
 from trainguard.step.folded_row import FoldedRow
+
+SamplerDraws = Callable[[], list[list[int] | None]]
+"""Gives, per micro-batch of a step, the dataset indices its ``DataLoader``'s sampler drew
+(None for a micro-batch it cannot say): ``BatchStream.step_draws``, read only on a bad step."""
 
 
 class Decision(enum.Enum):
