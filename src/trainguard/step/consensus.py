@@ -35,11 +35,13 @@ COLUMNS = (
     "lr",
     "loss_scale",
     "leaving",
+    "loss_unknown",
 )
 DEVICE_COLUMNS = 5
 """The first columns come from the device (``LocalReport.values``); the rest from the host,
 but for ``loss_scale``, copied on the device from the GradScaler's scale tensor, and
-``leaving``, filled only on the rare step a rank's caller stops guarding."""
+``leaving`` and ``loss_unknown``, filled only on a step where a rank's caller stops guarding
+or did not see its loss."""
 _NCOL = len(COLUMNS)
 _NORM = COLUMNS.index("grad_norm")
 _INPUT = COLUMNS.index("input")
@@ -52,6 +54,7 @@ _DROPPED = COLUMNS.index("dropped")
 _LR = COLUMNS.index("lr")
 _SCALE = COLUMNS.index("loss_scale")
 _LEAVING = COLUMNS.index("leaving")
+_LOSS_UNKNOWN = COLUMNS.index("loss_unknown")
 
 
 class Consensus:
@@ -86,6 +89,8 @@ class Consensus:
             row[_SCALE].copy_(report.loss_scale.reshape(()), non_blocking=True)
         if report.leaving:
             row[_LEAVING].fill_(1.0)
+        if not report.loss_known:
+            row[_LOSS_UNKNOWN].fill_(1.0)
         # not synchronous: the work is kept, so gloo's thread never releases ``buf``
         self.work.wait(dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
         return Reduced(buf, report, sum_grad_norms)
@@ -165,6 +170,7 @@ class Consensus:
             lrs=[row[_LR] for row in rows],
             loss_scales=[row[_SCALE] for row in rows],
             leaving_ranks=[r for r, row in enumerate(rows) if row[_LEAVING] > 0.5],
+            unknown_loss_ranks=[r for r, row in enumerate(rows) if row[_LOSS_UNKNOWN] > 0.5],
         )
 
 
@@ -204,6 +210,7 @@ def _alone(values: list[float], report: LocalReport, sharded: bool) -> Agreement
         report.lr,
         float(report.loss_scale) if report.loss_scale is not None else 0.0,
         report.leaving,
+        report.loss_known,
     )
 
 
@@ -218,6 +225,7 @@ def alone_agreement(
     lr: float = 0.0,
     loss_scale: float = 0.0,
     leaving: bool = False,
+    loss_known: bool = True,
 ) -> Agreement:
     """A world of one's agreement: its reduced device columns ``values`` (``COLUMNS`` order)
     and its host fields (also ``step/single_process.py``'s, for the usual step)."""
@@ -237,6 +245,7 @@ def alone_agreement(
         lrs=[lr],
         loss_scales=[loss_scale],
         leaving_ranks=[0] if leaving else [],
+        unknown_loss_ranks=[] if loss_known else [0],
     )
 
 

@@ -144,4 +144,5 @@ class StepMeasure:
             lr=row_lr(self._parts.optimizer),
             loss_scale=amp.scale_tensor(self._parts.scaler),
             leaving=call.leaving,
+            loss_known=call.loss_known,
         )

@@ -119,15 +119,15 @@ class StepPipeline:
         alone, measured = self.alone, None
         if alone is not None and self._scaler is None and not call.leaving:  # a scaler unscales
             # first, and the fast row has no leaving column: agree()
-            measured = alone.take(loss, step, call.dropped)
+            measured = alone.take(loss, step, call.dropped, call.loss_known)
         agreement, stats = measured if measured is not None else self.agree(loss, step, call)
         if self.boundary is not None:  # the guard's state changes from here
             self.boundary.deciding(step)
         decision, spike = self.decide(agreement, step)
-        self.record(step, agreement, spike or decision, call)
+        self.record(step, agreement, spike or decision)
         self.state.step = step + 1
         try:
-            return self.apply(decision, spike, agreement, stats, step, call)
+            return self.apply(decision, spike, agreement, stats, step)
         finally:
             transient = self.transient
             if transient is not None and not transient.looked:  # rerun=: the first step
@@ -172,7 +172,6 @@ class StepPipeline:
         step: int,
         agreement: Agreement,
         decision: Decision,
-        call: StepCall = USUAL_CALL,
         steps_ago: int = 0,
     ) -> None:
         """The stream learns the agreed data state; the step's record is written
@@ -182,7 +181,7 @@ class StepPipeline:
             stream.agreed(agreement, steps_ago)
         if agreement.leaving_ranks:  # a caller stops guarding: every rank learns it here
             self.state.leaving_ranks = agreement.leaving_ranks
-        self.history.record(step, agreement, decision, self.optimizer, call.loss_known)
+        self.history.record(step, agreement, decision, self.optimizer, agreement.loss_known)
 
     def apply(
         self,
@@ -191,7 +190,6 @@ class StepPipeline:
         agreement: Agreement,
         stats: GradStats,
         step: int,
-        call: StepCall = USUAL_CALL,
         late: PendingStep | None = None,
         raise_errors: bool = True,
     ) -> bool:
@@ -199,7 +197,7 @@ class StepPipeline:
         ``late``: a sync-free step read a step late (its update already decided on the
         device); ``raise_errors`` False: no capture, no error (the run is unwinding)."""
         applied = self._apply.apply(
-            decision, agreement, stats, step, spike, call.loss_known, late, raise_errors
+            decision, agreement, stats, step, spike, agreement.loss_known, late, raise_errors
         )
         if self.health is not None:  # after a skip's restore: a resync stays
             self.health.observe(step, agreement)

@@ -93,10 +93,11 @@ class AloneMeasure:
         self._sharded_checked = False
 
     def take(
-        self, loss: Tensor, step: int, dropped: float = 0.0
+        self, loss: Tensor, step: int, dropped: float = 0.0, loss_known: bool = True
     ) -> tuple[Agreement, GradStats] | None:
         """The agreement of the usual step (the module docstring) and its gradient stats,
-        else None. ``dropped``: the row's ``dropped`` column (``StepCall.dropped``)."""
+        else None. ``dropped``, ``loss_known``: the row's ``dropped`` and ``loss_unknown``
+        columns (``StepCall``)."""
         if not self.active or self._start.step != step:
             return None
         losses = self._losses.checked(loss)  # detached; the full measure sets the same again
@@ -140,6 +141,7 @@ class AloneMeasure:
             drops=[dropped] if dropped else [],
             lrs=[lr],
             loss_scales=[0.0],
+            unknown_loss_ranks=[] if loss_known else [0],
         )  # ``consensus.alone_agreement`` of those values, built here: a call less a step
         names = self._names if cut == len(self._names) else local_grads(self._named, False)[0]
         return agreement, GradStats(names, norms[:cut], grads, device, input_norms=norms[cut:])

@@ -93,7 +93,8 @@ class SpikeWatch:
             return None
         detector = self.detector
         judging = detector.grace.judging(agreement.lr)
-        loss = detector.observe_one("loss", agreement.mean_loss, judging)
+        known = agreement.mean_loss if agreement.loss_known else None  # a rank saw none
+        loss = detector.observe_one("loss", known, judging)
         norm = detector.observe_one("grad_norm", agreement.grad_norm, judging)
         if loss is None and norm is None:  # the usual case
             self.consecutive = 0

@@ -56,8 +56,9 @@ class StepCall:
     the guard keeps between calls (``Guard.check`` and its variants)."""
 
     loss_known: bool = True
-    """False: the loss was not seen (``check_gradients``): the record holds none, the bundle
-    says so."""
+    """False: the loss was not seen (``check_gradients``): the row's ``loss_unknown`` column
+    says so, and when any rank's does, no rank's record holds a loss, the bundle says so and
+    the spike rule reads none (``Agreement.loss_known``)."""
     dropped: float = 0.0
     """The row's ``dropped`` column (``LocalReport.dropped``): 0.0 unless this rank's loop
     left the step's update out itself (``trainguard run``)."""
@@ -111,6 +112,9 @@ class LocalReport:
     no host sync), None without an enabled scaler."""
     leaving: bool = False
     """This rank's caller stops guarding after this step (``StepCall.leaving``)."""
+    loss_known: bool = True
+    """False: this rank did not see its step's loss (``StepCall.loss_known``); its loss
+    columns hold 0.0 (the row's ``loss_unknown`` column says so)."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,10 @@ class Agreement:
     leaving_ranks: list[int] = field(default_factory=list)
     """Ranks whose caller stops guarding after this step (``StepCall.leaving``): every rank
     stops with them, at this step."""
+    unknown_loss_ranks: list[int] = field(default_factory=list)
+    """Ranks that did not see their step's loss (``StepCall.loss_known`` False: ``trainguard
+    run`` where it found no loss, ``check_gradients``): then no rank's record holds a loss
+    and the spike rule does not read one (``loss_known``)."""
     mean_loss: float = field(init=False)
     """The mean of the ranks' losses (computed once: every stage reads it)."""
     grad_norm: float = field(init=False)
@@ -165,6 +173,12 @@ class Agreement:
         self.mean_loss = sum(losses) / len(losses)
         norm = self.global_grad_norm
         self.grad_norm = norm if math.isfinite(norm) else math.inf  # norm_or_inf, inline
+
+    @property
+    def loss_known(self) -> bool:
+        """Every rank saw its step's loss: the losses are real numbers, not the 0.0 of a rank
+        that saw none (the same answer on every rank, from the agreed row)."""
+        return not self.unknown_loss_ranks
 
     @property
     def hyper_ranks(self) -> list[int]:

@@ -158,7 +158,8 @@ def _agreement(drops: list[float], norms: list[float]) -> Agreement:
             *_host_columns(report),
             0.0,
             0.0,
-        ]  # no scale, not leaving
+            0.0,
+        ]  # no scale, not leaving, the loss seen
     report = LocalReport(torch.zeros(5))
     return consensus.read(rows, Reduced(report.values, report, False))
 

@@ -33,8 +33,8 @@ def test_alone_equals_the_rows_path(values: list[float], sharded: bool, exhauste
     consensus = Consensus(None, torch.device("cpu"))
     found = consensus.agree(report, sharded)
     # what read() builds of one row: the device columns, the host ones, the scale (none) and
-    # the leaving column
-    rows = [*values, *_host_columns(report), 0.0, 0.0]  # no loss scale, not leaving
+    # the leaving and loss_unknown columns
+    rows = [*values, *_host_columns(report), 0.0, 0.0, 0.0]  # no scale, not leaving, loss seen
     assert len(rows) > DEVICE_COLUMNS
     expected = consensus.read(rows, Reduced(report.values, report, sharded))
     assert repr(found) == repr(expected)  # NaN-aware: the same text field by field

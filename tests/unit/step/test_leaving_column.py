@@ -15,16 +15,17 @@ from trainguard.step.consensus import COLUMNS, Consensus, _host_columns
 from trainguard.step.types import LocalReport, Reduced
 
 
-def _rows(leaving: list[bool]) -> list[float]:
+def _rows(leaving: list[bool], unknown: list[bool] | None = None) -> list[float]:
     rows: list[float] = []
-    for leaves in leaving:
+    for leaves, unseen in zip(leaving, unknown or [False] * len(leaving), strict=True):
         report = LocalReport(torch.tensor([0.5, 0.5, 1.0, 0.0, 0.0]), leaving=leaves)
-        rows += [0.5, 0.5, 1.0, 0.0, 0.0, *_host_columns(report), 0.0, float(leaves)]
+        host = _host_columns(report)
+        rows += [0.5, 0.5, 1.0, 0.0, 0.0, *host, 0.0, float(leaves), float(unseen)]
     return rows
 
 
 def test_the_leaving_column_is_read_per_rank() -> None:
-    assert COLUMNS[-1] == "leaving"
+    assert COLUMNS[-2:] == ("leaving", "loss_unknown")
     consensus = Consensus(None, torch.device("cpu"))
     consensus.world_size = 3
     report = LocalReport(torch.zeros(5))
@@ -48,3 +49,18 @@ def test_a_world_of_one_reads_its_leaving_from_its_own_row(tmp_path: Path) -> No
         assert guard.state.leaving_ranks == ([] if step == 0 else [0])
         opt.zero_grad()
     guard.close()
+
+
+def test_a_loss_one_rank_did_not_see_is_no_ranks_loss() -> None:
+    """The ``loss_unknown`` column (``StepCall.loss_known`` False: ``check_gradients``,
+    ``trainguard run`` where no loss was found): when any rank's says so, the agreement's loss
+    is unknown on every rank, whatever the others saw."""
+    consensus = Consensus(None, torch.device("cpu"))
+    consensus.world_size = 3
+    report = LocalReport(torch.zeros(5))
+    reduced = Reduced(report.values, report, False)
+    agreement = consensus.read(_rows([False] * 3, [False, False, True]), reduced)
+    assert agreement.unknown_loss_ranks == [2] and not agreement.loss_known
+    assert not agreement.bad and agreement.leaving_ranks == []
+    agreement = consensus.read(_rows([False] * 3), reduced)
+    assert agreement.unknown_loss_ranks == [] and agreement.loss_known

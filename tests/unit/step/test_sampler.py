@@ -54,10 +54,11 @@ class _TwoRanks(Consensus):
         self.other = other
 
     def agree(self, report: LocalReport, sum_grad_norms: bool) -> Agreement:
-        host = [float(report.exhausted), float(report.batches), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
-        mine = [*report.values.tolist(), *host]  # + data, compute, dropped, lr, scale, leaving
+        host = [float(report.exhausted), float(report.batches), *[0.0] * 7]
+        mine = [*report.values.tolist(), *host]  # + data, compute, dropped, lr, scale,
+        # leaving, loss_unknown
         # loss column = its len(); grad norm, input, fingerprint 0; exhausted, all fetched
-        theirs = [float(self.other), 0.0, 0.0, 0.0, 0.0, 1.0, float(self.other)] + [0.0] * 6
+        theirs = [float(self.other), 0.0, 0.0, 0.0, 0.0, 1.0, float(self.other)] + [0.0] * 7
         assert len(mine) == len(theirs) == len(COLUMNS)
         reduced = Reduced(torch.tensor(mine + theirs), report, sum_grad_norms)
         return self.read(mine + theirs, reduced)
