@@ -5,6 +5,7 @@ and following the output to the loss changes nothing the script computes."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -56,7 +57,7 @@ def test_a_loss_module_given_the_output_or_a_view_of_it_adds_its_targets() -> No
     model, loss_inputs = _armed(recorded)
     x = recorded.current[0]
     out = model(x)
-    loss_inputs.arm(out, recorded)
+    loss_inputs.arm(out, recorded, 0, model)
     y = torch.tensor([0, 2])
     nn.ReLU()(y.float())  # a module applied to the targets first: not the loss
     nn.CrossEntropyLoss()(out.view(2, 3), y)  # a view of the output
@@ -83,7 +84,7 @@ def _followed(loss_of: Callable[[Tensor, Tensor], Tensor]) -> tuple[Tensor, list
     model, loss_inputs = _armed(recorded)
     x = recorded.current[0]
     out = model(x)
-    loss_inputs.arm(out, recorded)
+    loss_inputs.arm(out, recorded, 0, model)
     loss_of(out, torch.tensor([0, 2])).backward()
     loss_inputs.disarm()
     assert torch._C._len_torch_function_stack() == 0 and not module_hooks._global_forward_pre_hooks
@@ -137,7 +138,7 @@ def test_a_mode_the_script_pushed_on_top_stays_on_top() -> None:
     recorded = RecordedBatches()
     model, loss_inputs = _armed(recorded)
     out = model(recorded.current[0])
-    loss_inputs.arm(out, recorded)
+    loss_inputs.arm(out, recorded, 0, model)
     with Counting() as mode:
         loss = F.cross_entropy(out, torch.tensor([0, 2]))
         loss_inputs.disarm()  # the optimizer step inside the script's mode
@@ -155,7 +156,7 @@ def test_a_model_that_returns_its_own_loss_arms_nothing() -> None:
     model, loss_inputs = _armed(recorded)
     x = recorded.current[0]
     logits = model(x)
-    loss_inputs.arm((logits, logits.pow(2).mean()), recorded)
+    loss_inputs.arm((logits, logits.pow(2).mean()), recorded, 0, model)
     assert not module_hooks._global_forward_pre_hooks
     nn.CrossEntropyLoss()(logits, torch.tensor([0, 2]))
     assert recorded.current == [x]
@@ -171,7 +172,7 @@ def test_the_follower_that_found_the_loss_is_the_only_one_armed_next() -> None:
     def arm() -> Tensor:
         recorded.record(torch.randn(2, 4), 0)
         out = model(recorded.current[-1])
-        loss_inputs.arm(out, recorded)
+        loss_inputs.arm(out, recorded, 0, model)
         return out
 
     F.cross_entropy(arm(), y)
@@ -197,7 +198,7 @@ def test_a_child_forked_while_the_mode_waits_for_the_step_does_not_keep_it() -> 
     first batch fetched then) would pass every torch call of their collation through it."""
     recorded = RecordedBatches()
     model, loss_inputs = _armed(recorded)
-    loss_inputs.arm(model(recorded.current[0]), recorded)
+    loss_inputs.arm(model(recorded.current[0]), recorded, 0, model)
     assert torch._C._len_torch_function_stack() == 1
     pid = os.fork()
     if pid == 0:  # the child: nothing of ours on its stack
@@ -220,10 +221,127 @@ def test_the_follower_keeps_no_tensor_past_the_step(loss_seen: bool) -> None:
     model, loss_inputs = _armed(recorded)
     out = model(recorded.current[0])
     followed = weakref.ref(out)
-    loss_inputs.arm(out, recorded)
+    loss_inputs.arm(out, recorded, 0, model)
     if loss_seen:
         F.cross_entropy(out, torch.tensor([0, 2]))
     loss_inputs.disarm()
     del out
     gc.collect()
     assert followed() is None
+
+
+def _step_losses(loss_of: Callable[[Tensor, Tensor], Tensor], calls: int = 1) -> list[Tensor]:
+    """``calls`` micro-batches of a step, each: a model call, ``loss_of(out, y)``, backward;
+    then the check's ``take_losses``. Returns the losses computed and asserts they are the
+    ones taken (the same values, detached)."""
+    recorded = RecordedBatches()
+    model, loss_inputs = _armed(recorded)
+    made = []
+    for _ in range(calls):
+        recorded.record(torch.randn(2, 4), 0)
+        out = model(recorded.current[-1])
+        loss_inputs.arm(out, recorded, 3, model)
+        made.append(loss_of(out, torch.tensor([0, 2])))
+        made[-1].backward()
+    taken = loss_inputs.take_losses(3, model)
+    assert taken is not None and len(taken) == calls
+    for loss, seen in zip(made, taken, strict=True):
+        assert not seen.requires_grad and torch.equal(seen, loss.detach())
+    assert loss_inputs.take_losses(3, model) is None  # taken once
+    return taken
+
+
+def test_the_loss_of_each_micro_batch_is_taken_at_the_check() -> None:
+    """The loss module's result (read where its call ends), the first scalar a loss function
+    computes from the output (a view of it too), and each micro-batch's under accumulation."""
+    _step_losses(lambda out, y: nn.CrossEntropyLoss()(out.view(2, 3), y))
+    _step_losses(lambda out, y: F.cross_entropy(out, y))
+    _step_losses(lambda out, y: F.cross_entropy(out, y), calls=3)
+    _step_losses(lambda out, y: nn.CrossEntropyLoss()(out, y), calls=2)
+
+
+def test_a_models_own_loss_is_its_steps_loss() -> None:
+    recorded = RecordedBatches()
+    model, loss_inputs = _armed(recorded)
+    logits = model(recorded.current[0])
+    own = logits.pow(2).mean()
+    loss_inputs.arm((logits, own), recorded, 0, model)
+    (taken,) = loss_inputs.take_losses(0, model) or []
+    assert torch.equal(taken, own.detach()) and not taken.requires_grad
+
+
+def test_a_step_with_a_call_whose_loss_was_not_seen_has_no_loss() -> None:
+    """Unknown, not partly known: one micro-batch's loss not found makes the step's None;
+    calls of another step (one the loop left out) or another module are not this step's."""
+    recorded = RecordedBatches()
+    model, loss_inputs = _armed(recorded)
+    y = torch.tensor([0, 2])
+    F.cross_entropy(_called(model, loss_inputs, recorded, 1), y)
+    _called(model, loss_inputs, recorded, 1)  # its output went to no loss
+    assert loss_inputs.take_losses(1, model) is None
+    F.cross_entropy(_called(model, loss_inputs, recorded, 1), y)  # a step left out
+    other = nn.Linear(4, 3)
+    F.cross_entropy(_called(other, loss_inputs, recorded, 2), y)  # another module's call
+    loss = F.cross_entropy(_called(model, loss_inputs, recorded, 2), y)
+    (taken,) = loss_inputs.take_losses(2, model) or []
+    assert torch.equal(taken, loss.detach())
+
+
+def _called(
+    model: nn.Module, loss_inputs: LossInputs, recorded: RecordedBatches, step: int
+) -> Tensor:
+    recorded.record(torch.randn(2, 4), 0)
+    out = model(recorded.current[-1])
+    loss_inputs.arm(out, recorded, step, model)
+    return out
+
+
+def test_a_loss_modules_end_seen_first_by_another_hook_still_gives_the_loss() -> None:
+    """Before the guard attaches, ``PreStart``'s own process-wide hook sees every top-level
+    call end, the loss module's too, before the follower's: it hands that end over."""
+    recorded = RecordedBatches()
+    model, loss_inputs = _armed(recorded)
+
+    def first(module: nn.Module, args: tuple[object, ...], output: object) -> None:
+        if module is not model:
+            loss_inputs.arm(output, recorded, 0, module)  # what PreStart._post does
+
+    handle = module_hooks.register_module_forward_hook(first)
+    try:
+        out = model(recorded.current[0])
+        loss_inputs.arm(out, recorded, 0, model)
+        loss = nn.CrossEntropyLoss()(out, torch.tensor([0, 2]))
+    finally:
+        handle.remove()
+    loss_inputs.disarm()
+    (taken,) = loss_inputs.take_losses(0, model) or []
+    assert torch.equal(taken, loss.detach())
+    assert not module_hooks._global_forward_hooks  # the follower's hook is gone
+
+
+SPIKE_SCRIPT = SCRIPT.parent / "spike_loop.py"
+
+
+@pytest.mark.timeout(120)
+def test_the_scripts_loss_is_checked_recorded_and_judged(tmp_path: Path) -> None:
+    """Under ``trainguard run`` the loss the script computes from the model's output is the
+    step's loss: each micro-batch's recorded, their mean in every metrics line, a loss
+    spike judged at its step; and the weights bit-identical to the bare run's."""
+    command = [sys.executable, str(SPIKE_SCRIPT), "--accum", "2", "--steps", "150"]
+    bare, guarded = tmp_path / "bare.pt", tmp_path / "guarded.pt"
+    subprocess.run([*command, "--out", str(tmp_path / "bare.json"), "--weights", str(bare)],
+                   check=True, timeout=60)  # fmt: skip
+    run_dir, out = tmp_path / "run", tmp_path / "losses.json"
+    assert main(["run", "--run-dir", str(run_dir), "--", *command, "--out", str(out),
+                 "--weights", str(guarded)]) == 0  # fmt: skip
+    want, got = torch.load(bare), torch.load(guarded)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    losses = json.loads(out.read_text())
+    lines = [json.loads(line) for line in (run_dir / "metrics" / "rank-0.jsonl").open()]
+    assert [line["step"] for line in lines] == list(range(150))
+    for line in lines:
+        (mean,) = line["losses"]
+        assert mean == pytest.approx(sum(losses[line["step"]]) / 2, rel=1e-12, abs=0)
+    events = [json.loads(e) for e in (run_dir / "events" / "rank-0.jsonl").open()]
+    spikes = [(e["step"], e["metric"]) for e in events if e["kind"] == "spike"]
+    assert (140, "loss") in spikes and {step for step, _ in spikes} == {140}

@@ -16,7 +16,16 @@ ANNOUNCER = "trainguard.run"
 """The logger of ``trainguard run``'s own lines (start-up, standing aside): its own stderr
 handler, not propagated, so the script's logging setup neither hides nor doubles them."""
 
-UNSEEN = "it cannot see the loss value, loss spikes or uneven data across ranks"
+LOSS_SEEN = (
+    "it reads the loss the script computes from the model's output; it cannot see uneven "
+    "data across ranks"
+)
+"""The end of the line when the first step's loss was seen."""
+UNSEEN = (
+    "it cannot see the loss value (none computed from the model's output was seen), loss "
+    "spikes or uneven data across ranks"
+)
+"""The end of the line when it was not (the gradients alone decide)."""
 
 
 def announcer() -> logging.Logger:
@@ -32,8 +41,11 @@ def announcer() -> logging.Logger:
     return log
 
 
-def announce_guarding(guard: Guard, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    """The one line a process says when it begins guarding."""
+def announce_guarding(
+    guard: Guard, optimizer: torch.optim.Optimizer, model: nn.Module, loss_seen: bool
+) -> None:
+    """The one line a process says when it begins guarding (``loss_seen``: the first step's
+    loss was seen)."""
     world = guard.world_size
     timeout = guard.config.hang.timeout
     if not guard.internals.watchdog_on:
@@ -51,5 +63,5 @@ def announce_guarding(guard: Guard, optimizer: torch.optim.Optimizer, model: nn.
         watchdog,
         guard.config.on_nonfinite,
         guard.run_dir,
-        UNSEEN,
+        LOSS_SEEN if loss_seen else UNSEEN,
     )

@@ -41,7 +41,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
@@ -51,6 +50,7 @@ from torch.utils.hooks import RemovableHandle
 
 from trainguard.attach.announce import announce_guarding, announcer
 from trainguard.attach.clip import ClipWatch
+from trainguard.attach.destroy import close_before_destroy
 from trainguard.attach.discovery import (
     describe_module,
     existing_guard,
@@ -113,6 +113,8 @@ class Attacher:
         self._clip = ClipWatch()
         self._drops = DropWatch()
         self._loss_inputs = LossInputs()  # criterion(model(x), y): y joins the micro-batch
+        self._first_losses: list[Tensor] | None = None
+        """The losses ``PreStart`` saw in the step the guard attached at (``_attach``)."""
         self._handles: list[RemovableHandle | HookHandle] = []
         self._restore_destroy: Callable[[], None] | None = None
         self._leaving: AsideReason | None = None
@@ -129,7 +131,7 @@ class Attacher:
             register_optimizer_step_pre_hook(self._pre_step),
             register_optimizer_step_post_hook(self._post_step),
         ]
-        self._wrap_destroy()
+        self._restore_destroy = close_before_destroy(self.close)
 
     def stand_aside(
         self, reason: str, then: str = UNGUARDED, own_guard: bool = False, alone: bool = False
@@ -197,28 +199,6 @@ class Attacher:
         if self._restore_destroy is not None:
             self._restore_destroy()
             self._restore_destroy = None
-
-    def _wrap_destroy(self) -> None:
-        if not dist.is_available():
-            return
-        from torch.distributed import distributed_c10d
-
-        original = distributed_c10d.destroy_process_group
-
-        @functools.wraps(original)
-        def destroy_process_group(group: Any = None) -> None:
-            if group is None:
-                self.close()
-            original(group)
-
-        def restore() -> None:
-            for namespace in (dist, distributed_c10d):
-                if getattr(namespace, "destroy_process_group", None) is destroy_process_group:
-                    setattr(namespace, "destroy_process_group", original)  # noqa: B010
-
-        for namespace in (dist, distributed_c10d):
-            setattr(namespace, "destroy_process_group", destroy_process_group)  # noqa: B010
-        self._restore_destroy = restore
 
     def _updated_by_hand(self, module: nn.Module) -> None:
         """The parameters changed between two training forwards with no optimizer step."""
@@ -303,7 +283,8 @@ class Attacher:
 
     def _before_update(self, optimizer: torch.optim.Optimizer, loss: Tensor | None) -> None:
         self._loss_inputs.disarm()  # a closure's loss (Lightning): the update runs bare
-        if self.guard is None and not self._attach(optimizer):
+        first = self.guard is None
+        if first and not self._attach(optimizer):
             return
         guard = self.guard
         assert guard is not None
@@ -312,14 +293,28 @@ class Attacher:
             return
         self._drops.busy = True  # a skip's own zero_grad is not the script leaving it out
         try:
+            seen = self._seen_losses(first, guard.state.step)
             if self._leaving is not None:  # every rank stands aside after this step
                 guard.internals.check_leaving(loss)
             elif loss is not None:
                 guard.check(loss)
+            elif seen is not None:  # the micro-batches' losses, each recorded once
+                for micro_loss in seen:
+                    guard.record_loss(micro_loss)
+                guard.check()
             else:
                 guard.check_gradients()
         finally:
             self._drops.busy = False
+
+    def _seen_losses(self, first: bool, step: int) -> list[Tensor] | None:
+        """The losses of the step's training calls (``attach/loss_inputs.py``), None when
+        some call's was not seen; at the step the guard attached, those ``PreStart`` saw."""
+        if first:
+            losses, self._first_losses = self._first_losses, None
+            return losses
+        model = self.model
+        return None if model is None else self._loss_inputs.take_losses(step, model)
 
     # -- attaching ---------------------------------------------------------------------------
 
@@ -351,12 +346,13 @@ class Attacher:
             return False
         self._use(guard, optimizer, model)
         adopt_start(guard, prestart.calls.get(id(model)), go_on(guard, counts))
+        self._first_losses = prestart.loss_inputs.take_losses(0, model)
         prestart.calls.clear()
         # a Hook: a copy of the model (EMA, torch.save) carries an inert one; run eagerly
         # around a model compiled in place (user_hooks.add_forward_hooks)
         self._handles.append(add_forward_hooks(model, pre=self._model_pre, post=self._model_post))
         atexit.register(self.close)
-        announce_guarding(guard, optimizer, model)
+        announce_guarding(guard, optimizer, model, self._first_losses is not None)
         return True
 
     def _agreed(
@@ -397,6 +393,7 @@ class Attacher:
     def _use(self, guard: Guard, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
         """Guard ``optimizer``'s steps with ``guard``: its clips and left-out steps too."""
         self.guard, self.optimizer, self.model = guard, optimizer, model
+        self._loss_inputs.take_losses(-1, model)  # a new guard's steps: none seen yet
         guard.internals.keep_dropped_gradients()  # given back after the skipped step
         self._clip.attach(optimizer, functools.partial(self._before_update, optimizer, None))
         self._drops.attach(guard, optimizer, model, lambda: self._clip.scaled)
@@ -446,4 +443,4 @@ class Attacher:
         guard = self.guard
         if guard is None or not torch.is_grad_enabled() or not in_training(module):
             return
-        self._loss_inputs.arm(output, guard.internals.recorded_batches())
+        self._loss_inputs.arm(output, guard.internals.recorded_batches(), guard.state.step, module)

@@ -1,5 +1,5 @@
 """The targets of ``loss = criterion(model(x), y)`` and ``F.cross_entropy(model(x), y)``,
-kept beside the model's input.
+kept beside the model's input, and the loss itself, for the step's check.
 
 ``trainguard run`` records a step's micro-batch where the model is called: its inputs. The
 loss often takes more (the targets, a mask), and a replay without them had to invent them.
@@ -30,6 +30,14 @@ is on top; a mode a script pushed above it keeps it there, inert, until it is). 
 whose output holds its own loss (a 0-d tensor that requires grad: nanoGPT's ``(logits,
 loss)``, a Hugging Face output's ``loss``) arms nothing: its targets are among its inputs
 already. Under ``torch.compile`` tracing nothing is armed.
+
+The loss found is also the step's loss (``take_losses``, at the check): the loss module's
+result (read by a process-wide forward hook when that call ends), the function follower's
+0-d result (or the tensor ``backward()`` is called on, if that comes first), or the model's
+own 0-d output, detached. Each training call of the model is one entry of its step; a step
+whose every call gave one is checked with them (``Guard.record_loss`` each, then
+``check()``), any other with its gradients alone (the row's ``loss_unknown`` column then
+keeps every rank from reading a loss for that step).
 """
 
 from __future__ import annotations
@@ -40,7 +48,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
 from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_mode, _push_mode
 from torch.utils.hooks import RemovableHandle
 
@@ -142,17 +153,17 @@ class _LossCalls(TorchFunctionMode):
             if not t.requires_grad and not known and not _from(t, self._followed):
                 self._extra.append(t)
         if func is Tensor.backward:
-            self._finish()
+            self._finish(args[0] if args and isinstance(args[0], Tensor) else None)
         elif isinstance(result, Tensor) and result.requires_grad:
             if result.dim() == 0:
-                self._finish()  # the loss
+                self._finish(result)  # the loss
             else:
                 self._followed.append(result)
 
-    def _finish(self) -> None:
+    def _finish(self, loss: Tensor | None) -> None:
         extra = self._extra
         self.stop()
-        self._done(extra)
+        self._done(extra, loss)
 
     def stop(self) -> None:
         """Inert until the next ``start``, holding no tensor (the model's output may be
@@ -182,11 +193,24 @@ class LossInputs:
         self._armings = 0
         self._calls: _LossCalls | None = None
         """The function follower, made once (``_mode`` while it is on the stack)."""
+        self._losses: list[tuple[int, int, Tensor | None]] = []
+        """Per training call since the last ``take_losses``: the guard's step it belongs to,
+        the ``id`` of the module called and the loss found from its output (detached), None
+        while none is."""
+        self._loss_call: tuple[nn.Module, RemovableHandle] | None = None
+        """The loss module's call in flight and the process-wide forward hook that reads its
+        result (the module follower sees the call's arguments, before it runs)."""
 
-    def arm(self, output: Any, recorded: RecordedBatches) -> None:
-        """After a training call of the model whose micro-batch ``recorded`` holds last.
-        Never raises: at worst the micro-batch stays the model's input."""
+    def arm(self, output: Any, recorded: RecordedBatches, step: int, module: nn.Module) -> None:
+        """After a training call of ``module`` (the model), in the guard's ``step``, whose
+        micro-batch ``recorded`` holds last. Never raises: at worst the micro-batch stays the
+        model's input and its loss unknown."""
+        call = self._loss_call
+        if call is not None and module is call[0]:  # the loss module's own call ending (a
+            self._loss_result(module, (), output)  # hook that came first sees it): its result
+            return
         self.disarm()
+        self._losses.append((step, id(module), None))
         try:
             outputs = batchtree.tensors(output)
         except Exception as exc:  # an output the walk cannot take apart
@@ -194,8 +218,10 @@ class LossInputs:
             return
         if not outputs or not recorded.current:
             return
-        if any(out.dim() == 0 and out.requires_grad for out in outputs):
-            return  # the loss is the model's own (nanoGPT's, HF's): its targets are its inputs
+        own = [out for out in outputs if out.dim() == 0 and out.requires_grad]
+        if own:  # the loss is the model's own (nanoGPT's, HF's): its targets are its inputs
+            self._note_loss(own[0])
+            return
         self._armings += 1
         follow = self.follow if self.follow or self._armings % REPROBE_EVERY else BOTH
         if not follow:
@@ -215,10 +241,22 @@ class LossInputs:
             self._mode = self._calls
             _push_mode(self._mode)  # type: ignore[no-untyped-call]
 
+    def take_losses(self, step: int, model: nn.Module) -> list[Tensor] | None:
+        """At the guard's check of ``step``: the loss of each training call of ``model`` in
+        that step (detached: the micro-batches' losses, in order), or None when some call's
+        loss was not found (then the step's loss is unknown, not partly known). Calls of
+        earlier steps (a step the loop left out, checked without its losses) and of other
+        modules are dropped."""
+        calls, self._losses = self._losses, []
+        losses = [loss for at, owner, loss in calls if at == step and owner == id(model)]
+        found = [loss for loss in losses if loss is not None]
+        return found if found and len(found) == len(losses) else None
+
     def disarm(self) -> None:
         """Stop both followers (outside any torch call: the mode leaves the stack here when
         it is on top)."""
         self._stop()
+        self._forget_loss_call()
         if self._armed:
             self._armed = False
             self._learn()
@@ -249,24 +287,53 @@ class LossInputs:
         if self._calls is not None:
             self._calls.stop()
 
-    def _found(self, extra: list[Tensor]) -> None:
-        """The loss function's own inputs (inside its torch call): they join the micro-batch;
-        both followers stop, and the mode leaves the stack at the next ``disarm``."""
+    def _found(self, extra: list[Tensor], loss: Tensor | None) -> None:
+        """The loss function's own inputs (inside its torch call): they join the micro-batch,
+        and its result is the call's loss; both followers stop, and the mode leaves the
+        stack at the next ``disarm``."""
         recorded, index = self._recorded, self._index
         self.found_by = FUNCTION
         self._stop()
+        if loss is not None:
+            self._note_loss(loss)
         if extra and recorded is not None:
             recorded.add_loss_inputs(index, extra)
+
+    def _note_loss(self, loss: Tensor) -> None:
+        """The loss of the latest training call: a plain 0-d tensor that needs a gradient (a
+        tensor subclass, a DTensor loss of tensor parallelism, is left unknown: the check
+        takes plain tensors)."""
+        if self._losses and type(loss) is Tensor and loss.dim() == 0 and loss.requires_grad:
+            step, owner, _ = self._losses[-1]
+            self._losses[-1] = (step, owner, loss.detach())
+
+    def _forget_loss_call(self) -> None:
+        call, self._loss_call = self._loss_call, None
+        if call is not None:
+            call[1].remove()
+
+    def _loss_result(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """Every module call's end while a loss module's call is in flight: its own end gives
+        the loss. Never raises into the script's call."""
+        call = self._loss_call
+        if call is None or module is not call[0]:
+            return  # a module the loss module calls, ending first
+        try:
+            self._forget_loss_call()
+            if isinstance(output, Tensor):
+                self._note_loss(output)
+        except Exception as exc:  # never into the script's call
+            logger.debug("trainguard run: a loss module's result not read: %s", exc)
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """Every module call while armed: never raises into the script's call."""
         try:
-            self._seen(args)
+            self._seen(module, args)
         except Exception as exc:
             logger.debug("trainguard run: a loss call not read: %s", exc)
             self.disarm()
 
-    def _seen(self, args: tuple[Any, ...]) -> None:
+    def _seen(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         outputs, recorded = self._outputs, self._recorded
         if recorded is None:
             return
@@ -277,5 +344,7 @@ class LossInputs:
         index = self._index
         self.found_by = MODULE
         self.disarm()  # the mode too (no torch call is in flight: a module call starts)
+        handle = register_module_forward_hook(self._loss_result)  # its result: the loss
+        self._loss_call = (module, handle)
         if extra:
             recorded.add_loss_inputs(index, extra)

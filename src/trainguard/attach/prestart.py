@@ -184,7 +184,7 @@ class PreStart:
             recording = self._recording
             if self._depth == 1 and recording is not None:
                 recording.recorded.record(batch_of(args, kwargs), 0)
-                self.loss_inputs.arm(output, recording.recorded)
+                self.loss_inputs.arm(output, recording.recorded, 0, module)
                 self._recording = None
             self._depth -= 1
 
