@@ -125,7 +125,9 @@ def test_fixed_cost(tmp_path: Path) -> None:
     target = report["target"]  # the keys fixed_cost*.json of earlier runs have, and issue 52's
     assert {"limit_us", "guard_check_us", "met", "minimal_us", "text"} <= set(target)
     ratio = target["guard_over_minimal"]  # None: a few quick rounds left minimal's cost <= 0
-    assert target["limit_ratio"] == 1.25 and (ratio is None or positive(ratio))
+    # finite, not positive: two quick rounds on a loaded machine can time the guard's block
+    # faster than bare's (seen with three test workers on two cores: -1.24)
+    assert target["limit_ratio"] == 1.25 and (ratio is None or math.isfinite(ratio))
     assert target["verdict"] in ("met", "missed", "within noise")
 
 
