@@ -191,10 +191,12 @@ class Guard:
         self._parts.recorded.record(batch, self.state.step)
 
     def check_gradients(self, *, backward_ran: bool = True) -> bool:
-        """``check()`` where the loss is not at hand (``trainguard run`` sees the optimizer,
-        not the loss): the gradients alone decide. The agreement's loss columns carry 0.0,
-        but the step's record (history, metrics log, ``metrics()``) holds no loss: unknown,
-        not zero. ``backward_ran=False``: the step ran no backward by design (a Lightning
+        """``check()`` where the loss is not at hand (``trainguard run`` where it found no
+        loss): the gradients alone decide. The agreement's loss columns carry 0.0 and its
+        ``loss_unknown`` column says so: the step's record (history, metrics log,
+        ``metrics()``) holds no loss on any rank, and the spike rule reads none: unknown, not
+        zero, even where other ranks checked the step with their loss.
+        ``backward_ran=False``: the step ran no backward by design (a Lightning
         ``training_step`` that returned None): it has no gradient, and the warning of a
         ``check()`` called before ``backward()`` does not apply."""
         return self._checked(torch.zeros(()), StepCall(loss_known=False, backward_ran=backward_ran))
