@@ -1,7 +1,9 @@
 """The row's ``leaving`` column: a rank's caller stops guarding after this step
 (``StepCall.leaving``), read per rank into ``Agreement.leaving_ranks``; a world of one reads
 its own (the usual step's fast row has no such column: the full measure takes that step).
-The cross-rank test: ``tests/distributed/test_leaving_dist.py``."""
+The cross-rank test: ``tests/distributed/test_leaving_dist.py``. And the column after it,
+``loss_unknown`` (``StepCall.loss_known``), read into ``Agreement.unknown_loss_ranks``; its
+cross-rank test: ``tests/distributed/test_unknown_loss_dist.py``."""
 
 from __future__ import annotations
 
