@@ -123,11 +123,58 @@ def _wreck(rank: int, run_dir: Path) -> dict[str, Any]:
     return {"every": default_every, "diverged_at": guard.replicas.diverged_at}
 
 
+class EmaTask(nn.Module):
+    """timm's training task: the DDP-wrapped network beside an EMA copy that each rank made
+    from its own initialization (timm seeds each rank differently) before the wrap."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        torch.manual_seed(rank)
+        self.ema = BNNet().requires_grad_(False)
+        torch.manual_seed(0)
+        self.ddp = DDP(BNNet(), broadcast_buffers=False)
+
+    @property
+    def inner(self) -> BNNet:
+        inner: BNNet = self.ddp.module
+        return inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.ddp(x)
+        return out
+
+    @torch.no_grad()
+    def update_ema(self) -> None:
+        for ema, weight in zip(self.ema.parameters(), self.inner.parameters(), strict=True):
+            ema.lerp_(weight, 0.1)
+
+
+def _ema(rank: int, run_dir: Path) -> dict[str, Any]:
+    """The guard over the whole task, as ``trainguard run`` finds timm's: the EMA copies
+    differ across ranks from the start and are no replicas; a nudge inside DDP is named."""
+    task = EmaTask(rank)
+    opt = torch.optim.AdamW(task.ddp.parameters(), lr=1e-2)
+    guard = tg.Guard(task, opt, run_dir=run_dir, replica_check_every=EVERY)
+    try:
+        for batch in guard.watch(make_batches(12, seed=0)):
+            _nudge(rank, guard.state.step, 8, task.inner, opt)
+            loss = task(batch).pow(2).mean()
+            loss.backward()
+            if guard.check(loss):
+                opt.step()
+                task.update_ema()
+            opt.zero_grad()
+    finally:
+        guard.close()
+    return {f"ema.{k}": v.clone() for k, v in task.ema.named_parameters()}
+
+
 def _job(rank: int, world_size: int, root: str) -> dict[str, Any]:
     base = Path(root)
     return {
         "wreck": _wreck(rank, base / "wreck"),
         "healthy": _run(rank, base / "healthy", None),
+        "ema": _ema(rank, base / "ema"),
         "warn": _run(rank, base / "warn", 8),
         "resync": _run(rank, base / "resync", 8, on_divergence="resync"),
         "raise": _run(rank, base / "raise", 8, on_divergence="raise"),
@@ -174,6 +221,13 @@ def test_replica_divergence_four_ranks(tmp_path: Path) -> None:
         assert _divergences(tmp_path / "healthy", rank) == []
         assert runs[rank]["healthy"]["diverged_at"] is None
     assert _identical([r["healthy"]["state"] for r in runs]) == []
+
+    for rank in range(WORLD):  # an EMA copy beside DDP: never a divergence; the nudge inside is
+        (event,) = _divergences(tmp_path / "ema", rank)
+        assert (event["step"], event["ranks"]) == (8, [ODD_RANK])
+        assert event["params"] == [f"ddp.module.{PARAM}"] and event["params_differing"] == 1
+    emas = [r["ema"] for r in runs]  # and the copies still differ on every rank
+    assert {"ema.fc.weight", "ema.fc.bias", "ema.head.weight"} <= set(_identical(emas))
 
     for rank in range(WORLD):  # warn: named on every rank at the fault's check
         (event,) = _divergences(tmp_path / "warn", rank)

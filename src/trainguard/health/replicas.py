@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from trainguard.config import HealthConfig
 from trainguard.errors import ReplicaDivergenceError
 from trainguard.events import EventLog
-from trainguard.health.resync import broadcast_state, user_module
+from trainguard.health.resync import broadcast_state, ddp_inner, user_module
 
 logger = logging.getLogger(__name__)
 
@@ -97,13 +97,28 @@ def factors(count: int) -> Tensor:
 
 def replicated_params(model: nn.Module) -> list[tuple[str, Tensor]]:
     """The parameters every replica holds, by the user's names: none for FSDP2 (DTensor
-    shards); DDP's ``_ddp_params_and_buffers_to_ignore`` are left out."""
+    shards). Where the model holds DDP modules without being one (timm's training task: the
+    DDP-wrapped network beside an EMA copy made on each rank before the wrap), the
+    parameters inside them: DDP makes those equal at its construction and keeps them so, the
+    rest were never made equal. DDP's ``_ddp_params_and_buffers_to_ignore`` are left out."""
     inner = user_module(model)
     params = list(inner.named_parameters())
     if any(hasattr(p, "to_local") for _, p in params):
         return []
-    ignored = set(getattr(inner, "_ddp_params_and_buffers_to_ignore", ()))
-    return [(name, p) for name, p in params if name not in ignored]
+    wrapped = [ddp for m in inner.modules() if (ddp := ddp_inner(m)) is not None]
+    if not wrapped:
+        return [(name, p) for name, p in params if name not in _ignored(inner)]
+    kept = {
+        id(p)
+        for module in wrapped
+        for name, p in module.named_parameters()
+        if name not in _ignored(module)
+    }
+    return [(name, p) for name, p in params if id(p) in kept]
+
+
+def _ignored(module: nn.Module) -> set[str]:
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
 
 
 class ReplicaWatch:

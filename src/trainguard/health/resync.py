@@ -21,6 +21,15 @@ Entry = tuple[str, str, object]
 """``("tensor", key, (shape, dtype, on_cpu))`` or ``("value", key, value)``."""
 
 
+def ddp_inner(module: nn.Module) -> nn.Module | None:
+    """The module a ``DistributedDataParallel`` wraps (known by its type's name, as in
+    ``user_module``); None for any other module."""
+    if type(module).__name__ != "DistributedDataParallel":
+        return None
+    inner = getattr(module, "module", None)
+    return inner if isinstance(inner, nn.Module) else None
+
+
 def user_module(model: nn.Module) -> nn.Module:
     """The user's module inside DDP / torch.compile wrappers (names without their prefix)."""
     inner = model

@@ -141,6 +141,36 @@ def test_ddp_names_and_ignored_parameters(tmp_path: Path) -> None:
     assert names == ["encoder.fc.weight", "encoder.fc.bias", "head.weight"]
 
 
+def test_a_copy_beside_a_ddp_module_is_not_a_replica(tmp_path: Path) -> None:
+    """timm's training task holds the DDP-wrapped network and an EMA copy made on each rank
+    before the wrap: only the parameters inside DDP are replicas (DDP made them equal)."""
+
+    class Wrapped(nn.Module):  # stands in for DDP: the user's module under .module
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.module = inner
+
+    Wrapped.__name__ = "DistributedDataParallel"
+
+    class Task(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            net = TinyNet()
+            self.ema = copy.deepcopy(net)
+            self.trained = Wrapped(net)
+
+    task = Task()
+    task.trained.module._ddp_params_and_buffers_to_ignore = ["head.bias"]  # type: ignore[union-attr]
+    names = [name for name, _ in replicated_params(task)]
+    assert names == [
+        "trained.module.encoder.fc.weight",
+        "trained.module.encoder.fc.bias",
+        "trained.module.head.weight",
+    ]
+    plain = [name for name, _ in replicated_params(TinyNet())]  # no DDP: every parameter
+    assert plain == [name for name, _ in TinyNet().named_parameters()]
+
+
 # -- when a check is due -------------------------------------------------------------------
 
 
