@@ -78,6 +78,13 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank(bare: Path, tmp_path: Pa
         assert skips[0]["buffers_restored"] > 0  # BatchNorm's statistics put back
     bundle = run_dir / "captures" / f"step-{DROP:08d}"
     assert (bundle / "manifest.json").is_file()
+    # the samples by their dataset indices, as the script's DataLoader drew them (4 a step,
+    # in order; the NaN is sample 0 of step 3's batch): the event and the bundle
+    (bad,) = [e for e in tg.read_events(run_dir, nan_rank) if e["kind"] == "bad_input"]
+    assert [(t["positions"], t["dataset_indices"]) for t in bad["tensors"]] == [([0], [DROP * 4])]
+    meta = json.loads((bundle / f"rank-{nan_rank}" / "meta.json").read_text())
+    assert meta["dataset_indices"] == [list(range(DROP * 4, DROP * 4 + 4))]
+    assert f"(dataset indices [{DROP * 4}])" in done.stderr
     if ranks == 1:
         return
     replay = _run(

@@ -21,10 +21,11 @@ script's process changes. The attach points need no cooperation from the script:
   leaves out itself on some rank (its own ``if``) is checked there, in the all-reduce the
   other ranks' optimizer step joined, and every rank leaves it out;
 * a forward pre-hook on the model records each step's micro-batches (the call's
-  arguments, by reference) and marks the loop's progress for the watchdog (an evaluation's
-  forwards, through the model or ``model.module``, are progress too: the guard's own
-  step-start hook counts them); the post-step hook marks the data phase (a rank stuck in its
-  loader is named as such);
+  arguments, by reference; their dataset indices as the wrapped loader iterator class saw
+  them drawn: ``loader_draws``) and marks the loop's progress for the watchdog (an
+  evaluation's forwards, through the model or ``model.module``, are progress too: the
+  guard's own step-start hook counts them); the post-step hook marks the data phase (a rank
+  stuck in its loader is named as such);
 * ``torch.distributed.destroy_process_group`` (wrapped) closes the guard first, so that
   work after training is not taken for a hang.
 
@@ -67,6 +68,7 @@ from trainguard.attach.leaving import (
     disarm,
     peer_reason,
 )
+from trainguard.attach.loader_draws import LoaderDraws
 from trainguard.attach.loss_inputs import LossInputs
 from trainguard.attach.options import RunOptions
 from trainguard.attach.prestart import PreStart
@@ -112,14 +114,14 @@ class Attacher:
         self._prestart = PreStart(on_manual_update=self._updated_by_hand)
         self._clip = ClipWatch()
         self._drops = DropWatch()
+        self._loader_draws = LoaderDraws()
         self._loss_inputs = LossInputs()  # criterion(model(x), y): y joins the micro-batch
         self._first_losses: list[Tensor] | None = None
         """The losses ``PreStart`` saw in the step the guard attached at (``_attach``)."""
         self._handles: list[RemovableHandle | HookHandle] = []
         self._restore_destroy: Callable[[], None] | None = None
         self._leaving: AsideReason | None = None
-        """In a job of several ranks: why this rank stands aside, until every rank does
-        (``leaving.py``): at attach, or after the next check."""
+        """Why this rank stands aside once every rank does (a job of several: ``leaving.py``)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -127,6 +129,7 @@ class Attacher:
         atexit.register(self._never_stepped)
         self._prestart.install()
         self._clip.install()
+        self._loader_draws.install()
         self._handles = [
             register_optimizer_step_pre_hook(self._pre_step),
             register_optimizer_step_post_hook(self._post_step),
@@ -189,6 +192,7 @@ class Attacher:
         self._prestart.remove()
         self._clip.remove()
         self._drops.remove()
+        self._loader_draws.remove()
         self._loss_inputs.disarm()
         for handle in self._handles:
             if isinstance(handle, RemovableHandle):
@@ -211,8 +215,7 @@ class Attacher:
         )  # at once, on every rank alike: such a script reaches no optimizer step to agree at
 
     def _never_stepped(self) -> None:
-        """At exit: a process that trained (training forwards) and never reached an optimizer
-        step says so, as ``stand_aside`` would have."""
+        """At exit: a process that trained but never reached an optimizer step says so."""
         if self.optimizer is None and not self.aside and self._prestart.calls:
             self.stand_aside(
                 "the script ran training forwards but no torch.optim optimizer step: "
@@ -397,6 +400,7 @@ class Attacher:
         guard.internals.keep_dropped_gradients()  # given back after the skipped step
         self._clip.attach(optimizer, functools.partial(self._before_update, optimizer, None))
         self._drops.attach(guard, optimizer, model, lambda: self._clip.scaled)
+        guard.internals.follow_loader_draws(self._loader_draws.at_forward)
 
     def _replace(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
         """The script made its optimizer anew (``replace.py``): guard the new one, on the same

@@ -96,11 +96,13 @@ class StepEvidence:
     def sampler_draws(self) -> SamplerDraws | None:
         """What gives, per micro-batch of the step being decided, the dataset indices a
         ``DataLoader``'s sampler drew for it (``BatchStream.step_draws``; None: no such
-        loader). Called when wanted: a bad step's capture or input report."""
+        loader). Called when wanted: a bad step's capture or input report. Without the
+        stream: those ``trainguard run`` followed for the model's calls
+        (``StepStart.forward_draws``)."""
         parts = self._parts
         stream = parts.stream.current
         if parts.recorded.used or stream is None:
-            return None
+            return parts.start.forward_draws()
         return stream.step_draws()
 
     def step_batches(self, step: int) -> tuple[list[Any], dict[str, Any] | None]:

@@ -22,6 +22,7 @@ from trainguard.step.evidence import StepEvidence
 from trainguard.step.recorded_batches import RecordedBatches
 from trainguard.step.state import GuardState
 from trainguard.step.step_start import StepStart
+from trainguard.step.types import ForwardDraws
 from trainguard.step.update_drop import UpdateDrop
 
 
@@ -147,6 +148,12 @@ class GuardInternals:
             True,
         )
         guard._parts.recorded.adopt(start.recorded, step)
+
+    def follow_loader_draws(self, draws: ForwardDraws) -> None:
+        """At each training forward, ``draws`` gives what names its samples' dataset indices
+        (``trainguard run``: ``attach/loader_draws.py``; the capture and the ``bad_input``
+        event name them as ``watch()``'s followed sampler does)."""
+        self._guard._parts.step_start.loader_draws = draws
 
     @property
     def watchdog_on(self) -> bool:

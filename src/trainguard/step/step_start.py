@@ -41,6 +41,7 @@ from trainguard.capture.batchtree import call_batch, call_versions
 from trainguard.capture.rng import RngSnapshot, states_of
 from trainguard.step.buffers import BufferKeeper
 from trainguard.step.capturer import unwrap
+from trainguard.step.types import ForwardDraws, IndicesOf, SamplerDraws
 from trainguard.user_hooks import (
     add_forward_hooks,
     compiled_in_place,
@@ -137,6 +138,12 @@ class StepStart:
         self._args_module: nn.Module | None = None
         """The root module whose forwards ``_forward_args`` holds: the first of the step's
         training forwards (None: none yet, or the loop called a child)."""
+        self.loader_draws: ForwardDraws | None = None
+        """``trainguard run``: gives, at a training forward, what names its samples' dataset
+        indices (``attach/loader_draws.py``); None: not followed (``watch()`` follows its own
+        loader)."""
+        self._forward_draws: list[IndicesOf | None] = []
+        """What ``loader_draws`` gave at each of ``_forward_args``' forwards."""
         self.on_evaluation: Callable[[], None] | None = None
         """Runs at each forward of an evaluation (grad disabled or the model in eval mode):
         the watchdog counts it as progress, so that rank 0 evaluating alone while the
@@ -218,6 +225,8 @@ class StepStart:
         if id(module) in self._root_ids:
             self._forward_args, self._args_module = [(args, kwargs)], module
             self._forward_versions = [call_versions(args, kwargs)]
+            if self.loader_draws is not None:
+                self._forward_draws = [self.loader_draws(args, kwargs)]
             if self._child_handles:
                 self._unhook_children()  # the loop calls the model itself: the roots suffice
 
@@ -230,6 +239,8 @@ class StepStart:
         if torch.is_grad_enabled() and self._inner.training:  # not an evaluation pass
             self._forward_args.append((args, kwargs))
             self._forward_versions.append(call_versions(args, kwargs))
+            if self.loader_draws is not None:
+                self._forward_draws.append(self.loader_draws(args, kwargs))
             self._args_module = module
 
     def forward_inputs(self, step: int) -> list[ForwardInputs] | None:
@@ -253,6 +264,14 @@ class StepStart:
                 overwritten.append(index)
         return ForwardBatches(batches, overwritten)
 
+    def forward_draws(self) -> SamplerDraws | None:
+        """What gives the dataset indices of the recorded step's training forwards, one list
+        per forward (``loader_draws``; read only on a bad step); None when not followed."""
+        draws = self._forward_draws
+        if not draws or all(found is None for found in draws):
+            return None
+        return lambda: [found() if found is not None else None for found in draws]
+
     def missed(self, step: int) -> None:
         """``step`` is being checked and no hook started it. For the next steps: the eager
         runner of traced hooks made, if dynamo came after the guard was built; with the
@@ -271,7 +290,7 @@ class StepStart:
             return
         self.step = step
         self._forward_args, self._args_module = [], None  # the hook sets them for its forward
-        self._forward_versions = []
+        self._forward_versions, self._forward_draws = [], []
         if self.on_begin is not None:
             self.on_begin()
         self.buffers.begin(step)

@@ -10,6 +10,7 @@ import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
@@ -18,6 +19,13 @@ from trainguard.step.folded_row import FoldedRow
 SamplerDraws = Callable[[], list[list[int] | None]]
 """Gives, per micro-batch of a step, the dataset indices its ``DataLoader``'s sampler drew
 (None for a micro-batch it cannot say): ``BatchStream.step_draws``, read only on a bad step."""
+
+IndicesOf = Callable[[], list[int] | None]
+"""Gives one forward's dataset indices when a bad step asks (None: not known)."""
+
+ForwardDraws = Callable[[tuple[Any, ...], dict[str, Any]], IndicesOf | None]
+"""At a training forward called with ``(args, kwargs)``: what gives its dataset indices
+(``trainguard run``'s ``attach/loader_draws.py``), None when no followed loader yielded it."""
 
 
 class Decision(enum.Enum):
