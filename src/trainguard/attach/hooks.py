@@ -21,11 +21,10 @@ script's process changes. The attach points need no cooperation from the script:
   leaves out itself on some rank (its own ``if``) is checked there, in the all-reduce the
   other ranks' optimizer step joined, and every rank leaves it out;
 * a forward pre-hook on the model records each step's micro-batches (the call's
-  arguments, by reference; their dataset indices as the wrapped loader iterator class saw
-  them drawn: ``loader_draws``) and marks the loop's progress for the watchdog (an
-  evaluation's forwards, through the model or ``model.module``, are progress too: the
-  guard's own step-start hook counts them); the post-step hook marks the data phase (a rank
-  stuck in its loader is named as such);
+  arguments, by reference; their dataset indices: ``loader_draws``) and marks the loop's
+  progress for the watchdog (an evaluation's forwards, through the model or
+  ``model.module``, are progress too: the guard's own step-start hook counts them); the
+  post-step hook marks the data phase (a rank stuck in its loader is named as such);
 * ``torch.distributed.destroy_process_group`` (wrapped) closes the guard first, so that
   work after training is not taken for a hang.
 
@@ -182,6 +181,7 @@ class Attacher:
             return
         self._clip.remove()  # nothing to check before a clip from now on
         self._drops.remove()
+        self._loader_draws.remove()
         try:
             guard.close()
         except Exception as exc:  # NonFiniteError included: the run is over anyway
