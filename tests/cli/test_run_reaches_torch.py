@@ -309,6 +309,45 @@ def test_a_loop_that_never_zeroes_its_gradients_goes_on_after_a_skip(tmp_path: P
     assert weights == [line for line in left_out.stdout.splitlines() if line.startswith("WEIGHTS")]
 
 
+ZEROED_AFTER_FORWARD = CARRIED.replace(
+    """    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()  # and never zero_grad: the gradients pile up over the steps""",
+    """    loss = nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()  # after the forward, before the backward: PyTorch's ImageNet example
+    loss.backward()
+    opt.step()""",
+)
+
+
+@pytest.mark.timeout(160)
+def test_a_loop_that_zeroes_after_its_forward_is_not_told_it_carries_gradients(
+    tmp_path: Path,
+) -> None:
+    """PyTorch's ImageNet example runs the forward, then ``zero_grad``, backward and step:
+    at the forward after a skip, the given-back gradients are still on the parameters (the
+    guard clears them there, as for a loop that carries them), but the loop clears them
+    itself before its backward, so no warning says it carries gradients. The weights equal
+    the bare loop's that leaves the step out."""
+    assert ZEROED_AFTER_FORWARD != CARRIED
+    guarded = ZEROED_AFTER_FORWARD.replace("sys.argv[1]", "'2'").replace("sys.argv[2]", "'-1'")
+    done = _trainguard_run(tmp_path, guarded)  # a NaN at step 2
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "skipped step's gradients still on the parameters" not in done.stderr
+    events = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "events" / "rank-0.jsonl").read_text().splitlines()
+    ]
+    assert [e["step"] for e in events if e["kind"] == "skip"] == [2]
+    expected = tmp_path / "expected.py"
+    expected.write_text(ZEROED_AFTER_FORWARD)
+    left_out = subprocess.run(
+        [sys.executable, str(expected), "-1", "2"], capture_output=True, text=True, timeout=100
+    )
+    weights = [line for line in done.stdout.splitlines() if line.startswith("WEIGHTS")]
+    assert len(weights) == 1
+    assert weights == [line for line in left_out.stdout.splitlines() if line.startswith("WEIGHTS")]
+
+
 COMPILED = """
 import hashlib
 import torch

@@ -86,6 +86,9 @@ class DropWatch:
         self._marks: list[Mark] = []
         self.busy = False
         """Set while the guard checks a step: its own ``zero_grad`` (a skip) is no drop."""
+        self._carried = False
+        """The step's first forward cleared a skip's given-back gradients, and no
+        ``zero_grad`` of the loop's came since (``checking`` says so)."""
         self._restore: list[Callable[[], None]] = []
 
     def attach(
@@ -105,11 +108,25 @@ class DropWatch:
             self._wrap(_defining_class(owner, "zero_grad"))
 
     def forward(self) -> None:
-        """A training forward of the guarded model: at the step's first, mark the gradients."""
+        """A training forward of the guarded model: a skip's given-back gradients the loop
+        left on are cleared; at the step's first, the gradients are marked."""
         guard = self._guard
+        if guard is not None and guard.internals.clear_carried_gradients():
+            self._carried = True
         if guard is not None and guard.state.step != self._marked_step:
             self._marked_step = guard.state.step
             self._marks = [_mark(p) for p in self._samples]
+
+    def checking(self) -> None:
+        """The guard checks the step from now until ``busy`` is False again: a loop that
+        reached the check with gradients cleared at its forward and no ``zero_grad`` since
+        carries gradients across optimizer steps (one that zeroes them after its forward,
+        as PyTorch's ImageNet example does, is not told so)."""
+        self.busy = True
+        guard = self._guard
+        if self._carried and guard is not None:
+            self._carried = False
+            guard.internals.say_carried()
 
     def remove(self) -> None:
         """Put the original ``zero_grad`` methods back and stop watching."""
@@ -143,6 +160,7 @@ class DropWatch:
         guard = self._guard
         if guard is None or self.busy:
             return
+        self._carried = False  # the loop clears its gradients itself
         step = guard.state.step
         if self._marked_step != step or guard.internals.started_step() != step:
             return  # no training forward since the last check: nothing left out

@@ -294,7 +294,7 @@ class Attacher:
         if self.model is not None and shadowed_in_join(self.model):  # every rank, this step
             self.stand_aside(JOIN_REASON, then="the script runs unguarded, its Join as it was")
             return
-        self._drops.busy = True  # a skip's own zero_grad is not the script leaving it out
+        self._drops.checking()  # a skip's own zero_grad is not the script leaving it out
         try:
             seen = self._seen_losses(first, guard.state.step)
             if self._leaving is not None:  # every rank stands aside after this step
@@ -436,7 +436,6 @@ class Attacher:
         if not torch.is_grad_enabled() or not in_training(module):
             return  # an evaluation: progress, counted by the guard's step-start hook
         guard.progress.enter("step")
-        guard.internals.clear_carried_gradients()  # a skip's, left on by the loop
         self._clip.forward()
         self._drops.forward()
         guard.record_batch(batch_of(args, kwargs))

@@ -106,12 +106,16 @@ class GuardInternals:
         """A skipped step's gradients, held back, are the script's again."""
         self._guard._parts.drop_update.give_back()
 
-    def clear_carried_gradients(self) -> None:
-        """At a training forward: the skipped step's given-back gradients the loop carried
-        into this step unchanged are cleared (``UpdateDrop.carried``), said once."""
+    def clear_carried_gradients(self) -> int:
+        """At a training forward: the skipped step's given-back gradients the loop left on
+        unchanged are cleared (``UpdateDrop.carried``); returns how many."""
         drop = self._guard._parts.drop_update
-        if drop.given:
-            drop.carried(self._guard.state.step)
+        return drop.carried() if drop.given else 0
+
+    def say_carried(self) -> None:
+        """The step being checked began with gradients ``clear_carried_gradients`` cleared,
+        and the loop did not clear them itself since: said once (``UpdateDrop.say_carried``)."""
+        self._guard._parts.drop_update.say_carried(self._guard.state.step)
 
     def take_held_gradients(self, other: Guard) -> None:
         """The gradients ``other`` (a guard this one succeeds) holds back from a skip."""

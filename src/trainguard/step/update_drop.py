@@ -56,29 +56,35 @@ class UpdateDrop:
                 self.given.append((param, grad, grad._version))
         self.dropped = []
 
-    def carried(self, step: int) -> int:
-        """At the loop's next training forward (of ``step``): clear the given-back gradients
-        it left as they were (neither set to None nor zeroed in place: a loop that carries
-        gradients across optimizer steps), which hold the skipped step's non-finite values and
-        would make every later step non-finite. Returns how many were cleared; the gradients
-        the loop carried into the skipped step are lost with it (said on the first time)."""
+    def carried(self) -> int:
+        """At the loop's next training forward: clear the given-back gradients it left as they
+        were (neither set to None nor zeroed in place), which hold the skipped step's
+        non-finite values: a loop that carries gradients across optimizer steps would make
+        every later step non-finite; one that zeroes them after its forward loses nothing.
+        Returns how many were cleared (``say_carried`` tells which loop it was)."""
         given, self.given = self.given, []
         cleared = 0
         for param, grad, version in given:
             if param.grad is grad and grad._version == version:
                 param.grad = None
                 cleared += 1
-        if cleared and not self._said_carried:
-            self._said_carried = True
-            logger.warning(
-                "trainguard: rank %d: step %d began with the skipped step's gradients still "
-                "on the parameters (the loop carries gradients across optimizer steps): "
-                "cleared, else every later step would be non-finite; the gradients carried "
-                "into the skipped step are dropped with it",
-                self._rank,
-                step,
-            )
         return cleared
+
+    def say_carried(self, step: int) -> None:
+        """``step`` reached its check with gradients ``carried`` cleared at its forward and no
+        ``zero_grad`` since: the loop carries gradients across optimizer steps (said once)."""
+        if self._said_carried:
+            return
+        self._said_carried = True
+        logger.warning(
+            "trainguard: rank %d: step %d began with the skipped step's gradients still on "
+            "the parameters, and the loop does not clear them before its backward (it carries "
+            "gradients across optimizer steps): cleared at its first forward, else every "
+            "later step would be non-finite; the gradients carried into the skipped step are "
+            "dropped with it",
+            self._rank,
+            step,
+        )
 
     def __call__(self, step: int) -> int:
         """Drop ``step``'s update; returns how many buffers were put back."""
