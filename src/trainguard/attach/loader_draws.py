@@ -96,8 +96,10 @@ def _followed(iterator: Any) -> bool:
 
 
 def _first_tensor(batch: Any) -> Tensor | None:
-    """The first tensor of a batch with a leading (sample) dimension."""
-    return next((t for t in tensors(batch) if t.dim() and t.numel()), None)
+    """The first tensor of a batch with a leading (sample) dimension; None when that is a
+    tensor subclass (a DTensor's ops may be collectives: never on one rank alone)."""
+    first = next((t for t in tensors(batch) if t.dim() and t.numel()), None)
+    return first if type(first) is Tensor else None
 
 
 def probe(tensor: Tensor) -> Probe:
@@ -200,16 +202,21 @@ class LoaderDraws:
         """At a training forward called with ``args``/``kwargs``: what gives its dataset
         indices when a bad step asks (those of the newest recent yield whose probe is its
         first tensor's), None when no followed loader yielded lately."""
-        recent = self._recent
-        if not recent:
+        if not self._recent:
             return None
-        first = _first_tensor((args, kwargs))
+        try:
+            first = _first_tensor((args, kwargs))
+            candidates = list(self._recent)
+        except Exception:  # never the script's failure
+            return None
         if first is None:
             return None
-        candidates = list(recent)
 
         def indices() -> list[int] | None:
-            called = probe(first)
+            try:
+                called = probe(first)
+            except Exception:  # a tensor torch.take refuses (sparse, another layout)
+                return None
             for found, position, yielded in reversed(candidates):
                 if _same(called, yielded):
                     drawn = found.indices(position)

@@ -123,3 +123,16 @@ def test_remove_puts_torchs_methods_back() -> None:
     follower.remove()
     assert (cls._next_index, cls.__next__) == before
     assert follower.at_forward((torch.zeros(8, 1),), {}) is None
+
+
+def test_a_tensor_subclass_or_one_take_refuses_is_not_named(follower: LoaderDraws) -> None:
+    """A DTensor's ops may be collectives (never on one rank alone): subclasses are not
+    probed; a sparse batch torch.take refuses stays unknown, without an error."""
+
+    class Sub(Tensor):
+        pass
+
+    x, _ = next(iter(DataLoader(Indexed(), batch_size=4)))
+    assert follower.at_forward((x.as_subclass(Sub),), {}) is None
+    assert _named(follower, x.to_sparse()) is None
+    assert _named(follower, x) is not None
