@@ -236,7 +236,7 @@ class DecisionApply:
         """The ``bad_input`` and non-finite events and log lines of a bad step (``late``: a
         sync-free step read late brings its own sampler indices)."""
         parts = self._parts
-        draws = late.sampler_draws if late is not None else parts.evidence.sampler_draws()
+        draws = late.sampler_draws if late is not None else parts.evidence.sampler_draws(step)
         parts.inputs.report(agreement, step, draws)
         consecutive = parts.state.consecutive_nonfinite
         found = nonfinite_hyperparameters(parts.optimizer) if agreement.hyper_ranks else None

@@ -93,8 +93,8 @@ class StepEvidence:
             return parts.recorded.of(step)
         return stream.unchecked.step()
 
-    def sampler_draws(self) -> SamplerDraws | None:
-        """What gives, per micro-batch of the step being decided, the dataset indices a
+    def sampler_draws(self, step: int) -> SamplerDraws | None:
+        """What gives, per micro-batch of ``step`` (being decided), the dataset indices a
         ``DataLoader``'s sampler drew for it (``BatchStream.step_draws``; None: no such
         loader). Called when wanted: a bad step's capture or input report. Without the
         stream: those ``trainguard run`` followed for the model's calls
@@ -102,7 +102,7 @@ class StepEvidence:
         parts = self._parts
         stream = parts.stream.current
         if parts.recorded.used or stream is None:
-            return parts.start.forward_draws()
+            return parts.start.forward_draws(step)
         return stream.step_draws()
 
     def step_batches(self, step: int) -> tuple[list[Any], dict[str, Any] | None]:
@@ -159,7 +159,7 @@ class StepEvidence:
             autocast, forward_args = pending.autocast, pending.forward_inputs
             draws = pending.sampler_draws
         else:
-            draws = self.sampler_draws()
+            draws = self.sampler_draws(step)
             batches, rng = self.step_batches(step)
             losses = parts.losses.step_losses()
             autocast = parts.start.autocast if parts.start.started(step) else None

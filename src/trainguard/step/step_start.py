@@ -264,11 +264,12 @@ class StepStart:
                 overwritten.append(index)
         return ForwardBatches(batches, overwritten)
 
-    def forward_draws(self) -> SamplerDraws | None:
-        """What gives the dataset indices of the recorded step's training forwards, one list
-        per forward (``loader_draws``; read only on a bad step); None when not followed."""
+    def forward_draws(self, step: int) -> SamplerDraws | None:
+        """What gives the dataset indices of ``step``'s training forwards, one list per
+        forward (``loader_draws``; read only on a bad step); None when not followed, or when
+        no forward of ``step`` was recorded."""
         draws = self._forward_draws
-        if not draws or all(found is None for found in draws):
+        if self.step != step or not draws or all(found is None for found in draws):
             return None
         return lambda: [found() if found is not None else None for found in draws]
 

@@ -88,7 +88,7 @@ class SyncFreeStep:
         """The step's staged flags and evidence (batches, RNG, losses: references only)."""
         pipeline = self._pipeline
         host_values, ready = self._stager.stage(reduced.buf)
-        draws = pipeline.evidence.sampler_draws()  # read only if the step is bad
+        draws = pipeline.evidence.sampler_draws(step)  # read only if the step is bad
         batches, rng = pipeline.evidence.step_batches_taken(step)
         start = pipeline.start
         return PendingStep(
