@@ -159,13 +159,16 @@ class ReplicaWatch:
         """The fields of the latest ``replica_divergence`` event (with its ``step``)."""
         self.divergences = 0
         """Checks that found the replicas differing (``replica_divergence`` events)."""
+        self.no_replicas = False
+        """The ranks held different weights at the first check and no DDP makes them equal:
+        never replicas, checked no more (``on_divergence="warn"``; ``_never_replicas``)."""
 
     # -- the fingerprint (every rank, each due step) -----------------------------------------
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is checked: the same answer on every rank."""
         every = self._config.replica_check_every
-        if every <= 0 or self._world_size < 2 or step % every != 0:
+        if every <= 0 or self._world_size < 2 or step % every != 0 or self.no_replicas:
             return False
         return bool(self._replicated())
 
@@ -210,6 +213,7 @@ class ReplicaWatch:
         verdict = majority(fingerprints)
         differing = self._differing_params(sums, verdict.reference)
         action = self._config.on_divergence
+        self.no_replicas = self._never_replicas(action)
         self._report(step, verdict, differing, fingerprints)
         if action == "resync":
             self.resync_from(verdict.reference)
@@ -217,6 +221,14 @@ class ReplicaWatch:
                 self.on_resync(step, verdict.reference)
         elif action == "raise":
             raise self._error(step, verdict, differing)
+
+    def _never_replicas(self, action: str) -> bool:
+        """A divergence at the guard's first check, of a model no DDP holds (the same answer
+        on every rank): the ranks were never made equal (a script that trains a model of its
+        own on each rank), so warning at every check would only repeat it."""
+        if action != "warn" or self.checks != 1:
+            return False
+        return not any(ddp_inner(module) is not None for module in self._model.modules())
 
     def _differing_params(self, sums: Tensor | None, reference: int) -> list[str] | None:
         """The parameters whose sums differ from the reference rank's (a collective every
@@ -250,6 +262,7 @@ class ReplicaWatch:
             "tie": verdict.tie,
             "action": action,
             "fingerprints": fingerprints,
+            "no_replicas": self.no_replicas,
         }
         self._events.write("replica_divergence", step, **fields)
         self.divergences += 1
@@ -283,6 +296,13 @@ class ReplicaWatch:
             if first
             else ""
         )
+        if self.no_replicas:
+            outcome = (
+                "no DDP holds this model, so the ranks were never made equal: taken for no "
+                "replicas, not checked again (if they should be replicas, broadcast the "
+                "initial weights from one rank, or use on_divergence='resync')"
+            )
+            hint = ""
         return f"step {step}: replicas diverged{first}: {who}; {what}; {outcome}{hint}"
 
     def resync_from(self, reference: int) -> None:

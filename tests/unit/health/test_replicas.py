@@ -214,10 +214,12 @@ def test_divergence_error_carries_the_step_ranks_and_params() -> None:
     assert (exc.step, exc.ranks, exc.params) == (8, [2], ["head.weight"])
 
 
-def _diverged_watch(tmp_path: Path, action: str) -> tuple[ReplicaWatch, list[float]]:
+def _diverged_watch(
+    tmp_path: Path, action: str, model: nn.Module | None = None
+) -> tuple[ReplicaWatch, list[float]]:
     """Rank 2 of 4 holds +1e-3 in head.weight (the gather is faked: no process group)."""
     torch.manual_seed(0)
-    model = TinyNet()
+    model = model or TinyNet()
     config = GuardConfig(run_dir=tmp_path, replica_check_every=4, on_divergence=action)  # type: ignore[arg-type]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     watch = ReplicaWatch(model, opt, config, EventLog(tmp_path, 0), 0, 4, None)
@@ -245,6 +247,38 @@ def test_a_divergence_is_reported_with_ranks_and_params(tmp_path: Path) -> None:
     assert event["action"] == "warn" and event["tie"] is False
     assert watch.diverged_at == 8 and watch.divergence is not None
     assert watch.divergence["params"] == ["head.weight"]
+
+
+class FakeDDP(nn.Module):  # stands in for DDP (known by its type's name)
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.module = inner
+
+    @property
+    def head(self) -> nn.Module:  # the twin's nudge reaches the wrapped module
+        head: nn.Module = self.module.head
+        return head
+
+
+FakeDDP.__name__ = "DistributedDataParallel"
+
+
+def test_a_plain_model_apart_at_the_first_check_is_taken_for_no_replicas(
+    tmp_path: Path,
+) -> None:
+    """The ranks each train a model of their own (PyTorch's ImageNet example on CPU, where
+    it wraps no DDP): apart at the first check, before any update made them so. Said once,
+    then not checked again; under DDP, which made the weights equal, every check reports."""
+    watch, fingerprints = _diverged_watch(tmp_path / "plain", "warn")
+    watch.observe(8, fingerprints)
+    (event,) = tg.read_events(tmp_path / "plain")
+    assert event["no_replicas"] is True and watch.no_replicas
+    assert not watch.due(12) and _fp(watch, 12) == 0.0
+
+    wrapped, fingerprints = _diverged_watch(tmp_path / "ddp", "warn", FakeDDP(TinyNet()))
+    wrapped.observe(8, fingerprints)
+    (event,) = tg.read_events(tmp_path / "ddp")
+    assert event["no_replicas"] is False and wrapped.due(12)
 
 
 def test_raise_names_the_option_and_the_fix(tmp_path: Path) -> None:
