@@ -239,6 +239,83 @@ def test_a_job_torchrun_restarts_from_the_scripts_checkpoint_is_counted_on_from_
     for rank in (0, 1):
         loaded = [e["step"] for e in _events(run, rank) if e["kind"] == "state_loaded"]
         assert loaded == [4]
+    # the spike statistics: rank 0's replay of what its killed first start flushed of the
+    # metrics log (often nothing: the kill takes the buffered lines), the same on both ranks
+    histories = [
+        [(e["step"], e["steps"]) for e in _events(run, rank) if e["kind"] == "spike_history"]
+        for rank in (0, 1)
+    ]
+    assert histories[0] == histories[1] and all(s == 4 and 0 < n <= 4 for s, n in histories[0])
     report, steps = _report(run)
     assert "2 starts" in report, report
     assert steps.startswith("9 (2 ranks)") and "(2 again after restarts)" in steps, report
+
+
+SPIKY = SCRIPT.replace(
+    "start, stop, nan_step, load_rank = map(int, sys.argv[1:5])",
+    "start, stop, nan_step, load_rank, spike_step = map(int, sys.argv[1:6])",
+).replace(
+    "    if step == nan_step:\n",
+    "    if step == spike_step:\n        y = y * 1000.0  # a loss spike: finite, 1e6x\n"
+    "    if step == nan_step:\n",
+)
+
+
+@pytest.mark.timeout(200)
+def test_a_resumed_script_judges_spikes_with_the_statistics_it_had(tmp_path: Path) -> None:
+    """The guard's state is not in the script's checkpoint: the spike rule began anew at the
+    resume, so the loss spike at step 27, two steps after it, fell in the warm-up and was
+    not judged. Rank 0 learns the statistics again from the run's metrics log: the spike is
+    judged as in the run that never stopped, against the same baseline, the same score."""
+    assert SPIKY.count("spike_step") == 2
+    (tmp_path / "script.py").write_text(SPIKY)
+    python = [sys.executable, "script.py"]
+    warmup = ["-o", "spikes.warmup=10"]
+
+    def spikes(run: Path) -> list[tuple[int, str, float, float]]:
+        found = [e for e in _events(run, 0) if e["kind"] == "spike"]
+        return [(e["step"], e["metric"], e["baseline"], e["score"]) for e in found]
+
+    whole = tmp_path / "whole"
+    _run(tmp_path, [*_guarded(whole)[:-1], *warmup, "--", *python, "0", "30", "-1", "-1", "27"])
+    expected = spikes(whole)
+    assert [(step, metric) for step, metric, _, _ in expected] == [(27, "loss"), (27, "grad_norm")]
+
+    resumed = tmp_path / "resumed"
+    _run(tmp_path, [*_guarded(resumed)[:-1], *warmup, "--", *python, "0", "25", "-1", "-1", "-1"])
+    _run(tmp_path, [*_guarded(resumed)[:-1], *warmup, "--", *python, "25", "30", "-1", "-1", "27"])
+    assert spikes(resumed) == expected
+    (history,) = [e for e in _events(resumed, 0) if e["kind"] == "spike_history"]
+    assert (history["step"], history["steps"]) == (25, 25)
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_resume_with_rank_0s_spike_statistics(tmp_path: Path) -> None:
+    """The 2-rank job of the test above, under torchrun: rank 0 alone reads the metrics log
+    (it alone writes it) and broadcasts the statistics at the attach; both ranks judge the
+    spike at step 27 as the job that never stopped did, with the same numbers."""
+    (tmp_path / "script.py").write_text(SPIKY)
+    warmup = ["-o", "spikes.warmup=10"]
+    env = {**torchrun_env(), "OMP_NUM_THREADS": "1"}
+
+    def job(run: Path, *args: str) -> None:
+        torchrun = [TORCHRUN, "--nproc-per-node=2", "--rdzv-backend=c10d"]
+        endpoint = f"--rdzv-endpoint=localhost:{free_port()}"
+        command = [*_guarded(run)[:-1], *warmup, "--", *torchrun, endpoint, "script.py", *args]
+        _run(tmp_path, command, env)
+
+    def spikes(run: Path, rank: int) -> list[tuple[int, str, float, float]]:
+        found = [e for e in _events(run, rank) if e["kind"] == "spike"]
+        return [(e["step"], e["metric"], e["baseline"], e["score"]) for e in found]
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    job(whole, "0", "30", "-1", "-1", "27")
+    job(resumed, "0", "25", "-1", "-1", "-1")
+    job(resumed, "25", "30", "-1", "-1", "27")
+    expected = spikes(whole, 0)
+    assert [step for step, _, _, _ in expected] == [27, 27]
+    assert spikes(whole, 1) == expected
+    assert spikes(resumed, 0) == expected and spikes(resumed, 1) == expected
+    for rank in (0, 1):
+        (history,) = [e for e in _events(resumed, rank) if e["kind"] == "spike_history"]
+        assert (history["step"], history["steps"]) == (25, 25)

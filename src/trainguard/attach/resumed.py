@@ -16,8 +16,10 @@ attach all-gather they already make (``leaving.agree_at_attach``). Then:
 - the same count ``N > 0`` on every rank: the guard's step goes on from ``N``
   (``Guard.load_state_dict({"step": N})``, the path of a loop that hands the guard its own
   iteration count): its events, metrics and captures are numbered on from the checkpoint,
-  and the report counts a start that began at ``N``. ``N`` counts the updates applied
-  before the checkpoint: steps skipped then (by a GradScaler, or by the guard) are not in it;
+  and the report counts a start that began at ``N``; the spike rule's statistics are
+  learned again from the run's metrics log (``spike_history.py``). ``N`` counts the updates
+  applied before the checkpoint: steps skipped then (by a GradScaler, or by the guard) are
+  not in it;
 - counts that differ between ranks: the ranks loaded different optimizer states (one rank
   did not find the checkpoint, on a disk the others do not share). Every rank says so in one
   line and a ``resume_mismatch`` event naming each rank's count, and counts from 0; the
@@ -36,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from trainguard.attach.announce import announcer
+from trainguard.attach.spike_history import resume_spikes
 from trainguard.step.guard import Guard
 
 MISMATCH = "resume_mismatch"
@@ -99,6 +102,6 @@ def go_on(guard: Guard, counts: list[int | None]) -> int:
         )
         return guard.state.step
     common = counts[0] if counts else None
-    if common:
-        guard.load_state_dict({"step": common})
+    if common:  # the same on every rank: the spike statistics, from the run's metrics log
+        resume_spikes(guard, common)
     return guard.state.step
