@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -293,14 +294,23 @@ def test_a_loop_that_never_zeroes_its_gradients_goes_on_after_a_skip(tmp_path: P
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step 2 began with" not in done.stderr  # said at the step after the skip
     assert "step 3 began with the skipped step's gradients still on the parameters" in (done.stderr)
-    events = [
-        json.loads(line)
-        for line in (tmp_path / "run" / "events" / "rank-0.jsonl").read_text().splitlines()
-    ]
+    events = _rank_0_events(tmp_path / "run")
     assert [e["step"] for e in events if e["kind"] == "skip"] == [2]
     assert not [e for e in events if e["kind"] == "escalate"]
+    _assert_weights_of_bare_leaving_out_step_2(tmp_path, CARRIED, done)
+
+
+def _rank_0_events(run_dir: Path) -> list[dict[str, Any]]:
+    lines = (run_dir / "events" / "rank-0.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def _assert_weights_of_bare_leaving_out_step_2(
+    tmp_path: Path, script: str, done: subprocess.CompletedProcess[str]
+) -> None:
+    """The guarded run's final weights are the bare ``script``'s that leaves step 2 out."""
     expected = tmp_path / "expected.py"
-    expected.write_text(CARRIED)
+    expected.write_text(script)
     left_out = subprocess.run(
         [sys.executable, str(expected), "-1", "2"], capture_output=True, text=True, timeout=100
     )
@@ -333,19 +343,9 @@ def test_a_loop_that_zeroes_after_its_forward_is_not_told_it_carries_gradients(
     done = _trainguard_run(tmp_path, guarded)  # a NaN at step 2
     assert done.returncode == 0, done.stderr[-2000:]
     assert "skipped step's gradients still on the parameters" not in done.stderr
-    events = [
-        json.loads(line)
-        for line in (tmp_path / "run" / "events" / "rank-0.jsonl").read_text().splitlines()
-    ]
+    events = _rank_0_events(tmp_path / "run")
     assert [e["step"] for e in events if e["kind"] == "skip"] == [2]
-    expected = tmp_path / "expected.py"
-    expected.write_text(ZEROED_AFTER_FORWARD)
-    left_out = subprocess.run(
-        [sys.executable, str(expected), "-1", "2"], capture_output=True, text=True, timeout=100
-    )
-    weights = [line for line in done.stdout.splitlines() if line.startswith("WEIGHTS")]
-    assert len(weights) == 1
-    assert weights == [line for line in left_out.stdout.splitlines() if line.startswith("WEIGHTS")]
+    _assert_weights_of_bare_leaving_out_step_2(tmp_path, ZEROED_AFTER_FORWARD, done)
 
 
 COMPILED = """
