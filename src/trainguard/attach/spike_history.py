@@ -3,7 +3,7 @@
 ``trainguard run`` attaches anew in a restarted process, and the guard's state is not in the
 script's checkpoint: the spike rule's statistics began anew at every restart, so for its
 first ``spikes.warmup`` steps (100) no spike was judged, and a fault that came with the
-resume (a wrong learning rate in the restarted command, a corrupted shard) went unseen. Yet
+resume (a corrupted data shard, a checkpoint saved from a bad step) went unseen. Yet
 the values the rule learns from are agreed and logged: rank 0's metrics log holds, for each
 step, every rank's loss, the global gradient norm, the learning rates and the decision.
 
@@ -16,7 +16,8 @@ every step of a loop slower than 100 steps a second for its first 10,000 steps; 
 log (a faster loop, a longer run: ``step/metrics_log.py``) gives the rule fewer values, an
 estimate of the same statistics. The learning rate read is the largest of the line's
 groups', as each rank puts it in its row: a run whose ranks' rates differed learns the rates
-of rank 0.
+of rank 0. A restarted command whose learning rate is over 1.1x the log's last starts the
+rule's LR grace period, as any such jump does (``spikes.LrGrace``).
 """
 
 from __future__ import annotations
