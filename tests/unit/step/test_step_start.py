@@ -161,3 +161,30 @@ def test_an_evaluation_forward_is_progress_and_starts_no_step(tmp_path: Path) ->
         model.train()
         assert guard.progress.beats == beats + 2
         assert guard._parts.step_start.step == started  # no step started by either
+
+
+def test_the_forward_draws_of_a_step_are_that_steps_only(tmp_path: Path) -> None:
+    """``trainguard run``'s dataset indices (``loader_draws``) are kept per training forward
+    of the step and read for that step only: a step whose forward the hook did not see gets
+    none, not the step before's (and an evaluation forward keeps none)."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tg.Guard(model, opt, run_dir=tmp_path, hang_timeout=0) as guard:
+        start = guard._parts.step_start
+        seen: list[int] = []
+
+        def draws(args: tuple[object, ...], kwargs: dict[str, object]) -> object:
+            index = len(seen)
+            seen.append(index)
+            return lambda: [index]
+
+        guard.internals.follow_loader_draws(draws)  # type: ignore[arg-type]
+        for _ in range(2):  # two micro-batches of step 0
+            model(torch.randn(3, 4)).pow(2).mean().backward()
+        found = start.forward_draws(0)
+        assert found is not None and found() == [[0], [1]]
+        assert start.forward_draws(1) is None  # another step: none
+        guard.check(torch.zeros(()))
+        with torch.no_grad():
+            model(torch.randn(3, 4))  # an evaluation: no step starts, nothing kept
+        assert seen == [0, 1] and start.forward_draws(1) is None
