@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.utils.data import dataloader as _dataloader
 
 from trainguard.capture.batchtree import tensors
-from trainguard.capture.sampler_indices import WINDOW, as_indices
+from trainguard.capture.sampler_indices import SamplerIndices
 from trainguard.step.types import IndicesOf
 
 logger = logging.getLogger(__name__)
@@ -55,29 +55,19 @@ Probe = tuple[tuple[int, ...], list[Any]]
 
 
 class _Pass:
-    """One pass of one loader iterator: its last ``WINDOW`` draws as drawn (a batch's list
-    of indices, or one index), how many it drew and how many batches it yielded."""
+    """One pass of one loader iterator: its draws (``SamplerIndices``, each kept as drawn:
+    a batch sampler may hand the same list back refilled) and how many batches it yielded."""
 
-    __slots__ = ("drawn", "draws", "sampler_iter", "yields")
+    __slots__ = ("draws", "sampler_iter", "yields")
 
     def __init__(self, sampler_iter: Iterator[Any]) -> None:
-        self.draws: deque[Any] = deque(maxlen=WINDOW)
-        self.drawn = 0
+        self.draws = SamplerIndices(0, None)
         self.sampler_iter = weakref.ref(sampler_iter) if _weakable(sampler_iter) else None
         self.yields = 0
 
     def goes_on(self, sampler_iter: Iterator[Any]) -> bool:
         """Whether a draw from ``sampler_iter`` belongs to this pass (the same iterator)."""
         return self.sampler_iter is not None and self.sampler_iter() is sampler_iter
-
-    def indices(self, position: int) -> list[int] | None:
-        """The dataset indices of the pass's batch ``position`` (None: no longer kept, or a
-        key that is no index)."""
-        back = self.drawn - position
-        if back <= 0 or back > len(self.draws):
-            return None
-        found = as_indices(self.draws[-back])
-        return None if found is None else found.tolist()
 
 
 def _weakable(value: Any) -> bool:
@@ -181,8 +171,7 @@ class LoaderDraws:
                 if not _followed(iterator):
                     return
                 found = self._passes[iterator] = _Pass(sampler_iter)
-            found.draws.append(drawn)
-            found.drawn += 1
+            found.draws.drew(drawn)
         except Exception:  # never the script's failure: its indices stay unknown
             logger.debug("trainguard run: a loader's draw not followed", exc_info=True)
 
@@ -219,7 +208,7 @@ class LoaderDraws:
                 return None
             for found, position, yielded in reversed(candidates):
                 if _same(called, yielded):
-                    drawn = found.indices(position)
+                    drawn = found.draws.indices(position)
                     return drawn if drawn is not None and len(drawn) == called[0][0] else None
             return None
 

@@ -11,7 +11,7 @@ So at a resume to step ``N`` (``resumed.go_on``: the ranks' optimizers agree on 
 updates), rank 0 runs the log's steps before ``N`` through the rule, in step order, as the
 guard judged them (the steps decided ``ok`` or ``spike``; a step run again after an earlier
 restart once, by its last line: the run the checkpoint continues), and broadcasts the
-statistics; every rank loads the same numbers (``Guard.load_state_dict``). The log holds
+statistics; every rank loads the same numbers (``SpikeWatch.load_state_dict``). The log holds
 every step of a loop slower than 100 steps a second for its first 10,000 steps; a thinned
 log (a faster loop, a longer run: ``step/metrics_log.py``) gives the rule fewer values, an
 estimate of the same statistics. The learning rate read is the largest of the line's
@@ -35,8 +35,7 @@ from trainguard.step.consensus import buffer_device
 from trainguard.step.guard import Guard
 from trainguard.step.metrics_log import metrics_path
 from trainguard.step.spikes import SpikeDetector
-from trainguard.step.spikewatch import rule_of
-from trainguard.step.state import GuardState
+from trainguard.step.spikewatch import SpikeWatch
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +84,12 @@ def _loss(line: dict[str, Any]) -> float | None:
     return _number(summary.get("mean")) if isinstance(summary, dict) else None
 
 
-def replay(path: Path, step: int, guard: Guard) -> tuple[dict[str, Any], int] | None:
-    """The spike watch's state after the log's judged steps before ``step``, and how many
-    steps it learned; None when the log holds none."""
+def replay(path: Path, step: int, watch: SpikeWatch) -> int:
+    """Run the log's judged steps before ``step`` through a fresh rule of ``watch``'s and
+    hand it to ``watch`` (with its spike counts) when it learned any; returns how many."""
     if not path.is_file():
-        return None
-    detector = SpikeDetector(rule_of(guard.config.spikes))
+        return 0
+    detector = SpikeDetector(watch.rule)
     consecutive = total = learned = 0
     for line in _lines_before(path, step):
         if line.get("decision") not in JUDGED:
@@ -103,34 +102,30 @@ def replay(path: Path, step: int, guard: Guard) -> tuple[dict[str, Any], int] | 
         spiked = any(spike is not None for spike in found)
         consecutive, total = (consecutive + 1, total + 1) if spiked else (0, total)
         learned += 1
-    if not learned:
-        return None
-    watch = {
-        "detector": detector.state_dict(),
-        "device": None,
-        "device_grace": [None, 0],
-        "consecutive": consecutive,
-    }
-    return {"spikes": watch, "total_spikes": total}, learned
+    if learned:
+        watch.detector, watch.consecutive, watch.total = detector, consecutive, total
+    return learned
 
 
 def resume_spikes(guard: Guard, step: int) -> None:
     """At a resume to ``step`` on every rank alike (a collective over the default group,
-    as the attach's all-gather, when there are several ranks): rank 0 replays the run's
-    metrics log, and every rank loads what it found, with the step."""
-    found = None
-    if guard.config.spikes.action != "off" and guard.rank == 0:
+    as the attach's all-gather, when there are several ranks): the guard goes on from
+    ``step``; rank 0 replays the run's metrics log into its spike rule, and every rank
+    takes rank 0's statistics."""
+    guard.load_state_dict({"step": step})
+    watch, learned = guard.spikes, 0
+    if watch.enabled and guard.rank == 0:
         try:
-            found = replay(metrics_path(guard.run_dir), step, guard)
+            learned = replay(metrics_path(guard.run_dir), step, watch)
         except (OSError, ValueError, TypeError, KeyError):  # never fails the resume
             logger.debug("trainguard run: the metrics log could not be replayed", exc_info=True)
     if guard.world_size > 1:
         params = (p for group in guard.optimizer.param_groups for p in group["params"])
         device = next(params, torch.zeros(())).device
-        found = broadcast_object(found, 0, None, buffer_device(None, device))
-    state: dict[str, Any] = {**GuardState().state_dict(), "step": step}
-    if found is not None:
-        state.update(found[0])
-    guard.load_state_dict({"format": 1, "state": state})
-    if found is not None:
-        guard.events.write(HISTORY, step, steps=found[1])
+        mine = (watch.state_dict(), watch.total, learned) if learned else None
+        found = broadcast_object(mine, 0, None, buffer_device(None, device))
+        if found is not None and guard.rank != 0:
+            watch.load_state_dict(found[0])
+            watch.total, learned = found[1], found[2]
+    if learned:
+        guard.events.write(HISTORY, step, steps=learned)

@@ -41,7 +41,7 @@ _PURE = (SequentialSampler, DistributedSampler)
 """Samplers whose iteration changes no state: drawn again, they draw the same indices."""
 
 
-def as_indices(drawn: Any) -> array[int] | None:
+def _as_indices(drawn: Any) -> array[int] | None:
     """A draw as an array of indices (one index, or a batch's list), None for other keys."""
     if isinstance(drawn, int) and not isinstance(drawn, bool):
         return array("q", [drawn])
@@ -116,7 +116,7 @@ class SamplerIndices:
         return record
 
     def drew(self, drawn: Any) -> None:
-        self._draws.append(as_indices(drawn))
+        self._draws.append(_as_indices(drawn))
         self._count += 1
 
     def indices(self, position: int) -> list[int] | None:
@@ -143,7 +143,7 @@ class SamplerIndices:
         if self._early is None:
             early: list[array[int] | None] = []
             for drawn in iter(self._sampler):
-                early.append(as_indices(drawn))
+                early.append(_as_indices(drawn))
                 if len(early) == self._before:
                     break
             self._early = early

@@ -136,3 +136,23 @@ def test_a_tensor_subclass_or_one_take_refuses_is_not_named(follower: LoaderDraw
     assert follower.at_forward((x.as_subclass(Sub),), {}) is None
     assert _named(follower, x.to_sparse()) is None
     assert _named(follower, x) is not None
+
+
+def test_a_batch_sampler_that_refills_one_list_is_named_by_each_draw(
+    follower: LoaderDraws,
+) -> None:
+    """A batch sampler may hand the same list back refilled (the loader reads it at once):
+    each draw is kept as it was drawn, not by reference."""
+
+    class Refilling:
+        def __iter__(self) -> Iterator[list[int]]:
+            batch = [0, 0, 0, 0]
+            for start in range(0, 16, 4):
+                batch[:] = range(start, start + 4)
+                yield batch
+
+        def __len__(self) -> int:
+            return 4
+
+    batches = list(DataLoader(Indexed(), batch_sampler=Refilling()))
+    assert [_named(follower, x) for x, _ in batches] == [index.tolist() for _, index in batches]
