@@ -222,7 +222,8 @@ def target(per_step: dict[str, list[float]], modes: dict[str, Any]) -> dict[str,
 
     ratio = of(list(range(len(mine))))
     ci = list(bootstrap_ci(len(mine), of))
-    ratio_verdict = verdict(ratio, TARGET_RATIO, ci)
+    # minimal's own cost not above zero in these rounds (noise): the ratio means nothing
+    ratio_verdict = verdict(ratio, TARGET_RATIO, ci) if math.isfinite(ratio) else "unresolved"
     us_ci = guard["fixed_cost_ci95_us"]
     text = (
         f"guard_check / minimal, fixed costs, {ratio:.3f} (95% CI {ci[0]:.3f} .. "

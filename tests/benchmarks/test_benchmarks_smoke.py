@@ -128,7 +128,8 @@ def test_fixed_cost(tmp_path: Path) -> None:
     # finite, not positive: two quick rounds on a loaded machine can time the guard's block
     # faster than bare's (seen with three test workers on two cores: -1.24)
     assert target["limit_ratio"] == 1.25 and (ratio is None or math.isfinite(ratio))
-    assert target["verdict"] in ("met", "missed", "within noise")
+    assert target["verdict"] in ("met", "missed", "within noise", "unresolved")
+    assert (target["verdict"] == "unresolved") == (ratio is None)
 
 
 def test_capture_cost(tmp_path: Path) -> None:
@@ -182,6 +183,33 @@ def test_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
     assert verdicts == ["met", "within noise", "missed"]
     assert _common.verdict(1.02, 1.01, None) == "missed"
     assert _common.verdict(math.inf, 1.5, None) == "missed"
+
+
+def test_a_ratio_to_an_overhead_below_noise_is_unresolved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``foreach_norm`` timed no slower than bare (the floor lost in the noise): the guard's
+    overhead over it is no number, and the target says so instead of ``missed``."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import overhead
+
+    def result(floor: float) -> dict[str, object]:
+        bare = [100.0 + i % 3 for i in range(10)]
+        modes = {
+            "bare": {"step_ms": bare},
+            "guard": {"step_ms": [b + 1.0 for b in bare]},
+            "foreach_norm": {"step_ms": [b + floor for b in bare]},
+        }
+        return {"workload": "mlp", "world": 2, "precision": "fp32", "modes": modes}
+
+    def norm_target(floor: float) -> dict[str, object]:
+        (found,) = [
+            t for t in overhead.evaluate_targets([result(floor)]) if "foreach_norm" in t["target"]
+        ]
+        return found
+
+    below = norm_target(-0.5)
+    assert below["verdict"] == "unresolved" and below["value"] is None
+    resolved = norm_target(2.0)
+    assert resolved["verdict"] == "met" and resolved["value"] == pytest.approx(0.5)
 
 
 @pytest.mark.timeout(120)
