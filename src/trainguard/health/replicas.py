@@ -1,13 +1,13 @@
 """Do the replicas still agree: a fingerprint of the replicated weights rides the step's
 agreement every ``replica_check_every`` steps.
 
-The fingerprint is exact and cheap: per parameter the float64 sum of its values (one
-reduction, on the device, no host sync), the sums weighted by a fixed per-parameter factor
-(so changes in two parameters cannot cancel) and added. Healthy replicas hold bit-identical
-weights and run the same kernels, so their fingerprints are bit-identical; a change of one
-element by 1e-3, a NaN or an Inf changes it. Blind spots: values permuted inside one
-parameter, or changes that cancel exactly inside one. It is taken in ``check()``, after
-backward and before the optimizer step: the weights after the previous update.
+The fingerprint is exact and cheap: per parameter one number (``param_sum``, on the device,
+no host sync), the numbers weighted by a fixed per-parameter factor (so changes in two
+parameters cannot cancel) and added. Healthy replicas hold bit-identical weights, so their
+fingerprints are bit-identical; a change of one element by 1e-3, a NaN or an Inf changes it.
+Blind spots: values permuted inside one parameter, or changes that cancel exactly inside
+one. It is taken in ``check()``, after backward and before the optimizer step: the weights
+after the previous update.
 
 On a disagreement (every rank sees the same fingerprints, so every rank takes the same
 path): the majority rule names the ranks that differ, one gather of the per-parameter sums
@@ -39,6 +39,13 @@ MAX_NAMED = 32
 """At most this many differing parameters are named in an event (all are counted)."""
 _CHUNK = 1 << 24
 """Elements summed per kernel: caps the float64 copy a large parameter's sum makes."""
+BIT_SUM_MIN = 1 << 16
+"""A CPU parameter of at least this many 4- or 2-byte floats is summed by its bit patterns
+(``param_sum``): the float64 sum costs some 2-3 ns an element there (50-76 ms a check of a
+25M-parameter MLP under 2-rank DDP), the bit sum and the finiteness sum 11-17 ms
+(docs/benchmarks.md). Smaller ones, and every parameter on other devices (one memory-bound
+pass, one kernel), sum their values."""
+_WORD = {4: torch.int32, 2: torch.int16}
 _GOLDEN = 0.6180339887498949
 
 
@@ -80,11 +87,24 @@ def majority(fingerprints: list[float]) -> Verdict:
 
 
 def param_sum(param: Tensor) -> Tensor:
-    """The exact float64 sum of a parameter's values (0-d, on its device, no sync)."""
+    """A parameter's exact summary, float64, 0-d, on its device, no sync; NaN when an element
+    is NaN or infinite. Equal parameters give equal numbers, and a change of any one element
+    changes it, on every rank the same way:
+
+    - a large float32, float16 or bfloat16 parameter on the CPU (``BIT_SUM_MIN``): the sum of
+      its elements' bit patterns as integers, wrapped modulo 2**32 (integer addition, so the
+      same in any order: thread counts and kernels cannot make equal replicas differ), plus
+      0 or NaN from the float32 sum of its values (NaN or Inf when an element is);
+    - any other: the float64 sum of its values (one pass, exact to float64 rounding)."""
     flat = param.detach()
     if flat.is_complex():
         flat = torch.view_as_real(flat)
     flat = flat.reshape(-1)
+    word = _WORD.get(flat.element_size()) if flat.is_floating_point() else None
+    if word is not None and flat.is_cpu and flat.numel() >= BIT_SUM_MIN:
+        bits = torch.sum(flat.view(word), dtype=torch.int32).double()
+        total = torch.sum(flat, dtype=torch.float32)  # finite - itself is 0, else NaN
+        return bits.add_(total.sub_(total))
     if flat.numel() <= _CHUNK:
         return torch.sum(flat, dtype=torch.float64)
     return torch.stack([torch.sum(c, dtype=torch.float64) for c in torch.split(flat, _CHUNK)]).sum()
@@ -191,7 +211,7 @@ class ReplicaWatch:
         return (sums * self._factors_on(device)).sum()
 
     def param_sums(self, device: torch.device) -> Tensor:
-        """float64 ``[n_params]`` on ``device``: each replicated parameter's exact sum."""
+        """float64 ``[n_params]`` on ``device``: each replicated parameter's ``param_sum``."""
         return torch.stack([param_sum(p).to(device) for _, p in self._replicated()])
 
     def _factors_on(self, device: torch.device) -> Tensor:

@@ -118,6 +118,36 @@ def test_fingerprint_is_a_float64_scalar_on_the_device_and_sums_are_exact() -> N
     assert float(total) == pytest.approx(expected, rel=0, abs=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_large_cpu_parameter_is_summed_by_its_bit_patterns(dtype: torch.dtype) -> None:
+    """At BIT_SUM_MIN elements and above: the wrapped integer sum of the elements' bit
+    patterns (a float64 holding it exactly), whatever the thread count; one element one
+    ulp away changes it; a NaN or an Inf anywhere makes it NaN."""
+    from trainguard.health.replicas import BIT_SUM_MIN
+
+    gen = torch.Generator().manual_seed(0)
+    param = torch.randn(BIT_SUM_MIN + 7, generator=gen).to(dtype)
+    word = torch.int32 if dtype == torch.float32 else torch.int16
+    wrapped = sum(param.view(word).tolist()) % 2**32
+    expected = wrapped - 2**32 if wrapped >= 2**31 else wrapped
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = param_sum(param)
+        torch.set_num_threads(2)
+        assert torch.equal(param_sum(param), alone)
+    finally:
+        torch.set_num_threads(threads)
+    assert alone.dtype == torch.float64 and alone.shape == () and float(alone) == expected
+    nudged = param.clone()
+    nudged[12345] = torch.nextafter(nudged[12345], torch.tensor(math.inf, dtype=dtype))
+    assert float(param_sum(nudged)) != expected
+    for bad in (math.nan, math.inf, -math.inf):
+        broken = param.clone()
+        broken[-1] = bad
+        assert math.isnan(float(param_sum(broken)))
+
+
 def test_large_parameters_are_summed_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     import trainguard.health.replicas as replicas
 
