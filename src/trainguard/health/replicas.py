@@ -87,15 +87,16 @@ def majority(fingerprints: list[float]) -> Verdict:
 
 
 def param_sum(param: Tensor) -> Tensor:
-    """A parameter's exact summary, float64, 0-d, on its device, no sync; NaN when an element
-    is NaN or infinite. Equal parameters give equal numbers, and a change of any one element
-    changes it, on every rank the same way:
+    """A parameter's summary, float64, 0-d, on its device, no sync; NaN when an element is NaN
+    or infinite. Equal parameters give equal numbers, on every rank the same way:
 
     - a large float32, float16 or bfloat16 parameter on the CPU (``BIT_SUM_MIN``): the sum of
       its elements' bit patterns as integers, wrapped modulo 2**32 (integer addition, so the
-      same in any order: thread counts and kernels cannot make equal replicas differ), plus
-      0 or NaN from the float32 sum of its values (NaN or Inf when an element is);
-    - any other: the float64 sum of its values (one pass, exact to float64 rounding)."""
+      same in any order: thread counts and kernels cannot make equal replicas differ; any
+      change of one element changes it, down to one ulp), plus 0 or NaN from the float32 sum
+      of its values (NaN or Inf when an element is);
+    - any other: the float64 sum of its values (one pass; a change of one element shows when
+      it exceeds the sum's float64 rounding, 1e-3 always on weights of usual sizes)."""
     flat = param.detach()
     if flat.is_complex():
         flat = torch.view_as_real(flat)
