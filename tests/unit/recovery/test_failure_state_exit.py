@@ -110,6 +110,7 @@ def test_a_guard_whose_build_fails_leaves_no_handler(tmp_path: Path) -> None:
     with pytest.raises(tg.ConfigError):  # refused after recovery was built
         tg.Guard(model, opt, run_dir=tmp_path, resume=True, hang_timeout=0, rerun=42)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert not store.job_folder(tmp_path, None).exists()  # the folder it made, empty: gone
 
 
 _NEVER_CLOSED = """

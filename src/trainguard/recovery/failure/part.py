@@ -184,11 +184,14 @@ class FailureState:
 
     def abandon(self) -> None:
         """The guard's build failed: the SIGTERM handler and the record file are let go, the
-        folder's states stay (a resume that raised may be tried again)."""
+        folder's states stay (a resume that raised may be tried again); a folder left empty
+        goes (the build made it)."""
         if self._terminate is not None:
             self._terminate.close()
         if self._mirror is not None:
             self._mirror.close()
+        if self.usable:
+            store.remove_if_empty(self.folder)
 
     def close(self) -> None:
         """A guard never closed, released when collected or at the interpreter's exit

@@ -178,9 +178,15 @@ def remove_rank(folder: Path, rank: int) -> None:
     remove_states(folder, rank)
     with contextlib.suppress(OSError):
         (folder / f"mirror-rank-{rank}.bin").unlink()
+    remove_if_empty(folder)
+
+
+def remove_if_empty(folder: Path) -> None:
+    """The folder, and the user's folder above it, each only when empty: another rank's
+    files, or a state kept for a resume, keep it."""
     for path in (folder, folder.parent):
         with contextlib.suppress(OSError):
-            path.rmdir()  # only when empty: another rank's files keep it
+            path.rmdir()
 
 
 def sweep_stale(folder: Path, now: float | None = None) -> list[Path]:
