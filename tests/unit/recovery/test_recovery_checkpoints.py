@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch import nn
 import trainguard as tg
 from trainguard.events import read_events
 from trainguard.recovery import checkpoint as ckpt
+from trainguard.recovery.failure import store
 from trainguard.recovery.snapshot import TrainingObjects
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP: "single process"
@@ -176,8 +178,17 @@ def _crashing_run(
             opt.zero_grad(set_to_none=True)
 
 
+@pytest.fixture
+def forgets_its_states(tmp_path: Path) -> Iterator[None]:
+    """Runs that die by an exception keep their state at the failure in /dev/shm, for a resume
+    (by design): the test's own, under ``tmp_path`` and its folders, go when it ends."""
+    yield
+    for run_dir in (tmp_path, *(p for p in tmp_path.iterdir() if p.is_dir())):
+        store.forget(run_dir, None)
+
+
 def test_resume_compares_the_first_loss_only_when_the_batch_is_the_checkpoints(
-    tmp_path: Path,
+    tmp_path: Path, forgets_its_states: None
 ) -> None:
     """The checkpoint of step 4 is good with the loss of its tiny batch 4; a NaN at step 5
     rolls back to it, skipping batches 4 and 5, and the run dies. The resume loads step 4,
@@ -235,7 +246,7 @@ def test_skip_margin_skips_further_batches_of_the_same_pass(
 
 
 def test_a_rollback_after_a_resume_records_only_batches_the_ledger_did_not_drop(
-    tmp_path: Path,
+    tmp_path: Path, forgets_its_states: None
 ) -> None:
     """A rollback to checkpoint 4 skips batches 4-8, and the process dies. The resume drops
     them (the ledger) and trains 9 and 10; 11 and 12 fail, and the rollback to the same
