@@ -10,6 +10,7 @@ run checks that record (``restart.py``).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -173,8 +174,15 @@ class Recovery:
             self.group,
             self.device,
             self.rank,
+            exit_fn=self._exit_refused,
         )
         check.run()
+
+    def _exit_refused(self, code: int) -> None:
+        """The refused restart's exit: the job ends for good, its states at a failure with it."""
+        if self.failure is not None:
+            self.failure.restart_refused()
+        os._exit(code)
 
     def watch(self, view: StreamView, iterable: Any, epoch: int) -> None:
         ended = self.stream

@@ -70,7 +70,8 @@ def resume_freshest(
     at a failure, else the newest good checkpoint) and write the ``resume`` event."""
     hazard = restart_store_hazard(os.environ)
     if hazard is not None:  # said on the first attempt, before a restart can fail
-        logger.warning("%s; fix: %s", hazard, RESTART_HAZARD_FIX)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per torchrun (per node)
+            logger.warning("%s; fix: %s", hazard, RESTART_HAZARD_FIX)
         events.write("restart_config", 0, message=hazard, fix=RESTART_HAZARD_FIX)
     found: Resumed | None = None
     if failure is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import time
 from pathlib import Path
@@ -317,3 +319,40 @@ def test_a_state_is_hashed_as_it_is_written() -> None:
     torch.save(payload, hashing)
     assert hashing.hexdigest() == hashlib.sha256(raw.getvalue()).hexdigest()
     assert torch.equal(torch.load(io.BytesIO(raw.getvalue()))["w"], payload["w"])
+
+
+@pytest.mark.parametrize("fault", ["folder_removed", "memory_full"])
+def test_a_step_start_record_that_cannot_be_written_is_given_up_not_raised(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    fault: str,
+) -> None:
+    """The record is written inside the model's forward hook: its folder removed before the
+    first step (another rank's run ended and removed it while empty) or the memory file
+    system full must not raise there. One warning; the run trains as without the guard."""
+    plain, _ = _train(tmp_path / "plain", 6)
+    folder = store.job_folder(tmp_path / "run", None)
+    if fault == "folder_removed":
+        real_open = store.open_folder
+
+        def open_then_removed(path: Path) -> Path | None:
+            opened = real_open(path)
+            if opened is not None:
+                os.rmdir(opened)
+            return opened
+
+        monkeypatch.setattr(store, "open_folder", open_then_removed)
+    else:
+
+        def full(fd: int, offset: int, size: int) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "posix_fallocate", full)
+    with caplog.at_level(logging.WARNING, logger="trainguard"):
+        model, guard = _train(tmp_path / "run", 6)
+    lines = [r.message for r in caplog.records if "step-start record" in r.message]
+    assert len(lines) == 1 and str(folder) in lines[0]
+    assert guard.state.step == 6
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -4,6 +4,7 @@ the guard, retention of the newest K, and resume from them."""
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,14 +141,23 @@ def test_rollback_to_a_good_checkpoint_on_disk_without_snapshots(tmp_path: Path)
 
 
 def test_resume_under_torchrun_with_a_shared_store_warns_on_the_first_attempt(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Every rank writes the event; the log line comes from local rank 0 alone: one line
+    per torchrun, not one per rank."""
     batches = [torch.ones(3, 4)] * 2
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    _run(tmp_path / "shared", batches, resume=True)
-    warned = [e for e in read_events(tmp_path / "shared", 0) if e["kind"] == "restart_config"]
-    assert len(warned) == 1 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in warned[0]["fix"]
+    for local_rank, said in (("1", False), ("0", True)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="trainguard"):
+            _run(tmp_path / f"shared{local_rank}", batches, resume=True)
+        lines = [r for r in caplog.records if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in r.message]
+        assert len(lines) == (1 if said else 0)
+        events = read_events(tmp_path / f"shared{local_rank}", 0)
+        warned = [e for e in events if e["kind"] == "restart_config"]
+        assert len(warned) == 1 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in warned[0]["fix"]
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what the variable gives
     _run(tmp_path / "fresh", batches, resume=True)
     assert not [e for e in read_events(tmp_path / "fresh", 0) if e["kind"] == "restart_config"]

@@ -22,6 +22,7 @@ import trainguard as tg
 from trainguard.distributed import elastic
 from trainguard.events import EventLog, read_events
 from trainguard.recovery import stop
+from trainguard.recovery.failure import store
 from trainguard.recovery.restart import LocalView, RestartCheck, Verdict, decide, refusal_line
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP: "single process"
@@ -381,6 +382,8 @@ def test_guard_records_its_final_stop_and_refuses_the_restart(
     assert ended.value.code == tg.EXIT_DO_NOT_RESTART
     refused = [e for e in read_events(tmp_path, 0) if e["kind"] == "restart_refused"]
     assert [(e["step"], e["checkpoint"]) for e in refused] == [(record.step, record.checkpoint)]
+    # the job is over: the folder for its states at a failure is gone with it
+    assert not store.job_folder(tmp_path, None).exists()
 
 
 def test_no_record_for_raise_on_the_first_bad_step(tmp_path: Path) -> None:

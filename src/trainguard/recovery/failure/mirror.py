@@ -15,6 +15,7 @@ before.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import pickle
@@ -111,14 +112,15 @@ class StepMirror:
     def _open(self, size: int) -> None:
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         self._slot = max(size, self._slot)
-        os.ftruncate(self._fd, 2 * self._slot)
+        _reserve(self._fd, 2 * self._slot)
         self._map = mmap.mmap(self._fd, 2 * self._slot)
 
     def _grow(self, size: int) -> None:
         if self._map is not None:
             self._map.close()
+            self._map = None
         self._slot = max(size, 2 * self._slot)
-        os.ftruncate(self._fd, 2 * self._slot)
+        _reserve(self._fd, 2 * self._slot)
         self._map = mmap.mmap(self._fd, 2 * self._slot)
         self._in_slot = [None, None]
 
@@ -128,6 +130,24 @@ class StepMirror:
             if mapped is not None:
                 mapped.close()
             os.close(self._fd)
+
+
+def _reserve(fd: int, size: int) -> None:
+    """The file's ``size`` bytes, allocated now: a page of a mapped file that the file
+    system cannot back when it is first written (a full /dev/shm) ends the process with
+    SIGBUS; allocated up front, a full file system is an ``OSError`` here instead."""
+    os.ftruncate(fd, size)
+    if not hasattr(os, "posix_fallocate"):  # not Linux: the sparse file
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in _NO_FALLOCATE:
+            raise
+
+
+_NO_FALLOCATE = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS}
+"""A file system that cannot allocate ahead: the file stays sparse, as before."""
 
 
 def read_mirror(path: Path) -> list[MirrorRecord]:

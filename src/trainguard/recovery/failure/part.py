@@ -108,16 +108,37 @@ class FailureState:
             return
         boundary = _boundary(step, stream, "forward", rng)
         self.boundary.begin(boundary)
-        if self._mirror is not None:
-            self._mirror.write(boundary)
+        self._record(boundary)
 
     def handout(self, step: int, stream: Stream) -> None:
         """The hand-out of a step's first batch: recorded when it opens the step."""
         if not self.boundary.may_open(step):
             return
         boundary = _boundary(step, stream, "handout", RngSnapshot.take())
-        if self.boundary.handout(boundary) and self._mirror is not None:
-            self._mirror.write(boundary)
+        if self.boundary.handout(boundary):
+            self._record(boundary)
+
+    def _record(self, boundary: Boundary) -> None:
+        """The step-start record written; a record that cannot be (its folder removed
+        meanwhile, the memory file system full) is given up for the run with one warning:
+        this runs inside the model's forward hook or the loop's fetch, where the guard must
+        not raise. The states the survivors write at a failure do not need it."""
+        mirror = self._mirror
+        if mirror is None:
+            return
+        try:
+            mirror.write(boundary)
+        except OSError as exc:
+            self._mirror = None
+            mirror.close()
+            logger.warning(
+                "trainguard: rank %d: the step-start record %s cannot be written (%s); "
+                "from now on a restart after this rank is lost resumes from its peers' state "
+                "or the newest checkpoint",
+                self.rank,
+                mirror.path,
+                exc,
+            )
 
     def snapshot_taken(self, snapshot: Snapshot) -> None:
         """Collective, sharded state only: a snapshot's shard goes to the next rank too."""
@@ -192,6 +213,15 @@ class FailureState:
             self._mirror.close()
         if self.usable:
             store.remove_if_empty(self.folder)
+
+    def restart_refused(self) -> None:
+        """A refused restart (``EXIT_DO_NOT_RESTART``) ends the job for good: this rank's
+        files go, and the folder once empty, as at a run's end. The signal handlers stay as
+        the refusal set them (its exit code must not be lost to the agent's SIGTERM)."""
+        if self._mirror is not None:
+            self._mirror.close()
+        if self.usable:
+            store.remove_rank(self.folder, self.rank)
 
     def close(self) -> None:
         """A guard never closed, released when collected or at the interpreter's exit
