@@ -26,9 +26,9 @@ def run_env() -> dict[str, str]:
 def launch(ranks: int, bare: bool = False) -> list[str]:
     """The script's launch. ``bare``: the unguarded reference run, ended by ``fast_exit.py``
     once its results are saved: an unguarded gloo DDP process can abort at interpreter exit
-    (PyTorch's exit race, pytorch/pytorch#190489; docs/benchmarks.md, "Exit stress"), which
-    failed a fresh-clone suite once, and the reference is there for its weights, not its exit.
-    The guarded runs keep their real exit."""
+    (PyTorch's exit race, pytorch/pytorch#190489; "Exit stress" in ``git show
+    c2f3efe:docs/benchmarks.md``), which failed a fresh-clone suite once, and the reference is
+    there for its weights, not its exit. The guarded runs keep their real exit."""
     script = [str(FAST_EXIT), str(SCRIPT)] if bare else [str(SCRIPT)]
     if ranks == 1:
         return [sys.executable, *script]

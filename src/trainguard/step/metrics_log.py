@@ -35,9 +35,9 @@ and an ``ok`` step is written when its number is a multiple of the larger of tha
 and the decade's. A model whose step takes 10 ms or more (at the default 100 lines a
 second) keeps every step; a small MLP at 3,000 steps a second writes every 50th, which
 spares it formatting a line per step (some 4 us of host time hot, 5-8 us in the loop, where
-the whole guard costs about 90 us: docs/benchmarks.md, "Round 8"). Every step not ``ok`` is
-written whatever the stride, and the in-memory ring (a bundle's ``history.json``) keeps
-every step.
+the whole guard costs about 90 us: ``git show 3c1ebd7:docs/benchmarks.md``, "Round 8").
+Every step not ``ok`` is written whatever the stride, and the in-memory ring (a bundle's
+``history.json``) keeps every step.
 """
 
 from __future__ import annotations
