@@ -141,7 +141,34 @@ def named_options(pairs: list[str]) -> dict[str, object]:
         texts[name.strip()] = value
     parsed = options_config(texts, text=True)
     values = flat_options(parsed)
+    for name in texts:
+        _refuse_without_watch(name, values[_where(name)])
     return {name: _plain(values[_where(name)]) for name in texts}
+
+
+def _needs_watch(where: str, value: object) -> bool:
+    """Whether option ``where`` at ``value`` turns on a recovery feature that acts at
+    ``guard.watch()``'s step boundary (snapshots, checkpoints and states at a failure are
+    taken there, a resume continues the data there): under ``trainguard run`` the script
+    iterates its own loader, so none of them could act."""
+    if where == "recovery.resume":
+        return value is True
+    if where == "recovery.checkpoint_every":
+        return isinstance(value, int) and value > 0
+    return where == "recovery.on_escalation" and value == "rollback"
+
+
+def _refuse_without_watch(name: str, value: object) -> None:
+    """ConfigError naming ``--option NAME`` when it turns on a recovery feature that
+    ``trainguard run`` cannot give: the user learns it before the job starts, not from a
+    run that silently took no snapshot or state."""
+    if _needs_watch(_where(name), value):
+        raise ConfigError(
+            f"--option {name}",
+            "trainguard run cannot give it: snapshots, checkpoints and states at a failure "
+            "are taken at guard.watch()'s step boundary, and the script iterates its own "
+            "loader; add the guard to the loop for recovery (docs/recovery.md)",
+        )
 
 
 def _where(name: str) -> str:

@@ -26,8 +26,9 @@ attach all-gather they already make (``leaving.agree_at_attach``). Then:
   script runs on as it would bare;
 - no count (SGD keeps none, or the parameters' counts differ) or 0 on every rank: from 0.
 
-A guard run with its own resume on (``-o recovery.resume=true``) that restored a state of
-its own keeps that state's step: it put its own optimizer state back over the script's.
+A guard whose step is already past 0 when it attaches (a state of its own restored) keeps
+it. (``trainguard run`` refuses ``-o recovery.resume=true``: its resume acts at
+``guard.watch()``'s step boundary, which the script's own loop never reaches; ``options.py``.)
 """
 
 from __future__ import annotations
@@ -85,9 +86,8 @@ def _host_values(steps: list[Any]) -> list[float]:
 def go_on(guard: Guard, counts: list[int | None]) -> int:
     """Set ``guard``'s step from every rank's count (agreed: ``counts`` is the all-gather's,
     the same list on every rank) and return it: the common count, else 0, said when the
-    ranks' counts differ. A guard that resumed a state of its own (``-o recovery.resume=
-    true``: its step is already past 0, the same on every rank) keeps its step: it put its
-    own optimizer state back over the script's."""
+    ranks' counts differ. A guard whose step is already past 0 (a state of its own
+    restored, the same on every rank) keeps its step."""
     if guard.state.step:
         return guard.state.step
     if len(set(counts)) > 1:

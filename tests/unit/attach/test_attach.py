@@ -81,6 +81,29 @@ def test_bad_options_are_config_errors() -> None:
         RunOptions(hang_timeout=-1)
 
 
+@pytest.mark.parametrize(
+    "option",
+    ["recovery.resume=true", "resume=true", "checkpoint_every=50", "on_escalation=rollback"],
+)
+def test_recovery_it_cannot_give_is_one_line_exit_2_before_the_command_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str
+) -> None:
+    """Snapshots, checkpoints and states at a failure are taken at ``watch()``'s step
+    boundary, which a script's own loop never reaches: the options that turn them on are
+    refused up front, naming the option as given, instead of a run that silently has none."""
+    marker = tmp_path / "ran"
+    run = ["run", "--run-dir", str(tmp_path / "run"), "-o", option, "--", "touch", str(marker)]
+    assert main(run) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    name = option.partition("=")[0]
+    assert len(err) == 1 and err[0].startswith(f"trainguard: --option {name}: ")
+    assert "guard.watch()" in err[0] and "docs/recovery.md" in err[0]
+    assert not marker.exists()
+    # what turns nothing on is no refusal (the defaults, a snapshot cadence alone)
+    for harmless in ("recovery.resume=false", "checkpoint_every=0", "on_escalation=raise"):
+        assert main(["run", "--run-dir", str(tmp_path / "ok"), "-o", harmless, "--", "true"]) == 0
+
+
 def test_run_without_a_command_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
