@@ -126,6 +126,7 @@ class Recovery:
         self.watched: Any = None
         """The iterable last given to ``watch()`` (its identity goes into the stop record)."""
         self._restart_checked = False
+        self._said_no_watch = False
         self._resume_rng: tuple[int, dict[str, Any], str] | None = None
         """A resumed step's RNG states and the moment to put them back (``Boundary.at``)."""
         self.checkpoints = DiskCheckpoints(config, objects, events, group, rank)
@@ -183,6 +184,22 @@ class Recovery:
         if self.failure is not None:
             self.failure.restart_refused()
         os._exit(code)
+
+    def _say_no_watch(self, step: int) -> None:
+        """Once, at the first step decided outside a ``watch()`` loop: recovery takes its
+        snapshots, checkpoints and states at a failure at ``watch()``'s step boundary
+        (``step_boundary``), so this loop gets none; said in one line (rank 0), not found
+        out at the first failure."""
+        self._said_no_watch = True
+        if self.rank == 0:
+            logger.warning(
+                "trainguard: recovery is on (resume, checkpoint_every or "
+                "on_escalation='rollback') but step %d was not fed by guard.watch(): "
+                "snapshots, checkpoints and states at a failure are taken at its step "
+                "boundary, so none are; iterate `for batch in guard.watch(loader)` "
+                "(docs/recovery.md)",
+                step,
+            )
 
     def watch(self, view: StreamView, iterable: Any, epoch: int) -> None:
         ended = self.stream
@@ -256,6 +273,8 @@ class Recovery:
 
     def after_step(self, step: int, ok: bool, loss: float) -> None:
         """The agreed outcome of ``step`` (before the optimizer step, when ``ok``)."""
+        if self.stream is None and not self._said_no_watch:
+            self._say_no_watch(step)
         if self.failure is not None:
             self.failure.boundary.decided(step, ok)
         self.lr.backoff = self.state.backoff

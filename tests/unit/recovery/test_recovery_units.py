@@ -134,3 +134,38 @@ def test_a_scheduler_the_guard_was_not_given_is_named(
     named = [r.getMessage() for r in caplog.records if "LR scheduler" in r.getMessage()]
     assert len(named) == (0 if given else 1 + len(rollbacks))
     assert given or "ahead" in named[-1]
+
+
+@pytest.mark.parametrize(
+    "options", [{"on_escalation": "rollback"}, {"checkpoint_every": 2}, {"resume": True}]
+)
+def test_recovery_in_a_loop_without_watch_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, options: dict[str, object]
+) -> None:
+    """Snapshots, checkpoints and states at a failure are taken at ``watch()``'s step
+    boundary: a loop that hands its batches over some other way gets none, and is told so
+    at its first step, in one line, rather than at its first failure. A ``watch()`` loop is
+    told nothing."""
+    import logging
+
+    import trainguard as tg
+
+    def run(folder: Path, watched: bool) -> list[str]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        guard = tg.Guard(model, opt, run_dir=folder, hang_timeout=0, **options)  # type: ignore[arg-type]
+        batches = [torch.ones(2, 4)] * 4
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="trainguard"), guard:
+            for x in guard.watch(batches) if watched else batches:
+                loss = model(x).sum()
+                loss.backward()
+                if guard.check(loss):
+                    opt.step()
+                opt.zero_grad()
+        return [r.getMessage() for r in caplog.records if "guard.watch()" in r.getMessage()]
+
+    lines = run(tmp_path / "plain", watched=False)
+    assert len(lines) == 1 and "step 0 was not fed by guard.watch()" in lines[0]
+    assert run(tmp_path / "watched", watched=True) == []
