@@ -29,6 +29,7 @@ from trainguard.recovery import target as targets
 from trainguard.recovery.agree import same_on_every_rank
 from trainguard.recovery.backoff import Backoff, LrFactor
 from trainguard.recovery.disk_checkpoints import DiskCheckpoints
+from trainguard.recovery.failure.batch_digest import check_resumed_batch
 from trainguard.recovery.failure.part import FailureState
 from trainguard.recovery.first_loss import FirstLossCheck
 from trainguard.recovery.ladder import Rung, rung_for
@@ -127,6 +128,9 @@ class Recovery:
         """The iterable last given to ``watch()`` (its identity goes into the stop record)."""
         self._restart_checked = False
         self._said_no_watch = False
+        self._resume_digest: tuple[int, str] | None = None
+        """A resumed state at a failure's step and the digest of its first batch on this
+        rank (``failure/batch_digest.py``): checked at that step's hand-out."""
         self._resume_rng: tuple[int, dict[str, Any], str] | None = None
         """A resumed step's RNG states and the moment to put them back (``Boundary.at``)."""
         self.checkpoints = DiskCheckpoints(config, objects, events, group, rank)
@@ -263,6 +267,11 @@ class Recovery:
         if resume_rng is not None and resume_rng[0] == step and resume_rng[2] == "handout":
             set_rng_state(resume_rng[1])
             self._resume_rng = None
+        expected = self._resume_digest
+        if expected is not None and stream is not None:
+            self._resume_digest = None
+            if expected[0] == step:
+                check_resumed_batch(self.events, self.rank, step, expected[1], stream)
         if stream is not None and failure is not None:
             failure.handout(step, stream)
 
@@ -322,6 +331,8 @@ class Recovery:
         self._optimizer_steps = self.state.applied or 0
         self.resume_point = found.point
         self._resume_rng = found.rng
+        digest = found.extras["data"].get("batch_digest")
+        self._resume_digest = (found.step, digest) if isinstance(digest, str) else None
         self.first_loss.resumed(found.step, found.first_loss)
         if found.path is not None:
             self.resumed_from = relative_checkpoint(run_dir, found.path)

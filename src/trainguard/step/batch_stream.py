@@ -142,6 +142,15 @@ class BatchStream:
         return self.position if first is None else first
 
     @property
+    def step_batch(self) -> Any:
+        """The first batch of the step in progress, the one at ``step_position`` (None when
+        neither handed out nor fetched)."""
+        first = self.unchecked.first_batch()
+        if first is not None:
+            return first[0]
+        return self._queue[0][1] if self._queue else None
+
+    @property
     def untrained_position(self) -> int:
         """During a ``check()``: the first position the loop has not trained on, a batch it
         fetched ahead and holds (it trains the next step on it), else the next to hand out."""

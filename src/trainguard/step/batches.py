@@ -60,6 +60,10 @@ class StepBatches:
         (None: none handed out since the last decided step)."""
         return self._items[0][2] if self._items else None
 
+    def first_batch(self) -> tuple[Any] | None:
+        """The oldest item waiting (``first_position``'s), in a 1-tuple (None: none)."""
+        return (self._items[0][0],) if self._items else None
+
     def ahead_position(self) -> int | None:
         """Position of the first item beyond the step being decided: a batch the loop fetched
         ahead and has not trained on (None: the loop holds none)."""

@@ -230,7 +230,10 @@ def test_a_record_with_a_loader_state_of_its_own_cannot_serve() -> None:
 # -- end to end, one process ------------------------------------------------------------------
 
 
-def _train(run_dir: Path, steps: int, fail_at: int | None = None) -> tuple[nn.Module, tg.Guard]:
+def _train(
+    run_dir: Path, steps: int, fail_at: int | None = None, shift: int = 0
+) -> tuple[nn.Module, tg.Guard]:
+    """``shift``: the data starts at that batch (an iterable that resumes by itself)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -238,6 +241,7 @@ def _train(run_dir: Path, steps: int, fail_at: int | None = None) -> tuple[nn.Mo
     data = [
         (torch.randn(4, 4, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(steps)
     ]
+    data = data[shift:] + data[:shift]
     guard = tg.Guard(model, opt, run_dir=run_dir, resume=True, hang_timeout=0)
     try:
         with guard:
@@ -264,6 +268,7 @@ def test_an_exception_mid_step_leaves_the_state_a_restart_resumes_from(tmp_path:
     resumed, _ = _train(tmp_path / "run", 8)
     resumes = [e for e in read_events(tmp_path / "run") if e["kind"] == "resume"]
     assert resumes[-1]["from_step"] == 5 and resumes[-1]["source"] == "failure_state"
+    assert not [e for e in read_events(tmp_path / "run") if e["kind"] == "resume_data_mismatch"]
     for a, b in zip(plain.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
     folder = store.job_folder(tmp_path / "run", None)
@@ -356,3 +361,21 @@ def test_a_step_start_record_that_cannot_be_written_is_given_up_not_raised(
     assert guard.state.step == 6
     for a, b in zip(plain.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_resume_fed_batches_in_another_order_is_told(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The state at a failure holds a digest of its step's first batch; a resume whose
+    iterable starts where the loop left off by itself (``watch()`` skips to the position on
+    top of it) is handed another batch there: one line and a ``resume_data_mismatch`` event,
+    not a run that silently trains on other data."""
+    _train(tmp_path / "run", 8, fail_at=5)
+    (state,) = [e for e in read_events(tmp_path / "run") if e["kind"] == "failure_state"]
+    assert state["saved"] and state["step"] == 5
+    with caplog.at_level(logging.WARNING, logger="trainguard"):
+        _train(tmp_path / "run", 8, shift=5)
+    (mismatch,) = [e for e in read_events(tmp_path / "run") if e["kind"] == "resume_data_mismatch"]
+    assert (mismatch["step"], mismatch["position"], mismatch["epoch"]) == (5, 5, 0)
+    lines = [r.getMessage() for r in caplog.records if "resumed step 5" in r.getMessage()]
+    assert len(lines) == 1 and "from its beginning" in lines[0]

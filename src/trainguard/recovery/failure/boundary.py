@@ -45,6 +45,9 @@ class Boundary:
     at: str = "forward"
     """The moment ``rng`` was taken: ``"forward"`` (the step's first training forward) or
     ``"handout"`` (its first batch's hand-out)."""
+    batch: Any = None
+    """The step's first batch (a reference: its digest is taken only when a state is
+    written, ``batch_digest.py``)."""
 
 
 class StepBoundary:

@@ -39,7 +39,7 @@ def _boundary(step: int, stream: Stream, at: str, rng: RngSnapshot) -> Boundary:
     """The start of ``step``: its first batch's position in ``stream`` and the loader there."""
     position = stream.view.step_position
     loader = stream.loader.at(position) if stream.loader is not None else None
-    return Boundary(step, stream.epoch, position, loader, rng, at)
+    return Boundary(step, stream.epoch, position, loader, rng, at, stream.view.step_batch)
 
 
 def replicated(model: nn.Module, world: int) -> bool:

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from trainguard.events import EventLog
 from trainguard.recovery.failure import store
+from trainguard.recovery.failure.batch_digest import batch_digest
 from trainguard.recovery.failure.boundary import Boundary, StepBoundary
 from trainguard.recovery.failure.shards import PeerShards, localize
 from trainguard.recovery.snapshot import TrainingObjects, to_cpu
@@ -190,6 +191,7 @@ class FailureWriter:
                 "epoch": boundary.epoch,
                 "position": boundary.position,
                 "loader": copy.deepcopy(boundary.loader_state),
+                "batch_digest": batch_digest(boundary.batch),
             },
             "guard": copy.deepcopy(self.guard_state.state_dict()),
             "recovery": copy.deepcopy(self.recovery_state.state_dict()),
