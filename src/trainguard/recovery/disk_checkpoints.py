@@ -17,6 +17,7 @@ from trainguard.capture.rng import rng_state
 from trainguard.config import GuardConfig
 from trainguard.events import EventLog
 from trainguard.recovery import checkpoint as ckpt
+from trainguard.recovery.failure.batch_digest import batch_digest
 from trainguard.recovery.snapshot import TrainingObjects
 from trainguard.recovery.types import Stream
 
@@ -78,7 +79,12 @@ class DiskCheckpoints:
             "rng": rng_state(),
             "guard": guard,
             "recovery": recovery,
-            "data": {"epoch": stream.epoch, "position": position, "loader": loader},
+            "data": {
+                "epoch": stream.epoch,
+                "position": position,
+                "loader": loader,
+                "batch_digest": batch_digest(stream.view.step_batch),
+            },
         }
         self.finish()  # a previous one still writing (good_after >= checkpoint_every)
         saved = ckpt.save(

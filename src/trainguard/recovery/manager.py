@@ -129,8 +129,8 @@ class Recovery:
         self._restart_checked = False
         self._said_no_watch = False
         self._resume_digest: tuple[int, str] | None = None
-        """A resumed state at a failure's step and the digest of its first batch on this
-        rank (``failure/batch_digest.py``): checked at that step's hand-out."""
+        """A resumed step and the digest of its first batch on this rank, from a state at a
+        failure or a checkpoint (``failure/batch_digest.py``): checked at its boundary."""
         self._resume_rng: tuple[int, dict[str, Any], str] | None = None
         """A resumed step's RNG states and the moment to put them back (``Boundary.at``)."""
         self.checkpoints = DiskCheckpoints(config, objects, events, group, rank)
@@ -233,6 +233,11 @@ class Recovery:
         step = self.guard_state.step
         if stream is None:
             return
+        expected = self._resume_digest
+        if expected is not None:  # the resumed step's first batch, the failed attempt's?
+            self._resume_digest = None
+            if expected[0] == step:
+                check_resumed_batch(self.events, self.rank, step, expected[1], stream)
         resume_rng = self._resume_rng
         if resume_rng is not None and resume_rng[0] == step and resume_rng[2] == "forward":
             # As the checkpointed run had it here: at the batch's hand-out, and again at the
@@ -267,11 +272,6 @@ class Recovery:
         if resume_rng is not None and resume_rng[0] == step and resume_rng[2] == "handout":
             set_rng_state(resume_rng[1])
             self._resume_rng = None
-        expected = self._resume_digest
-        if expected is not None and stream is not None:
-            self._resume_digest = None
-            if expected[0] == step:
-                check_resumed_batch(self.events, self.rank, step, expected[1], stream)
         if stream is not None and failure is not None:
             failure.handout(step, stream)
 

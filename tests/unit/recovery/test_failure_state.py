@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -231,9 +232,10 @@ def test_a_record_with_a_loader_state_of_its_own_cannot_serve() -> None:
 
 
 def _train(
-    run_dir: Path, steps: int, fail_at: int | None = None, shift: int = 0
+    run_dir: Path, steps: int, fail_at: int | None = None, shift: int = 0, **options: Any
 ) -> tuple[nn.Module, tg.Guard]:
-    """``shift``: the data starts at that batch (an iterable that resumes by itself)."""
+    """``shift``: the data starts at that batch (an iterable that resumes by itself).
+    ``options``: more ``Guard`` options."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -242,7 +244,7 @@ def _train(
         (torch.randn(4, 4, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(steps)
     ]
     data = data[shift:] + data[:shift]
-    guard = tg.Guard(model, opt, run_dir=run_dir, resume=True, hang_timeout=0)
+    guard = tg.Guard(model, opt, run_dir=run_dir, resume=True, hang_timeout=0, **options)
     try:
         with guard:
             for x, y in guard.watch(data):
@@ -363,19 +365,34 @@ def test_a_step_start_record_that_cannot_be_written_is_given_up_not_raised(
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("source", ["failure_state", "checkpoint"])
 def test_a_resume_fed_batches_in_another_order_is_told(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, source: str
 ) -> None:
-    """The state at a failure holds a digest of its step's first batch; a resume whose
-    iterable starts where the loop left off by itself (``watch()`` skips to the position on
-    top of it) is handed another batch there: one line and a ``resume_data_mismatch`` event,
-    not a run that silently trains on other data."""
-    _train(tmp_path / "run", 8, fail_at=5)
-    (state,) = [e for e in read_events(tmp_path / "run") if e["kind"] == "failure_state"]
-    assert state["saved"] and state["step"] == 5
-    with caplog.at_level(logging.WARNING, logger="trainguard"):
-        _train(tmp_path / "run", 8, shift=5)
-    (mismatch,) = [e for e in read_events(tmp_path / "run") if e["kind"] == "resume_data_mismatch"]
-    assert (mismatch["step"], mismatch["position"], mismatch["epoch"]) == (5, 5, 0)
-    lines = [r.getMessage() for r in caplog.records if "resumed step 5" in r.getMessage()]
-    assert len(lines) == 1 and "from its beginning" in lines[0]
+    """A state at a failure and a checkpoint hold a digest of their step's first batch; a
+    resume whose iterable starts where the loop left off by itself (``watch()`` skips to
+    the position on top of it) is handed another batch there: one line and a
+    ``resume_data_mismatch`` event, not a run that silently trains on other data. The
+    same iterable from its beginning: no event."""
+    options: dict[str, Any] = {}
+    if source == "checkpoint":
+        options = {"checkpoint_every": 2, "recovery.save_at_failure": False}
+    step = 5 if source == "failure_state" else 2  # the checkpoint of step 4 is not good yet
+    for run, shift in (("same", 0), ("shifted", 5)):
+        _train(tmp_path / run, 8, fail_at=5, **options)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="trainguard"):
+            _train(tmp_path / run, 8, shift=shift, **options)
+        (resume,) = [e for e in read_events(tmp_path / run) if e["kind"] == "resume"][-1:]
+        assert resume["from_step"] == step
+        assert resume.get("source", "checkpoint") == source  # a checkpoint's names its path
+        events = read_events(tmp_path / run)
+        mismatches = [e for e in events if e["kind"] == "resume_data_mismatch"]
+        lines = [r.getMessage() for r in caplog.records if "resumed step" in r.getMessage()]
+        if not shift:
+            assert mismatches == [] and lines == []
+            continue
+        (mismatch,) = mismatches
+        assert (mismatch["step"], mismatch["position"], mismatch["epoch"]) == (step, step, 0)
+        assert len(lines) == 1 and f"resumed step {step} " in lines[0]
+        assert "from its beginning" in lines[0]

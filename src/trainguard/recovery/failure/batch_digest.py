@@ -1,12 +1,13 @@
-"""A digest of a step's first batch, written with the state at a failure and checked when a
-resume hands that step's batch out again.
+"""A digest of a step's first batch, written with a state at a failure or a checkpoint and
+checked when a resume reaches that step's boundary again.
 
 A resume at the step in flight re-reads the iterable given to ``watch()`` and drops the
 items before the step's position: the order must be the first attempt's. An iterable that
 starts where the loop left off by itself (a stream seeded by the loop's step, a loader the
 script resumes) then lands elsewhere, and the run would train on other batches with no
-error. The survivors hold the step's first batch when they write their state: its digest
-goes into the state, and the resumed rank compares the batch it is handed at that step.
+error. The survivors hold the step's first batch when they write their state (a checkpoint
+holds it when it is written): its digest goes in, and a rank resuming from its own state or
+checkpoint compares the batch it is given at that step (``Recovery.step_boundary``).
 
 Only CPU tensors are read (their bytes, in the batch's order, with dtype and shape): a
 failing rank must not wait on a device, and a resume reads it once. A batch with a tensor
