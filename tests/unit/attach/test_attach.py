@@ -100,8 +100,15 @@ def test_recovery_it_cannot_give_is_one_line_exit_2_before_the_command_runs(
     assert "guard.watch()" in err[0] and "docs/recovery.md" in err[0]
     assert not marker.exists()
     # what turns nothing on is no refusal (the defaults, a snapshot cadence alone)
-    for harmless in ("recovery.resume=false", "checkpoint_every=0", "on_escalation=raise"):
-        assert main(["run", "--run-dir", str(tmp_path / "ok"), "-o", harmless, "--", "true"]) == 0
+    harmless = (
+        "resume=false",
+        "checkpoint_every=0",
+        "on_escalation=raise",
+        "recovery.snapshot_every=5",
+    )
+    for harmless_option in harmless:
+        ok = ["run", "--run-dir", str(tmp_path / "ok"), "-o", harmless_option, "--", "true"]
+        assert main(ok) == 0
 
 
 def test_run_without_a_command_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

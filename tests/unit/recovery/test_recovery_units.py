@@ -3,12 +3,14 @@ the good-after rule of snapshots."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 from tg_recovery import rollback_config, train
 
+import trainguard as tg
 from trainguard.recovery.backoff import Backoff, LrFactor
 from trainguard.recovery.ladder import Rung, rung_for
 from trainguard.recovery.ledger import SkipEntry, SkipLedger, sample_indices
@@ -146,9 +148,6 @@ def test_recovery_in_a_loop_without_watch_is_said_once(
     boundary: a loop that hands its batches over some other way gets none, and is told so
     at its first step, in one line, rather than at its first failure. A ``watch()`` loop is
     told nothing."""
-    import logging
-
-    import trainguard as tg
 
     def run(folder: Path, watched: bool) -> list[str]:
         torch.manual_seed(0)
