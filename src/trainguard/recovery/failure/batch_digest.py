@@ -46,10 +46,11 @@ def batch_digest(batch: Any) -> str | None:
     return digest.hexdigest()
 
 
-def _raw(tensor: Tensor) -> bytes | None:
+def _raw(tensor: Tensor) -> memoryview | None:
+    """The tensor's bytes, without a copy when it is contiguous (hashed in place)."""
     try:
         flat = tensor.detach().contiguous().reshape(-1)
-        return bytes(flat.view(torch.uint8).numpy())
+        return memoryview(flat.view(torch.uint8).numpy())
     except (RuntimeError, TypeError, ValueError):
         return None
 
