@@ -50,7 +50,7 @@ def _raw(tensor: Tensor) -> memoryview | None:
     """The tensor's bytes, without a copy when it is contiguous (hashed in place)."""
     try:
         flat = tensor.detach().contiguous().reshape(-1)
-        return memoryview(flat.view(torch.uint8).numpy())
+        return flat.view(torch.uint8).numpy().data
     except (RuntimeError, TypeError, ValueError):
         return None
 
