@@ -140,35 +140,34 @@ def named_options(pairs: list[str]) -> dict[str, object]:
             raise ConfigError("--option", f"got {pair!r}; use NAME=VALUE, e.g. spikes.warmup=20")
         texts[name.strip()] = value
     parsed = options_config(texts, text=True)
+    if parsed.recovery.enabled:
+        _refuse_recovery(texts)
     values = flat_options(parsed)
-    for name in texts:
-        _refuse_without_watch(name, values[_where(name)])
     return {name: _plain(values[_where(name)]) for name in texts}
 
 
-def _needs_watch(where: str, value: object) -> bool:
-    """Whether option ``where`` at ``value`` turns on a recovery feature that acts at
-    ``guard.watch()``'s step boundary (snapshots, checkpoints and states at a failure are
-    taken there, a resume continues the data there): under ``trainguard run`` the script
-    iterates its own loader, so none of them could act."""
-    if where == "recovery.resume":
-        return value is True
-    if where == "recovery.checkpoint_every":
-        return isinstance(value, int) and value > 0
-    return where == "recovery.on_escalation" and value == "rollback"
+def _refuse_recovery(texts: dict[str, str]) -> None:
+    """ConfigError naming the ``--option`` that turns recovery on (``RecoveryConfig.enabled``:
+    resume, checkpoints, rollback), which ``trainguard run`` cannot give: its snapshots,
+    checkpoints and states at a failure are taken at ``guard.watch()``'s step boundary,
+    which the script's own loop never reaches. Said before the job starts, not found out
+    from a run that silently took none."""
+    name = next((n for n in texts if _turns_on_recovery(n, texts[n])), next(iter(texts)))
+    raise ConfigError(
+        f"--option {name}",
+        "trainguard run cannot give it: snapshots, checkpoints and states at a failure "
+        "are taken at guard.watch()'s step boundary, and the script iterates its own "
+        "loader; add the guard to the loop for recovery (docs/recovery.md)",
+    )
 
 
-def _refuse_without_watch(name: str, value: object) -> None:
-    """ConfigError naming ``--option NAME`` when it turns on a recovery feature that
-    ``trainguard run`` cannot give: the user learns it before the job starts, not from a
-    run that silently took no snapshot or state."""
-    if _needs_watch(_where(name), value):
-        raise ConfigError(
-            f"--option {name}",
-            "trainguard run cannot give it: snapshots, checkpoints and states at a failure "
-            "are taken at guard.watch()'s step boundary, and the script iterates its own "
-            "loader; add the guard to the loop for recovery (docs/recovery.md)",
-        )
+def _turns_on_recovery(name: str, text: str) -> bool:
+    """Whether ``--option name=text`` alone turns recovery on (False when it is not an
+    option on its own: the pairs together were valid, one alone may not be)."""
+    try:
+        return options_config({name: text}, text=True).recovery.enabled
+    except ConfigError:
+        return False
 
 
 def _where(name: str) -> str:
