@@ -262,12 +262,16 @@ class Guard:
             self._refuse_join()
             return self._parts.sync_free.step(loss)
         ok = self.check(loss)
-        if ok:
+        if self.scaler is not None and getattr(self.optimizer, "scaler", None) is self.scaler:
+            # accelerate's optimizer steps through its scaler and updates it; a bad step's
+            # overflow is marked (check()), so the scaler leaves it out
+            self.optimizer.step()
+        elif ok:
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
             else:
                 self.optimizer.step()
-        if self.scaler is not None:
+        if self.scaler is not None and getattr(self.optimizer, "scaler", None) is not self.scaler:
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return StepOutcome(ok)

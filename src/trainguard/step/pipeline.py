@@ -23,6 +23,7 @@ fused pass read straight back (``single_process.AloneMeasure``).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -53,6 +54,8 @@ from trainguard.step.state import GuardState
 from trainguard.step.step_start import StepStart
 from trainguard.step.transient import TransientFaults
 from trainguard.step.types import USUAL_CALL, Agreement, Decision, StepCall
+
+logger = logging.getLogger(__name__)
 
 
 class StepPipeline:
@@ -97,6 +100,9 @@ class StepPipeline:
         """The cross-rank health rules; None with one rank (no other rank to compare)."""
         self._apply = apply
         self._scaler = scaler
+        self._unscaled: Any = None
+        """The scaler's state of the step this guard unscaled last (``amp.unscale``)."""
+        self._told_not_updated = False
         self.transient: TransientFaults | None = None
         """``rerun=``: the agree stage reruns a bad step (``step/transient.py``)."""
         self.stream: BatchStream | None = None
@@ -145,13 +151,28 @@ class StepPipeline:
         if self.start.step != step:
             self.start.missed(step)
         if self._scaler is not None:
-            amp.unscale(self._scaler, self.optimizer)
+            self._unscaled, stale = amp.unscale(self._scaler, self.optimizer, self._unscaled)
+            if stale:
+                self._say_scaler_not_updated()
         stats, report, sharded = self.measure(loss, step, readback=True, call=call)
         agreement = self.consensus.agree(report, sharded)
         agreement = self.inputs.forgive_masks(agreement, step, self.consensus.any_rank)
         if agreement.bad and self.transient is not None:
             agreement, stats = self.transient.rerun(step, agreement, stats)
         return agreement, stats
+
+    def _say_scaler_not_updated(self) -> None:
+        """Once, from rank 0: the loop did not update the scaler after a step left out."""
+        if self._told_not_updated or self.consensus.rank != 0:
+            return
+        self._told_not_updated = True
+        logger.warning(
+            "trainguard: the GradScaler was not updated after a step the guard left out (its "
+            "scale did not go down, and the step after it was unscaled anew): call "
+            "scaler.update() at every step, left out or not; with accelerate under fp16 call "
+            "optimizer.step() at every step (its scaler leaves out a step the guard found "
+            "bad, then updates itself): docs/guard.md#accelerate"
+        )
 
     def decide(
         self, agreement: Agreement, step: int, device_verdict: list[list[float]] | None = None
