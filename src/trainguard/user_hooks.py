@@ -120,6 +120,15 @@ def prepare_eager() -> None:
         _eager_call = torch.compiler.disable(_call)  # type: ignore[no-untyped-call]
 
 
+def eagerly(callback: Callable[..., Any]) -> Callable[..., Any]:
+    """``callback`` under ``torch.compiler.disable``, for a hook of the guard's that dynamo
+    is tracing (a process-wide optimizer hook inside a compiled ``optimizer.step()``): a
+    graph break, the callback run eagerly, nothing of it in the graph and no guard on what
+    it reads (traced, the guard's whole step path was compiled anew at every step until
+    dynamo's recompile limit, with its warnings). Made while tracing only: dynamo is there."""
+    return torch.compiler.disable(callback)  # type: ignore[no-untyped-call,no-any-return]
+
+
 class Hook:
     """A hook that calls ``callback``; its copies (pickle, ``deepcopy``) call nothing.
     ``inside_compiled``: the module is inside a ``torch.compile`` wrapper (module docstring)."""
