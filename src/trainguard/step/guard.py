@@ -262,17 +262,17 @@ class Guard:
             self._refuse_join()
             return self._parts.sync_free.step(loss)
         ok = self.check(loss)
-        if self.scaler is not None and getattr(self.optimizer, "scaler", None) is self.scaler:
+        scaler = self.scaler
+        if scaler is not None and getattr(self.optimizer, "scaler", None) is scaler:
             # accelerate's optimizer steps through its scaler and updates it; a bad step's
             # overflow is marked (check()), so the scaler leaves it out
             self.optimizer.step()
+        elif scaler is not None:
+            if ok:
+                scaler.step(self.optimizer)
+            scaler.update()
         elif ok:
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)
-            else:
-                self.optimizer.step()
-        if self.scaler is not None and getattr(self.optimizer, "scaler", None) is not self.scaler:
-            self.scaler.update()
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepOutcome(ok)
 

@@ -162,16 +162,16 @@ class StepPipeline:
         return agreement, stats
 
     def _say_scaler_not_updated(self) -> None:
-        """Once, from rank 0: the loop did not update the scaler after a step left out."""
+        """Once, from rank 0: the loop did not update the scaler after the step before."""
         if self._told_not_updated or self.consensus.rank != 0:
             return
         self._told_not_updated = True
         logger.warning(
-            "trainguard: the GradScaler was not updated after a step the guard left out (its "
-            "scale did not go down, and the step after it was unscaled anew): call "
-            "scaler.update() at every step, left out or not; with accelerate under fp16 call "
-            "optimizer.step() at every step (its scaler leaves out a step the guard found "
-            "bad, then updates itself): docs/guard.md#accelerate"
+            "trainguard: the GradScaler was not updated after the step before (the guard "
+            "unscaled this step anew, and backed the scale off if that step overflowed): "
+            "call scaler.update() at every step, left out or not; with accelerate under fp16 "
+            "call optimizer.step() at every step (its scaler leaves out a step the guard "
+            "found bad, then updates itself): docs/guard.md#accelerate"
         )
 
     def decide(
