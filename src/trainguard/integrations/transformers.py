@@ -109,6 +109,16 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
                 "MyTrainer(TrainGuardMixin, Trainer)): a callback sees neither the loss nor "
                 "the batches; refused before the first step",
             )
+        if getattr(getattr(self._trainer, "accelerator", None), "scaler", None) is not None:
+            raise ConfigError(
+                "trainer",
+                "TrainGuardCallback cannot guard fp16 with a GradScaler (TrainingArguments("
+                "fp16=True) on a GPU): a step it leaves out has no gradients left for the "
+                "scaler's overflow check, which raises at optimizer.step() ('No inf checks "
+                "were recorded'); use bf16=True, or run the script unchanged under "
+                "`trainguard run` (it checks inside the scaler's step); refused before the "
+                "first step",
+            )
         model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
         if not isinstance(model, nn.Module) or optimizer is None:
             raise ConfigError("model", "the Trainer passed no model/optimizer to on_train_begin")

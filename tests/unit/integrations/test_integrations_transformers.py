@@ -350,3 +350,21 @@ def test_a_trainers_own_loss_is_named_and_a_model_loss_replay_says_it_did_not_co
     assert "the replay did not compute the loss the run did" in report.summary
     assert "WeightedTrainer.compute_loss" in report.summary
     assert report.advice.startswith("Write the factory's loss_fn with the run's own loss")
+
+
+def test_fp16_with_a_grad_scaler_is_refused_before_the_first_step(tmp_path: Path) -> None:
+    """The Trainer's GradScaler (fp16 on a GPU; put on its accelerator here, as accelerate
+    does there): a skip cleared the gradients before the scaler's check, and the scaler raised
+    at the Trainer's ``optimizer.step()`` ("No inf checks were recorded") at the first step
+    the guard left out. Refused at ``train()`` instead, naming bf16 and ``trainguard run``."""
+    ex = _example()
+    trainer = ex.GuardedTrainer(
+        model=ex.tiny_gpt2(),
+        args=_args(tmp_path),
+        train_dataset=ex.Tokens(masked=None),
+        callbacks=[TrainGuardCallback(run_dir=tmp_path, hang_timeout=0, capture=False)],
+    )
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(ConfigError, match=r"fp16 with a GradScaler.*bf16=True.*trainguard run"):
+        trainer.train()
+    assert not [e for e in tg.read_events(tmp_path, 0) if e["kind"] == "skip"]
