@@ -1,8 +1,8 @@
 """``trainguard run`` around a Hugging Face Trainer whose accelerator holds a GradScaler (fp16 on
 a GPU; a CPU GradScaler put on it here). The Trainer scales the loss, clips, and steps through
 the scaler; ``trainguard run`` checks inside the scaler's step. A NaN gradient: the step left
-out, the scale backed off, the weights bit for bit the bare Trainer's. (``TrainGuardCallback``
-refuses this setting: docs/transformers.md; this is the way its refusal names.)"""
+out, the scale backed off, the weights bit for bit the bare Trainer's (docs/transformers.md:
+``TrainGuardCallback`` under the same scaler)."""
 
 from __future__ import annotations
 

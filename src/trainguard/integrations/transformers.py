@@ -19,8 +19,20 @@ in the logs), ``optimizer.step()`` leaves weights and moments unchanged. The Tra
 counts the step: ``global_step`` and the LR scheduler advance on a skipped step, exactly as
 for a step whose update was zero, so the schedule stays aligned with ``global_step`` and
 ``max_steps``. ``on_nonfinite="raise"`` and escalation raise on every rank out of
-``trainer.train()``. Evaluation runs under ``guard.phase("evaluation")``, a checkpoint's
-write under ``guard.phase("checkpoint")``.
+``trainer.train()``.
+
+With a GradScaler on the Trainer's accelerator (``fp16=True`` on a GPU) the window's last
+micro-batch records its loss and ``guard.check`` runs at ``on_pre_optimizer_step``, after
+the Trainer's clip has unscaled the gradients (``Guard(scaler=...)`` finds them unscaled;
+the clip's spread of a NaN then hides which parameters were bad). A bad step is the
+scaler's skip: its overflow marked on every rank, the scaler leaves the update out and lowers
+its scale, and accelerate holds the LR scheduler, as for an overflow of its own; an overflow
+with a finite loss is the scaler's business (an ``overflow`` event, not a bad step). Before,
+the check ran before the clip and a skip cleared the gradients, and the scaler, finding
+none to check, raised at ``optimizer.step()`` ("No inf checks were recorded").
+
+Evaluation runs under ``guard.phase("evaluation")``, a checkpoint's write under
+``guard.phase("checkpoint")``.
 
 A Trainer without ``TrainGuardMixin`` is refused in ``on_train_begin``, before any forward.
 ``log_metrics=True`` (the default): the mixin's ``log()`` adds ``guard.metrics()`` to the
@@ -88,6 +100,11 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
         self.final_state: dict[str, Any] | None = None
         """The guard's ``state_dict()`` when training ended."""
         self._checked = False
+        self._scaled = False
+        """The Trainer's accelerator holds a GradScaler (fp16 on a GPU): the check waits for
+        ``on_pre_optimizer_step``, after the Trainer's clip has unscaled the gradients."""
+        self._due = False
+        """A step's last micro-batch came and its check waits (``_scaled``)."""
         self._resume_from: str | None = None
         """The Trainer checkpoint ``train(resume_from_checkpoint=...)`` resumes from."""
 
@@ -109,16 +126,8 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
                 "MyTrainer(TrainGuardMixin, Trainer)): a callback sees neither the loss nor "
                 "the batches; refused before the first step",
             )
-        if getattr(getattr(self._trainer, "accelerator", None), "scaler", None) is not None:
-            raise ConfigError(
-                "trainer",
-                "TrainGuardCallback cannot guard fp16 with a GradScaler (TrainingArguments("
-                "fp16=True) on a GPU): a step it leaves out has no gradients left for the "
-                "scaler's overflow check, which raises at optimizer.step() ('No inf checks "
-                "were recorded'); use bf16=True, or run the script unchanged under "
-                "`trainguard run` (it checks inside the scaler's step); refused before the "
-                "first step",
-            )
+        scaler = getattr(getattr(self._trainer, "accelerator", None), "scaler", None)
+        self._scaled = scaler is not None  # fp16 on a GPU: checked after the unscale
         model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
         if not isinstance(model, nn.Module) or optimizer is None:
             raise ConfigError("model", "the Trainer passed no model/optimizer to on_train_begin")
@@ -130,7 +139,7 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
         if self._rerun:
             _check_rerun(args, self._trainer)
             rerun = TrainerRerun(self._trainer, self._micro)
-        self.guard = Guard(model, inner, config=config, rerun=rerun)
+        self.guard = Guard(model, inner, config=config, rerun=rerun, scaler=scaler)
         self.guard.internals.name_loss_source(custom_loss(self._trainer))
         if self._resume_from is not None:
             self._load_guard_state(Path(self._resume_from), getattr(state, "global_step", 0))
@@ -166,6 +175,9 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
             torch.save(guard.state_dict(), folder / GUARD_STATE)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.guard is not None and self._due:  # a GradScaler's step: after its unscale
+            self._due = False
+            self._check(None)
         if self.guard is not None and not self._checked:
             raise ConfigError(
                 "trainer",
@@ -227,8 +239,19 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
             guard.record_loss(loss)
             return
         self._checked = True
+        if self._scaled:  # checked at on_pre_optimizer_step, with the losses recorded
+            guard.record_loss(loss)
+            self._due = True
+            return
+        self._check(loss)
+
+    def _check(self, loss: Tensor | None) -> None:
+        """The step's check (skip: gradients cleared on every rank; raise: on every rank)."""
+        guard = self.guard
+        if guard is None:
+            return
         try:
-            guard.check(loss)  # skip: gradients cleared on every rank; raise: on every rank
+            guard.check(loss)
         except BaseException:
             self._log_final_metrics()  # the step that ends the run reaches the reporters too
             raise

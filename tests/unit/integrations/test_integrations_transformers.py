@@ -352,19 +352,59 @@ def test_a_trainers_own_loss_is_named_and_a_model_loss_replay_says_it_did_not_co
     assert report.advice.startswith("Write the factory's loss_fn with the run's own loss")
 
 
-def test_fp16_with_a_grad_scaler_is_refused_before_the_first_step(tmp_path: Path) -> None:
-    """The Trainer's GradScaler (fp16 on a GPU; put on its accelerator here, as accelerate
-    does there): a skip cleared the gradients before the scaler's check, and the scaler raised
-    at the Trainer's ``optimizer.step()`` ("No inf checks were recorded") at the first step
-    the guard left out. Refused at ``train()`` instead, naming bf16 and ``trainguard run``."""
+def _scaled_run(tmp_path: Path, fault: str, guarded: bool) -> tuple[dict[str, Any], float, float]:
+    """The Trainer with a GradScaler on its accelerator (fp16 on a GPU; a CPU GradScaler put
+    there here, as accelerate does on a GPU), 6 steps, max_grad_norm 1: ``fault`` "grad" makes
+    one gradient NaN at the third backward, "loss" feeds a fully masked sample (loss 0/0)."""
     ex = _example()
-    trainer = ex.GuardedTrainer(
-        model=ex.tiny_gpt2(),
-        args=_args(tmp_path),
-        train_dataset=ex.Tokens(masked=None),
-        callbacks=[TrainGuardCallback(run_dir=tmp_path, hang_timeout=0, capture=False)],
+    torch.manual_seed(0)
+    model = ex.tiny_gpt2()
+    if fault == "grad":
+        backwards = {"n": 0}
+
+        def poison(grad: torch.Tensor) -> torch.Tensor:
+            backwards["n"] += 1
+            return grad * float("nan") if backwards["n"] == 3 else grad
+
+        model.transformer.ln_f.weight.register_hook(poison)
+    callbacks = [TrainGuardCallback(run_dir=tmp_path / "run", hang_timeout=0)] if guarded else []
+    trainer = (ex.GuardedTrainer if guarded else Trainer)(
+        model=model,
+        args=_args(tmp_path / ("guarded" if guarded else "bare"), max_grad_norm=1.0, max_steps=6),
+        train_dataset=ex.Tokens(6, masked=None if fault == "grad" else 3),  # all 6 drawn
+        callbacks=callbacks,
     )
-    trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
-    with pytest.raises(ConfigError, match=r"fp16 with a GradScaler.*bf16=True.*trainguard run"):
-        trainer.train()
-    assert not [e for e in tg.read_events(tmp_path, 0) if e["kind"] == "skip"]
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    trainer.train()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    steps = float(next(iter(trainer.optimizer.optimizer.state.values()))["step"])
+    return weights, trainer.accelerator.scaler.get_scale(), steps
+
+
+def test_fp16_with_a_grad_scaler_leaves_a_nan_gradient_to_the_scaler(tmp_path: Path) -> None:
+    """With the Trainer's GradScaler the check waits for ``on_pre_optimizer_step`` (after the
+    clip's unscale). A NaN gradient with a finite loss cannot be told from an fp16 overflow:
+    the scaler's skip, an ``overflow`` event; the weights and the scale bit for bit the bare
+    Trainer's, whose scaler leaves it out itself."""
+    bare, bare_scale, bare_steps = _scaled_run(tmp_path, "grad", guarded=False)
+    weights, scale, steps = _scaled_run(tmp_path, "grad", guarded=True)
+    assert (scale, steps) == (bare_scale, bare_steps) == (2.0**15, 5.0)  # one left out
+    for key, want in bare.items():
+        assert torch.equal(weights[key], want), key
+    kinds = [e["kind"] for e in tg.read_events(tmp_path / "run", 0)]
+    assert kinds.count("overflow") == 1 and "skip" not in kinds
+
+
+def test_fp16_with_a_grad_scaler_skips_a_nan_loss_through_the_scaler(tmp_path: Path) -> None:
+    """A fully masked sample: loss 0/0, gradients zero. Bare, the scaler sees finite
+    gradients and AdamW steps on them (its moments still move the weights); guarded, the step
+    is skipped on every rank by marking the scaler's overflow: the scaler leaves the update out
+    and lowers its scale. Before, the skip cleared the gradients before the scaler's check,
+    which raised at ``optimizer.step()`` ("No inf checks were recorded for this optimizer")."""
+    _, bare_scale, bare_steps = _scaled_run(tmp_path, "loss", guarded=False)
+    weights, scale, steps = _scaled_run(tmp_path, "loss", guarded=True)
+    assert (bare_scale, bare_steps) == (2.0**16, 6.0)
+    assert (scale, steps) == (2.0**15, 5.0)
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    kinds = [e["kind"] for e in tg.read_events(tmp_path / "run", 0)]
+    assert kinds.count("skip") == 1
