@@ -349,7 +349,16 @@ def test_a_loop_that_zeroes_after_its_forward_is_not_told_it_carries_gradients(
     _assert_weights_of_bare_leaving_out_step_2(tmp_path, ZEROED_AFTER_FORWARD, done)
 
 
-COMPILED = """
+PRINT_WEIGHTS = """
+digest = hashlib.sha256()
+for tensor in model.state_dict().values():
+    digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+print("WEIGHTS", digest.hexdigest())
+"""
+"""A script's last lines: the digest of its model's weights."""
+
+COMPILED = (
+    """
 import hashlib
 import torch
 from torch import nn
@@ -362,11 +371,9 @@ for step in range(4):
     nn.functional.mse_loss(model(x), y).backward()
     opt.step()
     opt.zero_grad()
-digest = hashlib.sha256()
-for tensor in model.state_dict().values():
-    digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-print("WEIGHTS", digest.hexdigest())
 """
+    + PRINT_WEIGHTS
+)
 
 
 @pytest.mark.timeout(160)
@@ -391,7 +398,8 @@ def test_a_compiled_model_under_warnings_as_errors_trains_as_bare(tmp_path: Path
     assert len(weights) == 1
 
 
-COMPILED_STEP = """
+COMPILED_STEP = (
+    """
 import hashlib, os, sys
 import torch
 from torch import nn
@@ -417,11 +425,9 @@ for step in range(12):
     if step != left_out:
         opt_step()
     opt.zero_grad()
-digest = hashlib.sha256()
-for tensor in model.state_dict().values():
-    digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-print("WEIGHTS", digest.hexdigest())
 """
+    + PRINT_WEIGHTS
+)
 
 
 @pytest.mark.timeout(160)
