@@ -120,13 +120,20 @@ def prepare_eager() -> None:
         _eager_call = torch.compiler.disable(_call)  # type: ignore[no-untyped-call]
 
 
-def eagerly(callback: Callable[..., Any]) -> Callable[..., Any]:
-    """``callback`` under ``torch.compiler.disable``, for a hook of the guard's that dynamo
-    is tracing (a process-wide optimizer hook inside a compiled ``optimizer.step()``): a
-    graph break, the callback run eagerly, nothing of it in the graph and no guard on what
-    it reads (traced, the guard's whole step path was compiled anew at every step until
-    dynamo's recompile limit, with its warnings). Made while tracing only: dynamo is there."""
-    return torch.compiler.disable(callback)  # type: ignore[no-untyped-call,no-any-return]
+def eager_when_traced(callback: Callable[..., Any]) -> Callable[..., Any]:
+    """``callback`` for a hook dynamo may trace (a process-wide optimizer hook inside a
+    compiled ``optimizer.step()``): traced, it calls ``callback`` under
+    ``torch.compiler.disable`` (a graph break, the callback run eagerly, nothing of it in the
+    graph and no guard on what it reads; traced itself, the guard's whole step path was
+    compiled anew at every step until dynamo's recompile limit, with its warnings); else
+    directly. The disabled wrapper is made while tracing only: dynamo is imported then."""
+
+    def hook(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(callback)(*args)  # type: ignore[no-untyped-call]
+        return callback(*args)
+
+    return hook
 
 
 class Hook:

@@ -13,9 +13,8 @@ script's process changes. The attach points need no cooperation from the script:
   (``p.grad = None``) so the optimizer's own step leaves the weights and its state alone,
   gives them back after that step (code after ``optimizer.step()`` may read them), and puts
   back the buffers the step's forward changed. A step given a closure (Lightning,
-  LBFGS-style loops) is checked when the closure returns, with the loss it returns. A
-  compiled ``optimizer.step()`` (``torch.compile`` around it) runs these hooks eagerly
-  (``user_hooks.eagerly``): a graph break, not the guard's step path compiled;
+  LBFGS-style loops) is checked when the closure returns, with the loss it returns. Under a
+  compiled ``optimizer.step()`` these hooks run eagerly (``user_hooks.eager_when_traced``);
 * the gradient clipping functions (``clip.ClipWatch``): a script's clip over the guarded
   optimizer's parameters checks the step before it clips, so the guard sees the gradients
   as backward made them;
@@ -82,7 +81,7 @@ from trainguard.distributed.world import world_size as job_world
 from trainguard.errors import ConfigError
 from trainguard.step.guard import Guard
 from trainguard.step.join import JOIN_REASON, shadowed_in_join
-from trainguard.user_hooks import HookHandle, add_forward_hooks, eagerly
+from trainguard.user_hooks import HookHandle, add_forward_hooks, eager_when_traced
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +131,8 @@ class Attacher:
         self._clip.install()
         self._loader_draws.install()
         self._handles = [
-            register_optimizer_step_pre_hook(self._pre_step),
-            register_optimizer_step_post_hook(self._post_step),
+            register_optimizer_step_pre_hook(eager_when_traced(self._pre_step)),
+            register_optimizer_step_post_hook(eager_when_traced(self._post_step)),
         ]
         self._restore_destroy = close_before_destroy(self.close)
 
@@ -230,13 +229,6 @@ class Attacher:
     def _pre_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if torch.compiler.is_compiling():  # a compiled step: run eagerly (``eagerly``)
-            return eagerly(self._pre_step_now)(optimizer, args, kwargs)  # type: ignore[no-any-return]
-        return self._pre_step_now(optimizer, args, kwargs)
-
-    def _pre_step_now(
-        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self.aside or self._left():
             return None
         self._loss_inputs.disarm()  # a functional loss: no loss call came; nothing to read
@@ -283,14 +275,6 @@ class Attacher:
         return checked
 
     def _post_step(
-        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
-        if torch.compiler.is_compiling():
-            eagerly(self._post_step_now)(optimizer, args, kwargs)
-            return
-        self._post_step_now(optimizer, args, kwargs)
-
-    def _post_step_now(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         self._loss_inputs.disarm()

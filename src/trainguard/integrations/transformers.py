@@ -44,8 +44,8 @@ callbacks, receive ``trainguard/skipped_steps`` and the rest.
 (``Guard(rerun=...)``), through the Trainer's own ``training_step`` (the user's override and
 ``compute_loss`` included) on the model the loop passed (``model_wrapped``: DDP's forward and
 all-reduce), in ``accelerator.no_sync`` for every micro-batch but the window's last, as the
-Trainer's loop runs them (``integrations/rerun.py``). Refused at setup with a ConfigError:
-fp16 (a GradScaler), FSDP, and a Trainer without ``TrainGuardMixin``.
+Trainer's loop runs them (``integrations/transformers_rerun.py``). Refused at setup with a
+ConfigError: fp16 (a GradScaler), FSDP, and a Trainer without ``TrainGuardMixin``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ from torch import Tensor, nn
 
 from trainguard.errors import ConfigError
 from trainguard.integrations.options import guard_config, pop_log_metrics, with_accumulation
-from trainguard.integrations.rerun import StepMicroBatches, backpropagated, pop_rerun
+from trainguard.integrations.rerun import StepMicroBatches, pop_rerun
+from trainguard.integrations.transformers_rerun import TrainerRerun, check_rerun
 from trainguard.step.guard import Guard
 
 try:
@@ -118,7 +119,7 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
                 "backward, so no hook sees the gradients before the update",
             )
         if self._rerun:  # its own message: the rerun calls the mixin's training_step
-            _check_rerun(args, self._trainer)
+            check_rerun(args, self._trainer)
         if not isinstance(self._trainer, TrainGuardMixin):  # bound by the mixin's train()
             raise ConfigError(
                 "trainer",
@@ -137,7 +138,7 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
             config = dataclasses.replace(config, run="continue")  # the same run goes on
         rerun = None
         if self._rerun:
-            _check_rerun(args, self._trainer)
+            check_rerun(args, self._trainer)
             rerun = TrainerRerun(self._trainer, self._micro)
         self.guard = Guard(model, inner, config=config, rerun=rerun, scaler=scaler)
         self.guard.internals.name_loss_source(custom_loss(self._trainer))
@@ -382,67 +383,6 @@ def custom_loss(trainer: Any) -> str | None:
     if override is Trainer or issubclass(Trainer, override):
         return None
     return f"{override.__qualname__}.compute_loss"
-
-
-def _check_rerun(args: Any, trainer: Any) -> None:
-    """``rerun=True`` where the Trainer cannot rerun the step as it ran it: a ConfigError."""
-    if trainer is None:
-        raise ConfigError(
-            "rerun",
-            "TrainGuardCallback(rerun=True) needs the Trainer to have TrainGuardMixin (class "
-            "MyTrainer(TrainGuardMixin, Trainer)): the rerun calls its training_step",
-        )
-    if getattr(args, "fp16", False) or getattr(trainer.accelerator, "scaler", None) is not None:
-        raise ConfigError(
-            "rerun",
-            "TrainGuardCallback(rerun=True) cannot rerun under fp16 with a GradScaler "
-            "(TrainingArguments(fp16=True)): an fp16 overflow is the scaler's to handle; use "
-            "bf16=True, or TrainGuardCallback(rerun=False)",
-        )
-    if getattr(trainer, "is_fsdp_enabled", False) or getattr(args, "fsdp", None):
-        raise ConfigError(
-            "rerun",
-            "TrainGuardCallback(rerun=True) is not supported under FSDP "
-            "(TrainingArguments(fsdp=...)): the Trainer's gradient reduction there is not the "
-            "DDP wrapper's; use DDP, or TrainGuardCallback(rerun=False)",
-        )
-
-
-class TrainerRerun:
-    """``loss_fn`` for ``Guard(rerun=...)``: one micro-batch through the Trainer's own step.
-
-    ``trainer.training_step(model, inputs, num_items_in_batch)`` with what the loop passed
-    (``model`` is ``model_wrapped``: DDP's forward and all-reduce): the user's overrides,
-    ``compute_loss``, the Trainer's loss scaling and ``accelerator.backward``; in
-    ``accelerator.no_sync(model)`` for every micro-batch but the window's last, unless the
-    accelerator syncs each batch (``sync_each_batch``), as the Trainer's loop does."""
-
-    runs_own_autocast = True
-    """The step enters the framework's precision context itself (``StepRerun`` adds none)."""
-
-    def __init__(self, trainer: Any, micro: StepMicroBatches) -> None:
-        self._trainer = trainer
-        self._micro = micro
-
-    def __call__(self, model: nn.Module, batch: Any) -> Tensor:
-        item, last = self._micro.find(batch)
-        wrapped, num_items_in_batch = item.info
-        trainer = self._trainer
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(self._micro.rerunning())
-            stack.enter_context(torch.enable_grad())
-            if not last and not _syncs_each_batch(trainer):
-                stack.enter_context(trainer.accelerator.no_sync(model=wrapped))
-            loss: Tensor = trainer.training_step(wrapped, batch, num_items_in_batch)
-        window = int(getattr(trainer, "current_gradient_accumulation_steps", 1) or 1)
-        return backpropagated(loss * window if window > 1 else loss)  # as after_micro_batch
-
-
-def _syncs_each_batch(trainer: Any) -> bool:
-    """Whether the accelerator reduces the gradients of every micro-batch."""
-    state = getattr(trainer.accelerator, "gradient_state", None)
-    kwargs = getattr(state, "plugin_kwargs", None) or {}
-    return bool(kwargs.get("sync_each_batch", False))
 
 
 # -- replay ----------------------------------------------------------------------------------
