@@ -101,11 +101,10 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
         self.final_state: dict[str, Any] | None = None
         """The guard's ``state_dict()`` when training ended."""
         self._checked = False
-        self._scaled = False
-        """The Trainer's accelerator holds a GradScaler (fp16 on a GPU): the check waits for
-        ``on_pre_optimizer_step``, after the Trainer's clip has unscaled the gradients."""
         self._due = False
-        """A step's last micro-batch came and its check waits (``_scaled``)."""
+        """A step's last micro-batch came and its check waits: the guard has the Trainer's
+        GradScaler (fp16 on a GPU), so it checks at ``on_pre_optimizer_step``, after the
+        Trainer's clip has unscaled the gradients."""
         self._resume_from: str | None = None
         """The Trainer checkpoint ``train(resume_from_checkpoint=...)`` resumes from."""
 
@@ -128,7 +127,6 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
                 "the batches; refused before the first step",
             )
         scaler = getattr(getattr(self._trainer, "accelerator", None), "scaler", None)
-        self._scaled = scaler is not None  # fp16 on a GPU: checked after the unscale
         model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
         if not isinstance(model, nn.Module) or optimizer is None:
             raise ConfigError("model", "the Trainer passed no model/optimizer to on_train_begin")
@@ -240,7 +238,7 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
             guard.record_loss(loss)
             return
         self._checked = True
-        if self._scaled:  # checked at on_pre_optimizer_step, with the losses recorded
+        if guard.scaler is not None:  # checked at on_pre_optimizer_step (``_due``)
             guard.record_loss(loss)
             self._due = True
             return

@@ -44,13 +44,14 @@ def optimizers_of(optimizer: Any) -> list[torch.optim.Optimizer]:
     return chain
 
 
-def _optimizer_state(scaler: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-    """The scaler's state of this step for ``optimizer`` or any optimizer it wraps, None if
-    none was unscaled (looked up without adding an entry: ``update()`` reads them all)."""
+def _optimizer_state(scaler: Any, chain: list[torch.optim.Optimizer]) -> dict[str, Any] | None:
+    """The scaler's state of this step for any optimizer of ``chain`` (``optimizers_of``),
+    None if none was unscaled (looked up without adding an entry: ``update()`` reads them
+    all)."""
     states = getattr(scaler, "_per_optimizer_states", None)  # private, stable since torch 1.6
     if states is None:
         return None
-    for held in optimizers_of(optimizer):
+    for held in chain:
         state: dict[str, Any] | None = states.get(id(held))
         if state is not None and state.get("found_inf_per_device"):
             return state
@@ -72,7 +73,7 @@ def unscale(scaler: Any, optimizer: torch.optim.Optimizer, last: Any = None) -> 
     if not scaler.is_enabled():
         return None, False
     chain = optimizers_of(optimizer)
-    state = _optimizer_state(scaler, optimizer)
+    state = _optimizer_state(scaler, chain)
     stale = state is not None and state is last
     missed = stale and _found_inf(state)
     if stale:
@@ -81,7 +82,7 @@ def unscale(scaler: Any, optimizer: torch.optim.Optimizer, last: Any = None) -> 
         state = None
     if state is None:
         scaler.unscale_(chain[-1])
-        state = _optimizer_state(scaler, chain[-1])
+        state = _optimizer_state(scaler, chain[-1:])
     if missed:
         _back_off(scaler)
     states = getattr(scaler, "_per_optimizer_states", None)
@@ -111,7 +112,7 @@ def mark_overflow(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
     """Make ``scaler.update()`` see an overflow on this rank (the step was bad on some rank)."""
     if not scaler.is_enabled():
         return
-    state = _optimizer_state(scaler, optimizer)
+    state = _optimizer_state(scaler, optimizers_of(optimizer))
     if state is None:
         return
     for found_inf in state.get("found_inf_per_device", {}).values():
