@@ -181,8 +181,13 @@ class ReplicaWatch:
         self.divergences = 0
         """Checks that found the replicas differing (``replica_divergence`` events)."""
         self.no_replicas = False
-        """The ranks held different weights at the first check and no DDP makes them equal:
-        never replicas, checked no more (``on_divergence="warn"``; ``_never_replicas``)."""
+        """No DDP holds the model and the ranks were apart at the first check, or drifted
+        apart by the second: never replicas, checked no more (``on_divergence="warn"``;
+        ``_never_replicas``)."""
+        self._told: tuple[int, ...] | None = None
+        """The ranks of the divergence last warned about: while the same ranks stay apart
+        (nothing repairs it under ``warn``) later checks write their events and say nothing;
+        a check that finds the replicas equal again clears it."""
 
     # -- the fingerprint (every rank, each due step) -----------------------------------------
 
@@ -230,6 +235,7 @@ class ReplicaWatch:
             return
         self.checks += 1
         if agree(fingerprints):
+            self._told = None
             return
         verdict = majority(fingerprints)
         differing = self._differing_params(sums, verdict.reference)
@@ -244,10 +250,12 @@ class ReplicaWatch:
             raise self._error(step, verdict, differing)
 
     def _never_replicas(self, action: str) -> bool:
-        """A divergence at the guard's first check, of a model no DDP holds (the same answer
-        on every rank): the ranks were never made equal (a script that trains a model of its
-        own on each rank), so warning at every check would only repeat it."""
-        if action != "warn" or self.checks != 1:
+        """A divergence of a model no DDP holds (the same answer on every rank) at the guard's
+        first check, or at its second when the first found the ranks equal: a script that
+        trains a model of its own on each rank, from its own seed (apart at once) or from the
+        same seed (apart after the first updates, as PyTorch's ImageNet example on CPU with
+        ``--seed``). Nothing makes them equal, so checking again would only repeat it."""
+        if action != "warn" or self.checks > 2 or self.divergences:
             return False
         return not any(ddp_inner(module) is not None for module in self._model.modules())
 
@@ -290,7 +298,8 @@ class ReplicaWatch:
         if self.diverged_at is None:
             self.diverged_at = step
         self.divergence = {"step": step, **fields}
-        log = logger.warning if self._rank == 0 else logger.debug
+        told, self._told = self._told, tuple(verdict.ranks)
+        log = logger.warning if self._rank == 0 and told != self._told else logger.debug
         log("trainguard: %s", self._describe(step, verdict, params))
 
     def _describe(self, step: int, verdict: Verdict, params: list[str] | None) -> str:
@@ -306,7 +315,8 @@ class ReplicaWatch:
         first = " at the first check" if self.checks == 1 else ""
         action = self._config.on_divergence
         outcome = {
-            "warn": "going on (on_divergence='warn')",
+            "warn": "going on (on_divergence='warn'; later checks that find the same ranks "
+            "apart write their events and say nothing)",
             "resync": f"every rank takes rank {verdict.reference}'s weights, buffers and "
             "optimizer state (on_divergence='resync')",
             "raise": "stopping (on_divergence='raise')",
@@ -318,10 +328,16 @@ class ReplicaWatch:
             else ""
         )
         if self.no_replicas:
+            why = (
+                "so the ranks were never made equal"
+                if first
+                else "and the ranks, equal at the first check, drifted apart with their "
+                "updates: nothing averages their gradients, each trains a copy of its own"
+            )
             outcome = (
-                "no DDP holds this model, so the ranks were never made equal: taken for no "
-                "replicas, not checked again (if they should be replicas, broadcast the "
-                "initial weights from one rank, or use on_divergence='resync')"
+                f"no DDP holds this model, {why}: taken for no replicas, not checked again "
+                "(if they should be replicas, wrap the model in DistributedDataParallel, "
+                "or broadcast the initial weights from one rank and average the gradients)"
             )
             hint = ""
         return f"step {step}: replicas diverged{first}: {who}; {what}; {outcome}{hint}"

@@ -311,6 +311,44 @@ def test_a_plain_model_apart_at_the_first_check_is_taken_for_no_replicas(
     assert event["no_replicas"] is False and wrapped.due(12)
 
 
+def test_a_plain_model_that_drifts_apart_after_an_equal_first_check_is_taken_for_no_replicas(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PyTorch's ImageNet example on CPU with ``--seed``: every rank builds the same model
+    and no DDP holds it, so the first check finds them equal and the next, after updates
+    nothing averaged, apart. Said once with that cause, then not checked again."""
+    watch, fingerprints = _diverged_watch(tmp_path, "warn")
+    watch.observe(4, [fingerprints[0]] * 4)
+    with caplog.at_level("WARNING", logger="trainguard.health.replicas"):
+        watch.observe(8, fingerprints)
+    (event,) = tg.read_events(tmp_path)
+    assert event["no_replicas"] is True and watch.no_replicas and not watch.due(12)
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "drifted apart with their updates: nothing averages their gradients" in said
+    assert "wrap the model in DistributedDataParallel" in said
+
+
+def test_a_divergence_that_stays_is_said_once_and_again_after_the_replicas_agreed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under DDP with ``warn`` nothing repairs a divergence: each later check finding the
+    same ranks apart writes its event and says nothing; once a check finds them equal (a
+    rollback, a resync by hand), the next divergence is said again."""
+    watch, fingerprints = _diverged_watch(tmp_path, "warn", FakeDDP(TinyNet()))
+    agreed = [fingerprints[0]] * 4
+    with caplog.at_level("WARNING", logger="trainguard.health.replicas"):
+        for step, seen in [(4, agreed), (8, fingerprints), (12, fingerprints), (16, agreed)]:
+            watch.observe(step, seen)
+        assert len(caplog.records) == 1 and "step 8: replicas diverged" in caplog.text
+        watch.observe(20, fingerprints)
+    events = tg.read_events(tmp_path)
+    assert [e["step"] for e in events] == [8, 12, 20] and not watch.no_replicas
+    assert [r.getMessage()[:40] for r in caplog.records] == [
+        "trainguard: step 8: replicas diverged: r",
+        "trainguard: step 20: replicas diverged: ",
+    ]
+
+
 def test_raise_names_the_option_and_the_fix(tmp_path: Path) -> None:
     watch, fingerprints = _diverged_watch(tmp_path, "raise")
     with pytest.raises(tg.ReplicaDivergenceError, match="on_divergence='resync'") as info:
