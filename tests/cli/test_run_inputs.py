@@ -17,6 +17,7 @@ from trainguard.cli import main
 from trainguard.errors import ConfigError
 
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "run_scripts" / "additive_mask.py"
+TRAIN = SCRIPT.with_name("train_ddp.py")
 
 
 def _kinds(run_dir: Path) -> list[str]:
@@ -64,3 +65,22 @@ def test_the_input_options_reach_the_workers_as_json() -> None:
     assert RunOptions.from_mapping(json.loads(options.to_json())) == options
     with pytest.raises(ConfigError, match=r"inputs\.ignore"):
         RunOptions(ignore_inputs="mask")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_sample_in_the_first_step_is_named_by_its_dataset_index(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The guard attaches at the first optimizer step, after that step's forward: the
+    loader's draws of that forward (recorded before any guard existed) name its bad sample
+    as a later step's are named, in the event, the bundle and the message."""
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    command = [sys.executable, str(TRAIN), "--out", str(out), "--nan-rank", "0", "--nan-step", "0"]
+    assert main(["run", "--run-dir", str(run_dir), "--", *command]) == 0
+    assert "non-finite input at [0], samples [0] (dataset indices [0])" in capfd.readouterr().err
+    lines = (run_dir / "events" / "rank-0.jsonl").read_text().splitlines()
+    (bad,) = [event for line in lines if (event := json.loads(line))["kind"] == "bad_input"]
+    assert bad["step"] == 0
+    assert [(t["positions"], t["dataset_indices"]) for t in bad["tensors"]] == [([0], [0])]
+    meta = json.loads((run_dir / "captures" / "step-00000000" / "rank-0" / "meta.json").read_text())
+    assert meta["dataset_indices"] == [[0, 1, 2, 3]]

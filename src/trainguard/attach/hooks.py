@@ -111,10 +111,10 @@ class Attacher:
         self.optimizer: torch.optim.Optimizer | None = None
         self.model: nn.Module | None = None
         self.aside = False
-        self._prestart = PreStart(on_manual_update=self._updated_by_hand)
+        self._loader_draws = LoaderDraws()
+        self._prestart = PreStart(self._updated_by_hand, self._loader_draws.at_forward)
         self._clip = ClipWatch()
         self._drops = DropWatch()
-        self._loader_draws = LoaderDraws()
         self._loss_inputs = LossInputs()  # criterion(model(x), y): y joins the micro-batch
         self._first_losses: list[Tensor] | None = None
         """The losses ``PreStart`` saw in the step the guard attached at (``_attach``)."""

@@ -39,6 +39,7 @@ from trainguard.capture.rng import rng_state
 from trainguard.step.buffers import BufferKeeper
 from trainguard.step.recorded_batches import RecordedBatches
 from trainguard.step.step_start import autocast_state
+from trainguard.step.types import ForwardDraws, IndicesOf
 
 MAX_CANDIDATES = 8
 """Distinct top-level modules recorded before the first step (the rest are ignored)."""
@@ -97,6 +98,9 @@ class StepZero:
     """The step's micro-batches (a refilled input buffer detected as the guard does)."""
     sample: list[Tensor] = field(default_factory=list)
     """``parameter_sample`` at its first training call."""
+    draws: list[IndicesOf | None] = field(default_factory=list)
+    """Per micro-batch of ``recorded``: what names its samples' dataset indices
+    (``PreStart``'s ``loader_draws``; empty without it)."""
 
     @property
     def batches(self) -> list[Any]:
@@ -106,10 +110,18 @@ class StepZero:
 class PreStart:
     """The process-wide hooks that record the first step's top-level module calls."""
 
-    def __init__(self, on_manual_update: Callable[[nn.Module], None] | None = None) -> None:
+    def __init__(
+        self,
+        on_manual_update: Callable[[nn.Module], None] | None = None,
+        loader_draws: ForwardDraws | None = None,
+    ) -> None:
         self.on_manual_update = on_manual_update
         """Told of a recorded module whose parameters changed between two training calls
         with no optimizer step (the module docstring)."""
+        self.loader_draws = loader_draws
+        """Gives, at a recorded call, what names its samples' dataset indices
+        (``loader_draws.LoaderDraws.at_forward``): the first step's bad sample is named as a
+        later step's is."""
         self.calls: dict[int, StepZero] = {}
         self.loss_inputs = LossInputs()
         """The first step's loss call adds its targets to the micro-batch (``loss_inputs``)."""
@@ -184,6 +196,8 @@ class PreStart:
             recording = self._recording
             if self._depth == 1 and recording is not None:
                 recording.recorded.record(batch_of(args, kwargs), 0)
+                if self.loader_draws is not None:
+                    recording.draws.append(self.loader_draws(args, kwargs))
                 self.loss_inputs.arm(output, recording.recorded, 0, module)
                 self._recording = None
             self._depth -= 1

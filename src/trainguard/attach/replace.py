@@ -80,5 +80,5 @@ def adopt_start(guard: Guard, start: StartRecord | StepZero | None, step: int) -
     if start is None or guard.state.step != step:
         return
     if isinstance(start, StepZero):
-        start = StartRecord(start.rng, start.autocast, start.buffers, start.recorded)
+        start = StartRecord(start.rng, start.autocast, start.buffers, start.recorded, start.draws)
     guard.internals.adopt_start(start, step)

@@ -10,7 +10,7 @@ attributes; it is not part of the public API (it may change with the wrappers).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from torch import Tensor
@@ -22,7 +22,7 @@ from trainguard.step.evidence import StepEvidence
 from trainguard.step.recorded_batches import RecordedBatches
 from trainguard.step.state import GuardState
 from trainguard.step.step_start import StepStart
-from trainguard.step.types import ForwardDraws
+from trainguard.step.types import ForwardDraws, IndicesOf
 from trainguard.step.update_drop import UpdateDrop
 
 
@@ -70,6 +70,9 @@ class StartRecord:
     autocast: dict[str, Any]
     buffers: BufferKeeper
     recorded: RecordedBatches
+    draws: list[IndicesOf | None] = field(default_factory=list)
+    """Per recorded forward: what names its samples' dataset indices (``trainguard run``'s
+    ``attach/loader_draws.py``; empty when not followed)."""
 
 
 class GuardInternals:
@@ -136,7 +139,8 @@ class GuardInternals:
         rng = start.rng  # the snapshot's states (built now, once)
         if rng is None:
             return None
-        return StartRecord(rng, start.autocast, start.buffers, guard._parts.recorded)
+        draws = start.draws_of(guard.state.step)
+        return StartRecord(rng, start.autocast, start.buffers, guard._parts.recorded, draws)
 
     def adopt_start(self, start: StartRecord, step: int) -> None:
         """Take ``start`` as the start of ``step`` (recorded before this guard existed), as if
@@ -151,6 +155,7 @@ class GuardInternals:
             start.autocast,
             True,
         )
+        record.adopt_draws(start.draws)
         guard._parts.recorded.adopt(start.recorded, step)
 
     def follow_loader_draws(self, draws: ForwardDraws) -> None:

@@ -273,6 +273,16 @@ class StepStart:
             return None
         return lambda: [found() if found is not None else None for found in draws]
 
+    def draws_of(self, step: int) -> list[IndicesOf | None]:
+        """``forward_draws``' record of ``step`` itself (empty when not followed or not
+        ``step``): handed to a guard that takes this step over (``adopt_draws``)."""
+        return list(self._forward_draws) if self.step == step else []
+
+    def adopt_draws(self, draws: list[IndicesOf | None]) -> None:
+        """The recorded step's draws, recorded before this guard existed (``trainguard
+        run``'s first step, a replaced optimizer's guard)."""
+        self._forward_draws = list(draws)
+
     def missed(self, step: int) -> None:
         """``step`` is being checked and no hook started it. For the next steps: the eager
         runner of traced hooks made, if dynamo came after the guard was built; with the
