@@ -20,7 +20,7 @@ from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
 
 import trainguard as tg
-from trainguard.attach.loss_inputs import LossInputs
+from trainguard.attach.loss_inputs import GIVE_UP, LossInputs
 from trainguard.cli import EXIT_FINDING, main
 from trainguard.step.recorded_batches import RecordedBatches
 
@@ -294,6 +294,26 @@ def _called(
     out = model(recorded.current[-1])
     loss_inputs.arm(out, recorded, step, model)
     return out
+
+
+def test_calls_whose_output_needs_no_gradient_neither_miss_nor_disarm() -> None:
+    """Before the guard knows its model, every top-level training call arms the followers:
+    PyTorch's MNIST example calls torchvision's ``Normalize`` (a module) per sample in its
+    loader, 64 calls a batch before the model's first. Those outputs need no gradient, so no
+    loss can come of them: they are not misses (the followers gave up after ``GIVE_UP``), and
+    one between the model's call and its loss (a loop fetching ahead) does not disarm."""
+    recorded = RecordedBatches()
+    model, loss_inputs = _armed(recorded)
+    transform, y = nn.LayerNorm(4, elementwise_affine=False), torch.tensor([0, 2])
+    for _ in range(3 * GIVE_UP):
+        loss_inputs.arm(transform(torch.randn(2, 4)), recorded, 0, transform)
+    out = model(recorded.current[0])
+    loss_inputs.arm(out, recorded, 0, model)
+    loss_inputs.arm(transform(torch.randn(2, 4)), recorded, 0, transform)  # the next batch
+    loss = F.nll_loss(F.log_softmax(out, dim=1), y)
+    (taken,) = loss_inputs.take_losses(0, model) or []
+    assert torch.equal(taken, loss.detach()) and recorded.current[0][1] is y
+    loss_inputs.disarm()
 
 
 def test_a_loss_modules_end_seen_first_by_another_hook_still_gives_the_loss() -> None:

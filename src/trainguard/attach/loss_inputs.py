@@ -204,18 +204,28 @@ class LossInputs:
     def arm(self, output: Any, recorded: RecordedBatches, step: int, module: nn.Module) -> None:
         """After a training call of ``module`` (the model), in the guard's ``step``, whose
         micro-batch ``recorded`` holds last. Never raises: at worst the micro-batch stays the
-        model's input and its loss unknown."""
+        model's input and its loss unknown.
+
+        A call whose output needs no gradient is left alone: no loss can come of it, so it
+        neither disarms the followers nor counts as a miss. ``PreStart`` arms after every
+        top-level call before the guard knows its model, and a data transform that is a
+        module (torchvision's ``Normalize``, called per sample in the loader's main-process
+        fetch: PyTorch's MNIST example) came 64 times a batch before the model's first call:
+        the followers gave up after ``GIVE_UP`` misses and the loss was never seen; a loop
+        fetching its next batch between the model's call and the loss disarmed them."""
         call = self._loss_call
         if call is not None and module is call[0]:  # the loss module's own call ending (a
             self._loss_result(module, (), output)  # hook that came first sees it): its result
             return
-        self.disarm()
-        self._losses.append((step, id(module), None))
         try:
-            outputs = batchtree.tensors(output)
+            outputs: list[Tensor] | None = batchtree.tensors(output)
         except Exception as exc:  # an output the walk cannot take apart
             logger.debug("trainguard run: the model's output not followed: %s", exc)
-            return
+            outputs = None
+        if outputs is not None and not any(out.requires_grad for out in outputs):
+            return  # no gradient, no loss: the followers stay as they are
+        self.disarm()
+        self._losses.append((step, id(module), None))
         if not outputs or not recorded.current:
             return
         own = [out for out in outputs if out.dim() == 0 and out.requires_grad]
