@@ -237,8 +237,12 @@ def describe_leaf(value: Any) -> dict[str, Any]:
             "kind": "tensor",
             "shape": list(value.shape),
             "dtype": str(value.dtype).replace("torch.", ""),
-            "bytes": value.numel() * value.element_size(),
         }
+        if value.layout != torch.strided:  # sparse: its stored values (a graph's adjacency)
+            info["layout"] = str(value.layout).replace("torch.", "")
+            value = stored_values(value.detach())
+            info["stored"] = value.numel()
+        info["bytes"] = value.numel() * value.element_size()
         info.update(tensor_stats(value))
         return info
     if isinstance(value, Opaque):

@@ -129,7 +129,7 @@ def _leaf_text(leaf: dict[str, Any]) -> str:
         value = leaf.get("value", leaf.get("repr"))
         return f"{leaf['path']:<24} {leaf['kind']} {value!r}"
     shape = "[" + ", ".join(map(str, leaf["shape"])) + "]"
-    stats = []
+    stats = [f"{leaf['layout']}, {leaf['stored']} stored"] if "layout" in leaf else []
     if "nan" in leaf:
         bad = leaf["nan"] + leaf["inf"]
         stats.append(

@@ -10,6 +10,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
+from trainguard.numerics import is_sparse, stored_values
+
 
 def float_tensors(tree: Any) -> list[Tensor]:
     flat, _ = tree_flatten(tree)
@@ -21,16 +23,24 @@ def float_tensors(tree: Any) -> list[Tensor]:
 
 
 def all_finite(t: Tensor) -> bool:
-    return bool(torch.isfinite(t).all())
+    return bool(torch.isfinite(stored_values(t)).all())
 
 
 def has_nan(t: Tensor) -> bool:
-    return bool(torch.isnan(t).any())
+    return bool(torch.isnan(stored_values(t)).any())
 
 
 def first_nonfinite(t: Tensor, nan_first: bool = False) -> tuple[list[int], float, int]:
     """Index and value of the first non-finite element (complex: its modulus), and the count
-    of non-finite elements. ``nan_first``: the first NaN when there is one."""
+    of non-finite elements. ``nan_first``: the first NaN when there is one. A sparse tensor
+    (a graph's features or adjacency) is read through its stored values; the index is the
+    dense one."""
+    if is_sparse(t):
+        coo = (t if t.layout == torch.sparse_coo else t.to_sparse()).detach().coalesce()
+        index, value, count = first_nonfinite(coo.values(), nan_first)
+        if index:  # the stored value's position, then its dense dimensions (hybrid COO)
+            index = [int(i) for i in coo.indices()[:, index[0]].tolist()] + index[1:]
+        return index, value, count
     data = t.detach()
     data = data.abs() if data.is_complex() else data
     mask = ~torch.isfinite(data)
