@@ -198,6 +198,32 @@ def test_an_optimizer_made_anew_is_guarded_on_the_same_run(
     assert "starts" not in report.stdout  # one start: the new guard goes on with it
 
 
+@pytest.mark.timeout(200)
+def test_a_zero_redundancy_optimizer_is_guarded_with_the_shard_optimizer_it_steps(
+    tmp_path: Path,
+) -> None:
+    """``ZeroRedundancyOptimizer`` (llm.c's ``train_gpt2.py --zero_stage 1``) steps its
+    shard's AdamW inside its own step: that step is part of the guarded one, not a second
+    optimizer (the guard stood aside at the second step). Rank 1's NaN at step 3 is skipped
+    on both ranks, every other step is guarded, and each rank's weights and shard state are
+    those of the bare script leaving step 3 out."""
+    bare_out, out, run_dir = tmp_path / "bare", tmp_path / "out", tmp_path / "run"
+    zero = ["--optimizer", "zero", "--steps", "8"]
+    bare = _run([*_launch(2, bare=True), "--out", str(bare_out), *zero, "--drop-step", str(DROP)])
+    assert bare.returncode == 0, bare.stderr[-3000:]
+    cmd = [*_guarded(run_dir), "--", *_launch(2), "--out", str(out), *zero]
+    done = _run([*cmd, "--nan-rank", "1", "--nan-step", str(DROP)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "not guarding" not in done.stderr and "second optimizer" not in done.stderr
+    for rank in range(2):
+        assert f"rank {rank}: guarding ZeroRedundancyOptimizer over" in done.stderr
+        events = tg.read_events(run_dir, rank)
+        assert [e["step"] for e in events if e["kind"] == "skip"] == [DROP]
+    lines = (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()  # every rank's
+    assert [json.loads(line)["step"] for line in lines] == list(range(8))
+    _assert_same(out, bare_out, 2)
+
+
 @pytest.mark.timeout(100)
 def test_a_second_optimizer_makes_it_stand_aside(tmp_path: Path) -> None:
     cmd = [*_guarded(tmp_path / "run"), "--", *_launch(1), "--out", str(tmp_path / "out")]

@@ -17,6 +17,25 @@ LBFGS_REASON = (
 """``stand_aside``'s reason and what follows, for ``torch.optim.LBFGS``."""
 
 
+def manual_update_reason(described: str) -> str:
+    """Why a module whose parameters changed between two training forwards with no optimizer
+    step (``described``: ``discovery.describe_module``'s words) cannot be guarded."""
+    return (
+        f"the script updates the parameters of {described} by hand (they changed between two "
+        "training forwards with no torch.optim optimizer step), and trainguard run checks "
+        "each step at its optimizer's step(); use a torch.optim optimizer "
+        "(torch.optim.SGD(model.parameters(), lr=LR) makes the same update as p -= LR * p.grad)"
+    )
+
+
+NEVER_STEPPED_REASON = (
+    "the script ran training forwards but no torch.optim optimizer step: trainguard run checks "
+    "each step at its optimizer's step()",
+    "nothing was guarded",
+)
+"""``stand_aside``'s reason and what follows, for a process that trained but never stepped."""
+
+
 def second_optimizer_reason(new: torch.optim.Optimizer, guarded: torch.optim.Optimizer) -> str:
     """Why an optimizer other than the guarded one stepping ends the guarding (one made anew
     over the guarded model's parameters is followed instead: ``replace.py``): one over every

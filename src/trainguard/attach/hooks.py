@@ -49,17 +49,12 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
+from trainguard.attach import first_steps
 from trainguard.attach.announce import announce_guarding, announcer
 from trainguard.attach.clip import ClipWatch
 from trainguard.attach.destroy import close_before_destroy
-from trainguard.attach.discovery import (
-    describe_module,
-    existing_guard,
-    find_model,
-    in_training,
-)
+from trainguard.attach.discovery import describe_module, existing_guard, find_model, in_training
 from trainguard.attach.drops import DropWatch
-from trainguard.attach.first_steps import LBFGS_REASON, second_optimizer_reason, updates_nothing
 from trainguard.attach.leaving import (
     UNGUARDED,
     AsideReason,
@@ -116,6 +111,9 @@ class Attacher:
         self._clip = ClipWatch()
         self._drops = DropWatch()
         self._loss_inputs = LossInputs()  # criterion(model(x), y): y joins the micro-batch
+        self._stepping: torch.optim.Optimizer | None = None
+        """The optimizer whose step() runs: one stepping inside it is one it holds (the shard
+        optimizer of a ZeroRedundancyOptimizer, a wrapper's), part of its step."""
         self._first_losses: list[Tensor] | None = None
         """The losses ``PreStart`` saw in the step the guard attached at (``_attach``)."""
         self._handles: list[RemovableHandle | HookHandle] = []
@@ -207,21 +205,14 @@ class Attacher:
 
     def _updated_by_hand(self, module: nn.Module) -> None:
         """The parameters changed between two training forwards with no optimizer step."""
-        self.stand_aside(
-            f"the script updates the parameters of {describe_module(module)} by hand (they "
-            "changed between two training forwards with no torch.optim optimizer step), and "
-            "trainguard run checks each step at its optimizer's step(); use a torch.optim "
-            "optimizer (torch.optim.SGD(model.parameters(), lr=LR) makes the same update as "
-            "p -= LR * p.grad)",
-        )  # at once, on every rank alike: such a script reaches no optimizer step to agree at
+        # at once, on every rank alike: such a script reaches no optimizer step to agree at
+        self.stand_aside(first_steps.manual_update_reason(describe_module(module)))
 
     def _never_stepped(self) -> None:
         """At exit: a process that trained but never reached an optimizer step says so."""
         if self.optimizer is None and not self.aside and self._prestart.calls:
             self.stand_aside(
-                "the script ran training forwards but no torch.optim optimizer step: "
-                "trainguard run checks each step at its optimizer's step()",
-                then="nothing was guarded",
+                first_steps.NEVER_STEPPED_REASON[0], then=first_steps.NEVER_STEPPED_REASON[1]
             )
 
     # -- the optimizer's hooks --------------------------------------------------------------
@@ -229,14 +220,17 @@ class Attacher:
     def _pre_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if self.aside or self._left():
+        if self.aside or self._left() or self._stepping not in (None, optimizer):
             return None
+        self._stepping = optimizer
         self._loss_inputs.disarm()  # a functional loss: no loss call came; nothing to read
         if self.optimizer is not None and optimizer is not self.optimizer:
             if self._leaving is not None:
                 return None  # leaving after the guarded optimizer's next check: unguarded
             if self.model is None or not made_anew(optimizer, self.optimizer, self.model):
-                self.stand_aside(second_optimizer_reason(optimizer, self.optimizer), alone=True)
+                self.stand_aside(
+                    first_steps.second_optimizer_reason(optimizer, self.optimizer), alone=True
+                )
                 return None
             if not self._replace(optimizer, self.model):
                 return None
@@ -247,7 +241,7 @@ class Attacher:
                 self._before_update(optimizer, None)
             return None
         if isinstance(optimizer, torch.optim.LBFGS):
-            self.stand_aside(*LBFGS_REASON, alone=True)
+            self.stand_aside(*first_steps.LBFGS_REASON, alone=True)
             if self.guard is None:  # several ranks: every rank's verdict, agreed now
                 self._agreed(None, optimizer, None)
             return None
@@ -278,6 +272,8 @@ class Attacher:
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         self._loss_inputs.disarm()
+        if optimizer is self._stepping:
+            self._stepping = None
         guard = self.guard
         if guard is not None and optimizer is self.optimizer:
             self._clip.stepped()
@@ -325,7 +321,7 @@ class Attacher:
     def _attach(self, optimizer: torch.optim.Optimizer) -> bool:
         prestart = self._prestart
         found = find_model(prestart.candidates, optimizer)
-        if not prestart.calls and updates_nothing(optimizer):
+        if not prestart.calls and first_steps.updates_nothing(optimizer):
             return False  # a step before any training forward that updates nothing: wait
         prestart.remove()
         model = found.model
@@ -431,6 +427,8 @@ class Attacher:
 
     def _model_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._loss_inputs.disarm()  # the model's next call: the last one's loss was not seen
+        if not self._clip.in_closure:
+            self._stepping = None  # a step that raised ran no post-step hook
         guard = self.guard
         if guard is None or self._left():
             return

@@ -1,7 +1,7 @@
 """A plain training script that knows nothing of trainguard (no import of it), for the tests of
 ``trainguard run``. One process, or DDP (gloo) under torchrun.
 
-    python train_ddp.py --out DIR [--steps N] [--optimizer sgd|adamw|adam]
+    python train_ddp.py --out DIR [--steps N] [--optimizer sgd|adamw|adam|zero]
         [--nan-rank R --nan-step S]      rank R's batch at step S holds a NaN
         [--block-rank R --block-step S]  rank R's loader blocks at step S
         [--drop-step S]                  every rank leaves out step S (no forward, no update)
@@ -112,6 +112,12 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     if name == "adam":
         return torch.optim.Adam(params, lr=0.01)
+    if name == "zero":  # under torchrun: AdamW over this rank's shard, stepped inside its step
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(
+            params, optimizer_class=torch.optim.AdamW, lr=0.01, weight_decay=0.1
+        )
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
 
@@ -212,7 +218,8 @@ def main() -> None:
             if distributed:
                 dist.barrier()
     args.out.mkdir(parents=True, exist_ok=True)
-    state = {"model": net.state_dict(), "optimizer": optimizer.state_dict()}
+    held = getattr(optimizer, "optim", optimizer)  # ZeRO: this rank's shard optimizer
+    state = {"model": net.state_dict(), "optimizer": held.state_dict()}
     if scaler is not None:
         state["scale"] = scaler.get_scale()
     state["clip_norms"] = clip_norms
