@@ -25,6 +25,7 @@ from trainguard.config import (
     flat_options,
     options_config,
 )
+from trainguard.distributed.elastic import SHARE_OFF_VAR
 from trainguard.errors import ConfigError
 
 ENV_VAR = "TRAINGUARD_RUN"
@@ -107,9 +108,15 @@ def launcher_of(command: Sequence[str]) -> Launcher:
 
 def child_env(options: RunOptions, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment the command runs in: ``base`` (default: ours), the options in
-    ``TRAINGUARD_RUN`` and the bootstrap folder first on ``PYTHONPATH``."""
+    ``TRAINGUARD_RUN`` and the bootstrap folder first on ``PYTHONPATH``; unless set already,
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torchrun then gives each restart a store of its
+    own, where a restart through the store it shares across attempts (torch >= 2.5) can read
+    the dead attempt's addresses and hang in the script's own ``init_process_group``
+    (``distributed/elastic.py``; PyTorch's DDP tutorial ``multigpu_torchrun.py`` with a
+    rank killed, under ``trainguard run``: 2 restarts of 2 hung there for good)."""
     env = dict(os.environ if base is None else base)
     env[ENV_VAR] = options.to_json()
+    env.setdefault(SHARE_OFF_VAR, "1")
     path = env.get("PYTHONPATH", "")
     parts = [str(BOOTSTRAP_DIR), *(p for p in path.split(os.pathsep) if p)]
     env["PYTHONPATH"] = os.pathsep.join(parts)

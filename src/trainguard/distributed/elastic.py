@@ -7,6 +7,8 @@ process group then can read the previous attempt's keys: gloo's peer addresses (
 two ranks pair up with stale peers and hang) and NCCL's unique id (pytorch/pytorch#135712).
 Measured here: 5 of 6 restarts of a 2-rank gloo job failed that way; with
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh store per rendezvous round) 8 of 8 passed.
+``trainguard run`` sets that variable for its command unless it is set already
+(``attach.options.child_env``).
 
 torchrun restarts the workers on any non-zero exit while restarts are left; a worker that
 knows a restart cannot help (``trainguard.recovery.restart``) stops the agent itself:
@@ -19,9 +21,11 @@ import os
 import signal
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:  # imported where used: ``trainguard run``'s own process imports no torch
+    import torch
+    import torch.distributed as dist
 
 SHARE_OFF_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 RESTART_HAZARD_FIX = (
@@ -74,6 +78,9 @@ def agree_attempt(group: dist.ProcessGroup | None, device: torch.device) -> None
     changed) with their count unchanged. The attempt is then the highest count any rank
     sees (one all-reduce per Guard); the watchdog's store keys, the run's identity
     and the restart checks read it through ``restart_count(os.environ)``."""
+    import torch
+    import torch.distributed as dist
+
     distributed = dist.is_available() and dist.is_initialized()
     if RESTART_VAR not in os.environ or not distributed or dist.get_world_size(group) < 2:
         return

@@ -74,6 +74,16 @@ def test_child_env_puts_the_bootstrap_first_and_keeps_the_path() -> None:
     assert (BOOTSTRAP_DIR / "sitecustomize.py").is_file()
 
 
+def test_child_env_gives_each_torchrun_restart_a_store_of_its_own() -> None:
+    """torchrun (torch >= 2.5) shares one store across restarts: a restarted gloo group can
+    read the dead attempt's addresses and hang in the script's own init_process_group
+    (PyTorch's DDP tutorial with a rank killed, under ``trainguard run``). The command gets
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``; a value of the user's own stays."""
+    assert child_env(RunOptions(), base={})["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    mine = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}
+    assert child_env(RunOptions(), base=mine)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"
+
+
 def test_bad_options_are_config_errors() -> None:
     with pytest.raises(ConfigError):
         RunOptions(on_nonfinite="ignore")  # type: ignore[arg-type]
