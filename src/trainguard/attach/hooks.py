@@ -211,9 +211,7 @@ class Attacher:
     def _never_stepped(self) -> None:
         """At exit: a process that trained but never reached an optimizer step says so."""
         if self.optimizer is None and not self.aside and self._prestart.calls:
-            self.stand_aside(
-                first_steps.NEVER_STEPPED_REASON[0], then=first_steps.NEVER_STEPPED_REASON[1]
-            )
+            self.stand_aside(*first_steps.NEVER_STEPPED_REASON)
 
     # -- the optimizer's hooks --------------------------------------------------------------
 
