@@ -28,12 +28,26 @@ def manual_update_reason(described: str) -> str:
     )
 
 
-NEVER_STEPPED_REASON = (
-    "the script ran training forwards but no torch.optim optimizer step: trainguard run checks "
-    "each step at its optimizer's step()",
-    "nothing was guarded",
-)
-"""``stand_aside``'s reason and what follows, for a process that trained but never stepped."""
+def never_stepped(recorded: bool, thread: str | None) -> tuple[str, str] | None:
+    """``stand_aside``'s reason and what follows, for a process that ends without an optimizer
+    step: it ran training forwards in the main thread (``recorded``), or only in another
+    one (``thread``: torch.distributed.rpc's trainers run in its handler threads, PyTorch's
+    ``ddp_rpc`` example, with a ``DistributedOptimizer``); None when it trained nowhere."""
+    if recorded:
+        return (
+            "the script ran training forwards but no torch.optim optimizer step: trainguard "
+            "run checks each step at its optimizer's step()",
+            "nothing was guarded",
+        )
+    if thread is None:
+        return None
+    return (
+        f"the script trains in a thread other than the main one ({thread}: "
+        "torch.distributed.rpc's handlers, or a thread of its own), and trainguard run "
+        "follows the main thread's loop",
+        "nothing was guarded (to guard it, put a trainguard.Guard in the function that "
+        "trains: docs/guard.md)",
+    )
 
 
 def second_optimizer_reason(new: torch.optim.Optimizer, guarded: torch.optim.Optimizer) -> str:

@@ -210,8 +210,9 @@ class Attacher:
 
     def _never_stepped(self) -> None:
         """At exit: a process that trained but never reached an optimizer step says so."""
-        if self.optimizer is None and not self.aside and self._prestart.calls:
-            self.stand_aside(*first_steps.NEVER_STEPPED_REASON)
+        reason = first_steps.never_stepped(bool(self._prestart.calls), self._prestart.other_thread)
+        if self.optimizer is None and not self.aside and reason is not None:
+            self.stand_aside(*reason)
 
     # -- the optimizer's hooks --------------------------------------------------------------
 
@@ -324,7 +325,9 @@ class Attacher:
         prestart.remove()
         model = found.model
         if model is None:
-            verdict = AsideReason(f"cannot find the model: {found.reason}")
+            elsewhere = first_steps.never_stepped(bool(prestart.calls), prestart.other_thread)
+            reason = f"cannot find the model: {found.reason}"
+            verdict = AsideReason(reason if prestart.calls or not elsewhere else elsewhere[0])
         elif (other := existing_guard(model)) is not None:
             verdict = AsideReason(
                 f"{describe_module(model)} already has a trainguard guard (a {other} hook: "

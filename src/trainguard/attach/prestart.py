@@ -129,6 +129,9 @@ class PreStart:
         self._traced = 0
         """Calls inside a compile wrapper that ``_pre`` left alone and ``_post`` has not seen."""
         self._main = threading.main_thread()
+        self.other_thread: str | None = None
+        """The name of a thread other than the main one that ran a training forward (its
+        calls are not recorded: the guard follows the main thread's loop)."""
         self._handles: list[RemovableHandle] = []
         self._quiet = QuietCompileWarning()
         self._recording: StepZero | None = None
@@ -168,6 +171,8 @@ class PreStart:
             self._traced += 1
             return
         if threading.current_thread() is not self._main:
+            if self.other_thread is None and torch.is_grad_enabled() and in_training(module):
+                self.other_thread = threading.current_thread().name
             return
         self._depth += 1
         if self._depth != 1 or not torch.is_grad_enabled() or not in_training(module):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 import trainguard as tg
 from trainguard.attach.hooks import Attacher
 from trainguard.attach.options import RunOptions
+from trainguard.attach.status import unguarded_reasons
 from trainguard.capture.bundle import load_bundle
 
 
@@ -234,3 +236,39 @@ def test_the_inner_hook_of_a_compiled_model_stays_out_of_its_trace(attached: Att
     with torch.no_grad():
         inner(torch.randn(2, 4))  # eager: the hook runs
     assert guard.progress.beats == beats + 1
+
+
+def _train_in_a_thread(optimizer_step: bool) -> None:
+    """Five steps in a thread of their own (torch.distributed.rpc's trainers run in its
+    handler threads), with a torch.optim step or by hand."""
+
+    def train() -> None:
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(5):
+            model(torch.randn(8, 4)).square().mean().backward()
+            if optimizer_step:
+                opt.step()
+            else:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.1 * p.grad  # type: ignore[operator]
+            opt.zero_grad()
+
+    thread = threading.Thread(target=train, name="trainer")
+    thread.start()
+    thread.join()
+
+
+@pytest.mark.parametrize("optimizer_step", [True, False], ids=["torch.optim", "by-hand"])
+def test_a_loop_in_another_thread_is_told_so(attached: Attacher, optimizer_step: bool) -> None:
+    """The hooks record the main thread's calls only: a loop training in another thread was
+    "cannot find the model: no module ran a training forward" at its first optimizer step,
+    and without one the run ended with no word of why. Both name the thread now (at the
+    first step, or at exit: the reason the run's last line gives), and nothing is guarded."""
+    _train_in_a_thread(optimizer_step)
+    if not optimizer_step:
+        attached._never_stepped()  # what atexit runs
+    assert attached.aside and attached.guard is None
+    (said,), _ = unguarded_reasons(attached.options.run_dir, since=0.0)
+    assert "trains in a thread other than the main one (trainer:" in said
