@@ -28,6 +28,13 @@ def is_sparse(tensor: Tensor) -> bool:
     return tensor.layout in _SPARSE_LAYOUTS
 
 
+def coalesced(tensor: Tensor) -> Tensor:
+    """A sparse tensor of any layout as a detached, coalesced COO tensor: its stored values
+    (``values()``) and their dense indices (``indices()``), never densified."""
+    coo = tensor if tensor.layout == torch.sparse_coo else tensor.to_sparse()
+    return coo.detach().coalesce()
+
+
 def stored_values(tensor: Tensor) -> Tensor:
     """A strided tensor holding what ``tensor`` stores: itself when strided; a sparse tensor's
     specified values (a COO tensor coalesced first: duplicate indices summed, as in its dense

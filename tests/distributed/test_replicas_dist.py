@@ -169,12 +169,33 @@ def _ema(rank: int, run_dir: Path) -> dict[str, Any]:
     return {f"ema.{k}": v.clone() for k, v in task.ema.named_parameters()}
 
 
+def _own_models(rank: int, run_dir: Path) -> bool:
+    """PyTorch's ImageNet example on CPU with ``--seed``: no DDP, the same initial weights on
+    every rank, each rank's own batches and nothing averaging the gradients. Equal at the
+    check of step 0, apart at step 4: taken for no replicas (the guard's answer)."""
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = tg.Guard(model, opt, run_dir=run_dir, replica_check_every=EVERY)
+    try:
+        for batch in guard.watch(make_batches(12, seed=rank)):
+            loss = model(batch).pow(2).mean()
+            loss.backward()
+            if guard.check(loss):
+                opt.step()
+            opt.zero_grad()
+    finally:
+        guard.close()
+    return guard.replicas.no_replicas
+
+
 def _job(rank: int, world_size: int, root: str) -> dict[str, Any]:
     base = Path(root)
     return {
         "wreck": _wreck(rank, base / "wreck"),
         "healthy": _run(rank, base / "healthy", None),
         "ema": _ema(rank, base / "ema"),
+        "own": _own_models(rank, base / "own"),
         "warn": _run(rank, base / "warn", 8),
         "resync": _run(rank, base / "resync", 8, on_divergence="resync"),
         "raise": _run(rank, base / "raise", 8, on_divergence="raise"),
@@ -228,6 +249,11 @@ def test_replica_divergence_four_ranks(tmp_path: Path) -> None:
         assert event["params"] == [f"ddp.module.{PARAM}"] and event["params_differing"] == 1
     emas = [r["ema"] for r in runs]  # and the copies still differ on every rank
     assert {"ema.fc.weight", "ema.fc.bias", "ema.head.weight"} <= set(_identical(emas))
+
+    for rank in range(WORLD):  # models of their own: said once, at step 4, on every rank
+        (event,) = _divergences(tmp_path / "own", rank)
+        assert (event["step"], event["tie"], event["no_replicas"]) == (4, True, True)
+        assert event["ranks"] == list(range(WORLD)) and runs[rank]["own"] is True
 
     for rank in range(WORLD):  # warn: named on every rank at the fault's check
         (event,) = _divergences(tmp_path / "warn", rank)

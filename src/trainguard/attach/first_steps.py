@@ -28,19 +28,19 @@ def manual_update_reason(described: str) -> str:
     )
 
 
-def never_stepped(recorded: bool, thread: str | None) -> tuple[str, str] | None:
-    """``stand_aside``'s reason and what follows, for a process that ends without an optimizer
-    step: it ran training forwards in the main thread (``recorded``), or only in another
-    one (``thread``: torch.distributed.rpc's trainers run in its handler threads, PyTorch's
-    ``ddp_rpc`` example, with a ``DistributedOptimizer``); None when it trained nowhere."""
-    if recorded:
-        return (
-            "the script ran training forwards but no torch.optim optimizer step: trainguard "
-            "run checks each step at its optimizer's step()",
-            "nothing was guarded",
-        )
-    if thread is None:
-        return None
+NEVER_STEPPED_REASON = (
+    "the script ran training forwards but no torch.optim optimizer step: trainguard run checks "
+    "each step at its optimizer's step()",
+    "nothing was guarded",
+)
+"""``stand_aside``'s reason and what follows, for a process that trained but never stepped."""
+
+
+def other_thread_reason(thread: str) -> tuple[str, str]:
+    """``stand_aside``'s reason and what follows, for a process whose training forwards ran
+    only in a thread other than the main one (``thread``): torch.distributed.rpc's trainers
+    run in its handler threads (PyTorch's ``ddp_rpc`` example, with a
+    ``DistributedOptimizer``)."""
     return (
         f"the script trains in a thread other than the main one ({thread}: "
         "torch.distributed.rpc's handlers, or a thread of its own), and trainguard run "
@@ -48,6 +48,12 @@ def never_stepped(recorded: bool, thread: str | None) -> tuple[str, str] | None:
         "nothing was guarded (to guard it, put a trainguard.Guard in the function that "
         "trains: docs/guard.md)",
     )
+
+
+def model_not_found(reason: str, thread: str | None) -> str:
+    """Why the first step found no model: ``reason`` (``discovery.find_model``'s), or, when
+    the main thread ran no training forward and ``thread`` did, that thread."""
+    return other_thread_reason(thread)[0] if thread else f"cannot find the model: {reason}"
 
 
 def second_optimizer_reason(new: torch.optim.Optimizer, guarded: torch.optim.Optimizer) -> str:

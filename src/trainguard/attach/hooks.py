@@ -111,9 +111,7 @@ class Attacher:
         self._clip = ClipWatch()
         self._drops = DropWatch()
         self._loss_inputs = LossInputs()  # criterion(model(x), y): y joins the micro-batch
-        self._stepping: torch.optim.Optimizer | None = None
-        """The optimizer whose step() runs: one stepping inside it is one it holds (the shard
-        optimizer of a ZeroRedundancyOptimizer, a wrapper's), part of its step."""
+        self._stepping: torch.optim.Optimizer | None = None  # the one whose step() runs
         self._first_losses: list[Tensor] | None = None
         """The losses ``PreStart`` saw in the step the guard attached at (``_attach``)."""
         self._handles: list[RemovableHandle | HookHandle] = []
@@ -210,15 +208,19 @@ class Attacher:
 
     def _never_stepped(self) -> None:
         """At exit: a process that trained but never reached an optimizer step says so."""
-        reason = first_steps.never_stepped(bool(self._prestart.calls), self._prestart.other_thread)
-        if self.optimizer is None and not self.aside and reason is not None:
-            self.stand_aside(*reason)
+        if self.optimizer is not None or self.aside:
+            return
+        if self._prestart.calls:
+            self.stand_aside(*first_steps.NEVER_STEPPED_REASON)
+        elif (thread := self._prestart.other_thread) is not None:
+            self.stand_aside(*first_steps.other_thread_reason(thread))
 
     # -- the optimizer's hooks --------------------------------------------------------------
 
     def _pre_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        # one stepping inside the optimizer's step() is one it holds (ZeRO's shard optimizer)
         if self.aside or self._left() or self._stepping not in (None, optimizer):
             return None
         self._stepping = optimizer
@@ -325,9 +327,8 @@ class Attacher:
         prestart.remove()
         model = found.model
         if model is None:
-            elsewhere = first_steps.never_stepped(bool(prestart.calls), prestart.other_thread)
-            reason = f"cannot find the model: {found.reason}"
-            verdict = AsideReason(reason if prestart.calls or not elsewhere else elsewhere[0])
+            thread = None if prestart.calls else prestart.other_thread  # it trains elsewhere
+            verdict = AsideReason(first_steps.model_not_found(found.reason, thread))
         elif (other := existing_guard(model)) is not None:
             verdict = AsideReason(
                 f"{describe_module(model)} already has a trainguard guard (a {other} hook: "

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainguard.numerics import is_additive_mask, is_sparse, stored_values
+from trainguard.numerics import coalesced, is_additive_mask, is_sparse, stored_values
 
 INDEX_KEYS = ("index", "indices")
 PRIMITIVES = (str, int, float, bool, type(None))
@@ -321,7 +321,7 @@ def _nonfinite_rows(leaf: Tensor, size: int) -> list[int]:
         return nonfinite_samples(leaf, size)
     if leaf.dim() < 1 or leaf.shape[0] != size:
         return []
-    coo = (leaf if leaf.layout == torch.sparse_coo else leaf.to_sparse()).detach().coalesce()
+    coo = coalesced(leaf)
     values = coo.values()
     bad = ~torch.isfinite(values.reshape(values.shape[0], -1)).all(dim=1)
     return sorted(set(coo.indices()[0][bad].tolist()))

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
-from trainguard.numerics import is_sparse, stored_values
+from trainguard.numerics import coalesced, is_sparse, stored_values
 
 
 def float_tensors(tree: Any) -> list[Tensor]:
@@ -36,7 +36,7 @@ def first_nonfinite(t: Tensor, nan_first: bool = False) -> tuple[list[int], floa
     (a graph's features or adjacency) is read through its stored values; the index is the
     dense one."""
     if is_sparse(t):
-        coo = (t if t.layout == torch.sparse_coo else t.to_sparse()).detach().coalesce()
+        coo = coalesced(t)
         index, value, count = first_nonfinite(coo.values(), nan_first)
         if index:  # the stored value's position, then its dense dimensions (hybrid COO)
             index = [int(i) for i in coo.indices()[:, index[0]].tolist()] + index[1:]
