@@ -68,6 +68,17 @@ _FLAG_DICTS = (
 )
 """A module's dicts keyed by hook id beside the hooks themselves."""
 
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def in_backward() -> bool:
+    """Whether this thread runs inside autograd's backward. A module called there is
+    activation checkpointing recomputing a forward the step already made
+    (``torch.utils.checkpoint``: the non-reentrant one from the engine, on its device thread
+    under CUDA; the reentrant one from its node's backward), not a call of the loop: no new
+    micro-batch, no step start, no training call in another thread."""
+    return _graph_task_id() != -1
+
 
 def without_guard_hooks(state: dict[str, Any]) -> dict[str, Any]:
     """A module's pickled state (its ``__getstate__``) without the guard's hooks: the same
@@ -155,6 +166,8 @@ class Hook:
                 return None
             if _eager_call is not None:
                 return _eager_call(callback, args, kwargs)
+        elif in_backward():  # a checkpointed forward recomputed: the step's call was seen
+            return None
         return callback(*args, **kwargs)
 
     def __reduce__(self) -> tuple[Any, ...]:

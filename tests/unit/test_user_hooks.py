@@ -4,6 +4,10 @@ Loops do both by hand: ``torch.save(model, "best.pt")`` when the eval improves, 
 reference model made with ``copy.deepcopy(model)``. The guard's hooks on the model must not
 make the pickle fail, nor ride into the copy (where they would run a copy of the guard's
 parts at every forward of the copy).
+
+And a forward that activation checkpointing recomputes inside the backward
+(``torch.utils.checkpoint``) is not a call of the loop: the guard's hooks see the step's
+micro-batch once.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 import trainguard as tg
+from trainguard.capture.bundle import load_bundle
 from trainguard.health.timing import StepTimer
 from trainguard.user_hooks import Hook
 
@@ -233,3 +239,75 @@ def test_the_optimizer_keeps_no_step_hook_of_a_guard_that_ended(
         assert _lr_hooks(opt) == 2
         _steps(again, model, opt, 2)
     assert _lr_hooks(opt) == 0
+
+
+class _Checkpointed(nn.Module):
+    """Blocks with dropout, checkpointed one by one (``layers``: Hugging Face's
+    ``gradient_checkpointing_enable``) or not at all (the loop checkpoints the whole model)."""
+
+    def __init__(self, layers: bool, reentrant: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Dropout(0.2)) for _ in range(3)
+        )
+        self.head = nn.Linear(8, 1)
+        self.layers, self.reentrant = layers, reentrant
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            if self.layers:
+                x = x + checkpoint(block, x, use_reentrant=self.reentrant)
+            else:
+                x = x + block(x)
+        out: Tensor = self.head(x)
+        return out
+
+
+def _checkpointed_run(
+    how: str, run_dir: Path | None, nan_step: int = -1
+) -> tuple[nn.Module, list[Tensor]]:
+    model = _Checkpointed(layers=how != "whole", reentrant=how == "layers-reentrant")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = tg.Guard(model, opt, run_dir=run_dir, hang_timeout=0) if run_dir else None
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(6, 8, generator=gen), torch.randn(6, 1, generator=gen)) for _ in range(5)
+    ]
+    if nan_step >= 0:
+        batches[nan_step][0][2, 3] = float("nan")
+    for x, y in batches:
+        # the whole model checkpointed: its forward runs again inside the backward
+        out = checkpoint(model, x, use_reentrant=False) if how == "whole" else model(x)
+        loss = nn.functional.mse_loss(out, y)
+        loss.backward()  # type: ignore[no-untyped-call]
+        if guard is None or guard.check(loss):
+            opt.step()
+        opt.zero_grad()
+    if guard is not None:
+        guard.close()
+    return model, [x for x, _ in batches]
+
+
+CHECKPOINTING = ["whole", "layers", "layers-reentrant"]
+NO_INPUT_GRAD = "ignore:None of the inputs have requires_grad"
+"""Reentrant checkpointing's warning (the blocks get no gradient: as in the bare run)."""
+
+
+@pytest.mark.filterwarnings(NO_INPUT_GRAD)
+@pytest.mark.parametrize("how", CHECKPOINTING)
+def test_a_checkpointed_model_trains_as_bare(how: str, tmp_path: Path) -> None:
+    bare, _ = _checkpointed_run(how, None)
+    guarded, _ = _checkpointed_run(how, tmp_path / "run")
+    for (name, a), b in zip(bare.state_dict().items(), guarded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.filterwarnings(NO_INPUT_GRAD)
+@pytest.mark.parametrize("how", CHECKPOINTING)
+def test_a_recomputed_forward_is_not_another_micro_batch(how: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _, inputs = _checkpointed_run(how, run_dir, nan_step=2)
+    # the capture of the bad step holds the model's inputs of its one call
+    (batch,) = load_bundle(run_dir / "captures" / "step-00000002").batches(0)
+    torch.testing.assert_close(batch, inputs[2], rtol=0, atol=0, equal_nan=True)

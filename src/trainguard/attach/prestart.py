@@ -40,6 +40,7 @@ from trainguard.step.buffers import BufferKeeper
 from trainguard.step.recorded_batches import RecordedBatches
 from trainguard.step.step_start import autocast_state
 from trainguard.step.types import ForwardDraws, IndicesOf
+from trainguard.user_hooks import in_backward
 
 MAX_CANDIDATES = 8
 """Distinct top-level modules recorded before the first step (the rest are ignored)."""
@@ -170,6 +171,8 @@ class PreStart:
             # check, and warned of it at the first step)
             self._traced += 1
             return
+        if in_backward():  # a recomputed forward (activation checkpointing): no call
+            return
         if threading.current_thread() is not self._main:
             if self.other_thread is None and torch.is_grad_enabled() and in_training(module):
                 self.other_thread = threading.current_thread().name
@@ -188,23 +191,28 @@ class PreStart:
             return
         self._recording = zero  # its micro-batch: when the call ends (``_post``)
 
-    def _post(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
-    ) -> None:
+    def _post(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
         """The end of a call: a recorded top-level call's micro-batch is taken here, where a
         process-wide hook sees the keyword arguments too (``_pre`` sees the positional
-        ones only)."""
+        ones only). ``rest``: ``(kwargs, output)``; ``(None,)`` when the call raised (torch
+        calls an ``always_call`` global hook without the keyword arguments then: a
+        checkpointed forward's early stop, a forward out of memory that the loop retries),
+        and the call records nothing."""
         if self._traced and torch.compiler.is_compiling():
             self._traced -= 1  # the end of a call _pre left alone
+            return
+        if in_backward():
             return
         if threading.current_thread() is self._main and self._depth > 0:
             recording = self._recording
             if self._depth == 1 and recording is not None:
-                recording.recorded.record(batch_of(args, kwargs), 0)
-                if self.loader_draws is not None:
-                    recording.draws.append(self.loader_draws(args, kwargs))
-                self.loss_inputs.arm(output, recording.recorded, 0, module)
                 self._recording = None
+                if len(rest) == 2:
+                    kwargs, output = rest
+                    recording.recorded.record(batch_of(args, kwargs), 0)
+                    if self.loader_draws is not None:
+                        recording.draws.append(self.loader_draws(args, kwargs))
+                    self.loss_inputs.arm(output, recording.recorded, 0, module)
             self._depth -= 1
 
     @staticmethod

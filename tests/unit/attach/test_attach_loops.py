@@ -1,12 +1,14 @@
 """``trainguard run``'s hooks in this process, around loops written without trainguard: a model
 called with keyword arguments at the first step, gradients read after a skipped step, and an
-evaluation through the module inside the model's wrapper (progress, not a hang)."""
+evaluation through the module inside the model's wrapper (progress, not a hang), a forward
+that activation checkpointing recomputes in the backward (no second micro-batch)."""
 
 from __future__ import annotations
 
 import atexit
 import gc
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 import trainguard as tg
 from trainguard.attach.hooks import Attacher
@@ -73,6 +76,80 @@ def test_keyword_arguments_of_the_first_step_are_captured(
     assert set(batch["kwargs"]) == {"features", "labels"}
     assert torch.isnan(batch["kwargs"]["features"][1, 2])
     assert torch.equal(batch["kwargs"]["labels"], _batches(0)[0][1])
+
+
+class Blocks(nn.Module):
+    def __init__(self, layers: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.2)) for _ in "ab")
+        self.head, self.layers = nn.Linear(4, 1), layers
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = x + (checkpoint(block, x, use_reentrant=False) if self.layers else block(x))
+        out: Tensor = self.head(x)
+        return out
+
+
+@pytest.mark.filterwarnings("error")  # ``python -W error``: a warning of ours would raise
+@pytest.mark.parametrize("nan_step", [0, 2])
+@pytest.mark.parametrize("layers", [False, True], ids=["whole", "layers"])
+def test_a_recomputed_forward_is_not_another_micro_batch(
+    attached: Attacher, tmp_path: Path, layers: bool, nan_step: int
+) -> None:
+    torch.manual_seed(0)
+    model = Blocks(layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = _batches(nan_step)
+    for x, y in batches:
+        # activation checkpointing runs the (whole model's, or a block's) forward again
+        # inside the backward: the step's micro-batch is still its one call
+        out = model(x) if layers else checkpoint(model, x, use_reentrant=False)
+        nn.functional.mse_loss(out, y).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        opt.zero_grad()
+    assert attached.model is model
+    bundle = load_bundle(tmp_path / "captures" / f"step-{nan_step:08d}")
+    (batch,) = bundle.batches(0)
+    torch.testing.assert_close(batch[0], batches[nan_step][0], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(batch[1], batches[nan_step][1])  # the loss's target, followed
+
+
+class FailsOnce(nn.Module):
+    """Its first call raises (an out-of-memory error a loop catches, then retries)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.failed = nn.Linear(4, 1), False
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.body(x)
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("out of memory")
+        return out
+
+
+def test_a_first_call_that_raises_records_nothing_and_warns_nothing(
+    attached: Attacher, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    model = FailsOnce()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = _batches(nan_step=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # ``python -W error``: a warning of ours would raise
+        for x, y in batches:
+            try:
+                out = model(x)
+            except RuntimeError:
+                out = model(x)  # the loop retries
+            nn.functional.mse_loss(out, y).backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            opt.zero_grad()
+    assert attached.model is model
+    (batch,) = load_bundle(tmp_path / "captures" / "step-00000000").batches(0)
+    torch.testing.assert_close(batch[0], batches[0][0], rtol=0, atol=0, equal_nan=True)
 
 
 def test_a_skipped_steps_gradients_are_back_after_the_optimizer_step(attached: Attacher) -> None:
