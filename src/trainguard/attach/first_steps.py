@@ -5,6 +5,7 @@ in the line it stands aside with. Pure functions of the optimizers, no hooks."""
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from trainguard.attach.discovery import optimizer_params
 
@@ -56,27 +57,44 @@ def model_not_found(reason: str, thread: str | None) -> str:
     return other_thread_reason(thread)[0] if thread else f"cannot find the model: {reason}"
 
 
-def second_optimizer_reason(new: torch.optim.Optimizer, guarded: torch.optim.Optimizer) -> str:
+def second_optimizer_reason(
+    new: torch.optim.Optimizer, guarded: torch.optim.Optimizer, model: nn.Module | None = None
+) -> str:
     """Why an optimizer other than the guarded one stepping ends the guarding (one made anew
     over the guarded model's parameters is followed instead: ``replace.py``): one over every
-    guarded parameter and others outside the guarded model, or one over part of them."""
+    guarded parameter and others outside the guarded model, one over the guarded model's
+    other parameters (one model, two optimizers: Muon beside AdamW), or one over part of
+    them."""
     new_name, guarded_name = type(new).__name__, type(guarded).__name__
-    if optimizer_params(new) >= optimizer_params(guarded):
-        what = (
+    new_params, guarded_params = optimizer_params(new), optimizer_params(guarded)
+    if new_params >= guarded_params:
+        return (
             f"a new optimizer ({new_name}) over every guarded parameter and parameters "
             f"outside the guarded model steps instead of, or besides, the guarded "
             f"{guarded_name}: trainguard run follows an optimizer made anew over the same "
             "model only (use trainguard.Guard in the script)"
         )
-    else:
-        what = (
-            f"a second optimizer ({new_name}) steps besides the guarded {guarded_name}: "
-            "trainguard run guards scripts with one optimizer (to guard a GAN's or an "
-            "actor-critic's updates, put a trainguard.Guard per model and optimizer in the "
-            "script, each checked before its own step: docs/guard.md, 'Several models, "
-            "several guards')"
+    if model is not None and not new_params & guarded_params and new_params <= model_params(model):
+        return (
+            f"a second optimizer ({new_name}) updates other parameters of the model the "
+            f"guarded {guarded_name} updates (one model, two optimizers): trainguard run "
+            f"guards one optimizer a model (to guard both, put guard = trainguard.Guard(model, "
+            f"{guarded_name.lower()}, extra_state={{'{new_name.lower()}': "
+            f"{new_name.lower()}}}) in the script and step both optimizers when "
+            "guard.check(loss) passes: docs/guard.md, 'One model, several optimizers')"
         )
-    return what
+    return (
+        f"a second optimizer ({new_name}) steps besides the guarded {guarded_name}: "
+        "trainguard run guards scripts with one optimizer (to guard a GAN's or an "
+        "actor-critic's updates, put a trainguard.Guard per model and optimizer in the "
+        "script, each checked before its own step: docs/guard.md, 'Several models, "
+        "several guards')"
+    )
+
+
+def model_params(model: nn.Module) -> set[int]:
+    """The ids of every parameter of ``model``."""
+    return {id(p) for p in model.parameters()}
 
 
 def updates_nothing(optimizer: torch.optim.Optimizer) -> bool:

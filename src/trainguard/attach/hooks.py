@@ -229,9 +229,8 @@ class Attacher:
             if self._leaving is not None:
                 return None  # leaving after the guarded optimizer's next check: unguarded
             if self.model is None or not made_anew(optimizer, self.optimizer, self.model):
-                self.stand_aside(
-                    first_steps.second_optimizer_reason(optimizer, self.optimizer), alone=True
-                )
+                reason = first_steps.second_optimizer_reason(optimizer, self.optimizer, self.model)
+                self.stand_aside(reason, alone=True)
                 return None
             if not self._replace(optimizer, self.model):
                 return None

@@ -295,6 +295,14 @@ def test_an_optimizer_made_anew_is_followed_and_others_are_named() -> None:
     head = second_optimizer_reason(torch.optim.Adam(net[0].parameters()), unfrozen)
     assert head.startswith("a second optimizer (Adam) steps besides the guarded SGD")
     assert "put a trainguard.Guard per model and optimizer in the script" in head  # the fix
+    # one model, two optimizers over its disjoint parts (Muon beside AdamW): its own fix
+    body = torch.optim.SGD(net[0].parameters(), lr=0.1)
+    muon = second_optimizer_reason(body, guarded, net)
+    assert muon.startswith("a second optimizer (SGD) updates other parameters of the model")
+    assert "guard = trainguard.Guard(model, sgd, extra_state={'sgd': sgd})" in muon
+    assert "'One model, several optimizers'" in muon
+    other = second_optimizer_reason(body, guarded, extra)  # not the model the guard has
+    assert other.startswith("a second optimizer (SGD) steps besides the guarded SGD")
 
 
 def test_run_options_make_the_attached_guards_config() -> None:

@@ -349,3 +349,23 @@ def test_a_loop_in_another_thread_is_told_so(attached: Attacher, optimizer_step:
     assert attached.aside and attached.guard is None
     (said,), _ = unguarded_reasons(attached.options.run_dir, since=0.0)
     assert "trains in a thread other than the main one (trainer:" in said
+
+
+def test_a_second_optimizer_over_the_same_model_is_told_its_own_fix(attached: Attacher) -> None:
+    """One model, two optimizers over its disjoint parts (Muon beside AdamW: nanochat,
+    modded-nanogpt): the line says so and gives the script's fix (a Guard with the first
+    optimizer, the second in ``extra_state``), not the GAN's (a Guard per model)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    body = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    head = torch.optim.AdamW(model[1].parameters(), lr=0.1)
+    for x, y in _batches(nan_step=3)[:3]:
+        nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
+        head.step()
+        body.step()
+        head.zero_grad()
+        body.zero_grad()
+    assert attached.aside and attached.model is model
+    (said,), _ = unguarded_reasons(attached.options.run_dir, since=0.0)
+    assert "a second optimizer (SGD) updates other parameters of the model" in said
+    assert "trainguard.Guard(model, adamw, extra_state={'sgd': sgd})" in said
