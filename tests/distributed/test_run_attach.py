@@ -224,6 +224,32 @@ def test_a_zero_redundancy_optimizer_is_guarded_with_the_shard_optimizer_it_step
     _assert_same(out, bare_out, 2)
 
 
+@pytest.mark.timeout(200)
+def test_a_second_optimizer_over_the_rest_of_the_model_is_part_of_the_guarded_step(
+    tmp_path: Path,
+) -> None:
+    """One model, two optimizers (nanochat's split: AdamW over most of the model, then Muon
+    over its matrices, here head.weight): Muon steps in the step AdamW's check covered. A NaN
+    in Muon's matrix on rank 1 alone skips the step for both optimizers on both ranks, and
+    each rank's weights and both optimizers' states are the bare script's leaving it out."""
+    bare_out, out, run_dir = tmp_path / "bare", tmp_path / "out", tmp_path / "run"
+    bare = _run([*_launch(2, bare=True), "--out", str(bare_out), "--muon", "--drop-step", "3"])
+    assert bare.returncode == 0, bare.stderr[-3000:]
+    cmd = [*_guarded(run_dir), "--", *_launch(2), "--out", str(out), "--muon"]
+    done = _run([*cmd, "--grad-nan-rank", "1", "--grad-nan-step", "3"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "not guarding" not in done.stderr
+    for rank in range(2):
+        events = tg.read_events(run_dir, rank)
+        bad = [(e["step"], e["ranks"], e["params"]) for e in events if e["kind"] == "nonfinite"]
+        assert bad == [(3, [1], ["head.weight"] if rank == 1 else [])]  # named where it is
+        assert [e["step"] for e in events if e["kind"] == "skip"] == [3]
+        muon = torch.load(out / f"rank{rank}.pt")["muon"]["state"]
+        bare_muon = torch.load(bare_out / f"rank{rank}.pt")["muon"]["state"]
+        assert torch.equal(muon[0]["momentum_buffer"], bare_muon[0]["momentum_buffer"])
+    _assert_same(out, bare_out, 2)
+
+
 @pytest.mark.timeout(100)
 def test_a_second_optimizer_makes_it_stand_aside(tmp_path: Path) -> None:
     cmd = [*_guarded(tmp_path / "run"), "--", *_launch(1), "--out", str(tmp_path / "out")]

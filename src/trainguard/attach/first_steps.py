@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from trainguard.attach.discovery import optimizer_params
+from trainguard.attach.leaving import AsideReason
 
 LBFGS_REASON = (
     "LBFGS evaluates its closure several times per step",
@@ -35,6 +36,25 @@ NEVER_STEPPED_REASON = (
     "nothing was guarded",
 )
 """``stand_aside``'s reason and what follows, for a process that trained but never stepped."""
+
+
+def never_stepped(trained: bool, thread: str | None) -> tuple[str, str] | None:
+    """At exit, for a process that never reached an optimizer step: the reason it stands
+    aside with (it ran training forwards, or ``thread`` did), None when it trained nothing."""
+    if trained:
+        return NEVER_STEPPED_REASON
+    return None if thread is None else other_thread_reason(thread)
+
+
+def own_guard_reason(described: str, hook: str) -> AsideReason:
+    """Why a model (``described``) whose hooks show a guard of the script's own (``hook``: its
+    kind) is not guarded again: that guard keeps the run."""
+    return AsideReason(
+        f"{described} already has a trainguard guard (a {hook} hook: Lightning's TrainGuard, "
+        "the HF TrainGuardCallback or a Guard in the script)",
+        then="the script's own guard keeps the run",
+        own_guard=True,
+    )
 
 
 def other_thread_reason(thread: str) -> tuple[str, str]:
@@ -77,11 +97,13 @@ def second_optimizer_reason(
     if model is not None and not new_params & guarded_params and new_params <= model_params(model):
         return (
             f"a second optimizer ({new_name}) updates other parameters of the model the "
-            f"guarded {guarded_name} updates (one model, two optimizers): trainguard run "
-            f"guards one optimizer a model (to guard both, put guard = trainguard.Guard(model, "
-            f"{guarded_name.lower()}, extra_state={{'{new_name.lower()}': "
-            f"{new_name.lower()}}}) in the script and step both optimizers when "
-            "guard.check(loss) passes: docs/guard.md, 'One model, several optimizers')"
+            f"guarded {guarded_name} updates, in a step the guard had not checked or under a "
+            f"GradScaler (trainguard run guards such a one in the step its {guarded_name} just "
+            "stepped in, after it, without a GradScaler): "
+            f"to guard both, put guard = trainguard.Guard(model, {guarded_name.lower()}, "
+            f"extra_state={{'{new_name.lower()}': {new_name.lower()}}}) in the script and step "
+            "both optimizers when guard.check(loss) passes (docs/guard.md, 'One model, several "
+            "optimizers')"
         )
     return (
         f"a second optimizer ({new_name}) steps besides the guarded {guarded_name}: "

@@ -1,36 +1,36 @@
 """The hooks ``trainguard run`` puts into an unmodified script, and the guard they attach.
 
-Installed by the bootstrap once ``torch`` is imported (``install``); nothing else in the
-script's process changes. The attach points need no cooperation from the script:
+Installed by the bootstrap once ``torch`` is imported (``install``); nothing else in the script's
+process changes. The attach points need no cooperation from the script:
 
-* process-wide module hooks (``prestart.PreStart``) record the first step's top-level
-  module calls until the guard exists;
-* ``torch.optim.optimizer.register_optimizer_step_pre_hook`` (process-wide): at the first
-  optimizer step the guard is made (``discovery`` finds the model; the process group is
-  torch.distributed's default group, the watchdog runs on the job's own c10d store), and at
-  every step of that optimizer the gradients are checked (``Guard.check_gradients``; one
-  small all-reduce) before the optimizer reads them. A skip clears every gradient
-  (``p.grad = None``) so the optimizer's own step leaves the weights and its state alone,
-  gives them back after that step (code after ``optimizer.step()`` may read them), and puts
-  back the buffers the step's forward changed. A step given a closure (Lightning,
-  LBFGS-style loops) is checked when the closure returns, with the loss it returns. Under a
-  compiled ``optimizer.step()`` these hooks run eagerly (``user_hooks.eager_when_traced``);
+* process-wide module hooks (``prestart.PreStart``) record the first step's top-level module calls
+  until the guard exists;
+* ``torch.optim.optimizer.register_optimizer_step_pre_hook`` (process-wide): at the first optimizer
+  step the guard is made (``discovery`` finds the model; the process group is torch.distributed's
+  default group, the watchdog runs on the job's own c10d store), and at every step of that
+  optimizer the gradients are checked (``Guard.check_gradients``; one small all-reduce) before the
+  optimizer reads them. A skip clears every gradient (``p.grad = None``) so the optimizer's own
+  step leaves the weights and its state alone, gives them back after that step (code after
+  ``optimizer.step()`` may read them), and puts back the buffers the step's forward changed. A step
+  given a closure (Lightning, LBFGS-style loops) is checked when the closure returns, with the loss
+  it returns. Under a compiled ``optimizer.step()`` these hooks run eagerly
+  (``user_hooks.eager_when_traced``);
 * the gradient clipping functions (``clip.ClipWatch``): a script's clip over the guarded
-  optimizer's parameters checks the step before it clips, so the guard sees the gradients
-  as backward made them;
-* ``zero_grad`` of the guarded optimizer and model (``drops.DropWatch``): a step the script
-  leaves out itself on some rank (its own ``if``) is checked there, in the all-reduce the
-  other ranks' optimizer step joined, and every rank leaves it out;
-* a forward pre-hook on the model records each step's micro-batches (the call's
-  arguments, by reference; their dataset indices: ``loader_draws``) and marks the loop's
-  progress for the watchdog (an evaluation's forwards, through the model or
-  ``model.module``, are progress too: the guard's own step-start hook counts them); the
-  post-step hook marks the data phase (a rank stuck in its loader is named as such);
-* ``torch.distributed.destroy_process_group`` (wrapped) closes the guard first, so that
-  work after training is not taken for a hang.
+  optimizer's parameters checks the step before it clips, so the guard sees the gradients as
+  backward made them;
+* ``zero_grad`` of the guarded optimizer and model (``drops.DropWatch``): a step the script leaves
+  out itself on some rank (its own ``if``) is checked there, in the all-reduce the other ranks'
+  optimizer step joined, and every rank leaves it out;
+* a forward pre-hook on the model records each step's micro-batches (the call's arguments, by
+  reference; their dataset indices: ``loader_draws``) and marks the loop's progress for the
+  watchdog (an evaluation's forwards, through the model or ``model.module``, are progress too: the
+  guard's own step-start hook counts them); the post-step hook marks the data phase (a rank stuck
+  in its loader is named as such);
+* ``torch.distributed.destroy_process_group`` (wrapped) closes the guard first, so that work after
+  training is not taken for a hang.
 
-When the guard cannot attach it says why in one line and stands aside: every hook is
-removed and the script runs unguarded, as it would without ``trainguard run``.
+When the guard cannot attach it says why in one line and stands aside: every hook is removed and
+the script runs unguarded, as it would without ``trainguard run``.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from torch.utils.hooks import RemovableHandle
 from trainguard.attach import first_steps
 from trainguard.attach.announce import announce_guarding, announcer
 from trainguard.attach.clip import ClipWatch
+from trainguard.attach.companions import Companions
 from trainguard.attach.destroy import close_before_destroy
 from trainguard.attach.discovery import describe_module, existing_guard, find_model, in_training
 from trainguard.attach.drops import DropWatch
@@ -110,6 +111,7 @@ class Attacher:
         self._prestart = PreStart(self._updated_by_hand, self._loader_draws.at_forward)
         self._clip = ClipWatch()
         self._drops = DropWatch()
+        self._companions = Companions()  # one model, two optimizers: the second's step
         self._loss_inputs = LossInputs()  # criterion(model(x), y): y joins the micro-batch
         self._stepping: torch.optim.Optimizer | None = None  # the one whose step() runs
         self._first_losses: list[Tensor] | None = None
@@ -208,12 +210,10 @@ class Attacher:
 
     def _never_stepped(self) -> None:
         """At exit: a process that trained but never reached an optimizer step says so."""
-        if self.optimizer is not None or self.aside:
-            return
-        if self._prestart.calls:
-            self.stand_aside(*first_steps.NEVER_STEPPED_REASON)
-        elif (thread := self._prestart.other_thread) is not None:
-            self.stand_aside(*first_steps.other_thread_reason(thread))
+        prestart = self._prestart
+        reason = first_steps.never_stepped(bool(prestart.calls), prestart.other_thread)
+        if reason is not None and self.optimizer is None and not self.aside:
+            self.stand_aside(*reason)
 
     # -- the optimizer's hooks --------------------------------------------------------------
 
@@ -228,6 +228,8 @@ class Attacher:
         if self.optimizer is not None and optimizer is not self.optimizer:
             if self._leaving is not None:
                 return None  # leaving after the guarded optimizer's next check: unguarded
+            if self._companions.join(optimizer, self.optimizer, self.model, self._clip.scaled):
+                return None  # the rest of the guarded model, in the step just checked
             if self.model is None or not made_anew(optimizer, self.optimizer, self.model):
                 reason = first_steps.second_optimizer_reason(optimizer, self.optimizer, self.model)
                 self.stand_aside(reason, alone=True)
@@ -274,6 +276,7 @@ class Attacher:
         self._loss_inputs.disarm()
         if optimizer is self._stepping:
             self._stepping = None
+        self._companions.stepped()
         guard = self.guard
         if guard is not None and optimizer is self.optimizer:
             self._clip.stepped()
@@ -295,15 +298,16 @@ class Attacher:
         try:
             seen = self._seen_losses(first, guard.state.step)
             if self._leaving is not None:  # every rank stands aside after this step
-                guard.internals.check_leaving(loss)
+                applied = guard.internals.check_leaving(loss)
             elif loss is not None:
-                guard.check(loss)
+                applied = guard.check(loss)
             elif seen is not None:  # the micro-batches' losses, each recorded once
                 for micro_loss in seen:
                     guard.record_loss(micro_loss)
-                guard.check()
+                applied = guard.check()
             else:
-                guard.check_gradients()
+                applied = guard.check_gradients()
+            self._companions.checked(applied)
         finally:
             self._drops.busy = False
 
@@ -329,12 +333,7 @@ class Attacher:
             thread = None if prestart.calls else prestart.other_thread  # it trains elsewhere
             verdict = AsideReason(first_steps.model_not_found(found.reason, thread))
         elif (other := existing_guard(model)) is not None:
-            verdict = AsideReason(
-                f"{describe_module(model)} already has a trainguard guard (a {other} hook: "
-                "Lightning's TrainGuard, the HF TrainGuardCallback or a Guard in the script)",
-                then="the script's own guard keeps the run",
-                own_guard=True,
-            )
+            verdict = first_steps.own_guard_reason(describe_module(model), other)
         else:
             verdict = None
         counts = self._agreed(verdict, optimizer, updates_of(optimizer))
@@ -438,6 +437,7 @@ class Attacher:
         guard.progress.enter("step")
         self._clip.forward()
         self._drops.forward()
+        self._companions.forward()
         guard.record_batch(batch_of(args, kwargs))
 
     def _model_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:

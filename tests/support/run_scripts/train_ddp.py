@@ -6,6 +6,8 @@
         [--block-rank R --block-step S]  rank R's loader blocks at step S
         [--drop-step S]                  every rank leaves out step S (no forward, no update)
         [--second-optimizer]             a second optimizer steps too (from step 2)
+        [--muon]                         one model, two optimizers: Muon over head.weight
+                                         steps after the --optimizer over the rest
         [--probe-rank R]                 rank R alone trains a linear probe on the model's
                                          detached output, with an optimizer of its own
                                          (from step 2)
@@ -36,6 +38,7 @@ import argparse
 import copy
 import io
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -137,6 +140,7 @@ def main() -> None:
     parser.add_argument("--block-step", type=int, default=-1)
     parser.add_argument("--drop-step", type=int, default=-1)
     parser.add_argument("--second-optimizer", action="store_true")
+    parser.add_argument("--muon", action="store_true")
     parser.add_argument("--clip", type=float, default=0.0)
     parser.add_argument("--grad-nan-rank", type=int, default=-1)
     parser.add_argument("--grad-nan-step", type=int, default=-1)
@@ -171,6 +175,13 @@ def main() -> None:
     params = list(model.parameters())
     if rank == args.loose_param_rank:
         params.append(nn.Parameter(torch.zeros(1)))
+    muon = None
+    if args.muon:  # nanochat's split: Muon over the matrices, the optimizer over the rest
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tg_optimizers import Muon
+
+        muon = Muon([net.head.weight])
+        params = [p for p in params if p is not net.head.weight]
     optimizer = make_optimizer(args.optimizer, params)
     probe = nn.Linear(1, 1) if rank == args.probe_rank else None
     probe_optimizer = torch.optim.SGD(probe.parameters(), lr=0.1) if probe is not None else None
@@ -184,6 +195,8 @@ def main() -> None:
         if step == args.renew_step:  # made anew mid-run (each epoch, after unfreezing)
             optimizer = make_optimizer(args.optimizer, model.parameters())
         optimizer.zero_grad()
+        if muon is not None:
+            muon.zero_grad()
         out = model(x)
         loss = F.mse_loss(out, y)
         if rank == args.overflow_rank and step == args.overflow_step:
@@ -205,6 +218,8 @@ def main() -> None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             clip_norms[step] = float(norm)
         optimizer.step()
+        if muon is not None:
+            muon.step()
         if head is not None and step >= 2:
             head.step()
         if probe is not None and probe_optimizer is not None and step >= 2:
@@ -224,6 +239,8 @@ def main() -> None:
         state["scale"] = scaler.get_scale()
     state["clip_norms"] = clip_norms
     state["hooked"] = hooked
+    if muon is not None:
+        state["muon"] = muon.state_dict()
     torch.save(state, args.out / f"rank{rank}.pt")
     print(f"rank {rank}: trained {args.steps} steps, last loss {loss.item():.4f}", flush=True)
     if distributed:

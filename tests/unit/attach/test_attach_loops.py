@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from tg_optimizers import Muon
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -24,6 +25,7 @@ from trainguard.attach.hooks import Attacher
 from trainguard.attach.options import RunOptions
 from trainguard.attach.status import unguarded_reasons
 from trainguard.capture.bundle import load_bundle
+from trainguard.testing import poison_grad
 
 
 class KeywordNet(nn.Module):
@@ -351,21 +353,87 @@ def test_a_loop_in_another_thread_is_told_so(attached: Attacher, optimizer_step:
     assert "trains in a thread other than the main one (trainer:" in said
 
 
-def test_a_second_optimizer_over_the_same_model_is_told_its_own_fix(attached: Attacher) -> None:
-    """One model, two optimizers over its disjoint parts (Muon beside AdamW: nanochat,
-    modded-nanogpt): the line says so and gives the script's fix (a Guard with the first
-    optimizer, the second in ``extra_state``), not the GAN's (a Guard per model)."""
+def _two_optimizers(
+    nan_step: int = -1, left_out: int = -1, flip_at: int = 99, scaled: bool = False
+) -> list[Any]:
+    """One model, Muon over its first layer's weight and AdamW over the rest (nanochat's
+    split), stepped in that order (flipped from step ``flip_at``; through a GradScaler:
+    ``scaled``); 5 steps."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    body = torch.optim.SGD(model[0].parameters(), lr=0.1)
-    head = torch.optim.AdamW(model[1].parameters(), lr=0.1)
-    for x, y in _batches(nan_step=3)[:3]:
-        nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
-        head.step()
-        body.step()
-        head.zero_grad()
-        body.zero_grad()
-    assert attached.aside and attached.model is model
+    muon = Muon([model[0].weight])
+    adamw = torch.optim.AdamW([model[0].bias, *model[1].parameters()], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=scaled)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(5):
+        x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+        if step == left_out:
+            continue
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        if step == nan_step:  # Muon's matrix alone: the loss and AdamW's gradients finite
+            poison_grad(model, "0.weight")
+        for opt in (muon, adamw) if step < flip_at else (adamw, muon):
+            scaler.step(opt)
+        scaler.update()
+        model.zero_grad()
+    return [model.state_dict(), muon.state_dict()["state"], adamw.state_dict()["state"]]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(_same, a, b))
+    return bool(torch.equal(torch.as_tensor(a), torch.as_tensor(b)))
+
+
+@pytest.fixture(scope="module")
+def bare_two_optimizers() -> dict[str, list[Any]]:
+    """The loops without the attacher's hooks (made before them: a module fixture)."""
+    return {
+        "left_out": _two_optimizers(left_out=2),
+        "plain": _two_optimizers(),
+        "scaled": _two_optimizers(scaled=True),
+    }
+
+
+def test_a_second_optimizer_over_the_rest_of_the_model_is_part_of_the_step(
+    bare_two_optimizers: dict[str, list[Any]], attached: Attacher, tmp_path: Path
+) -> None:
+    """The guard attaches to Muon (it steps first) and checks every gradient of the model:
+    a NaN in Muon's matrix skips the step for AdamW too, as the bare loop leaving it out."""
+    bare = bare_two_optimizers["left_out"]
+    guarded = _two_optimizers(nan_step=2)
+    assert attached.guard is not None and not attached.aside
+    assert isinstance(attached.optimizer, Muon)
+    assert _same(bare, guarded)
+    events = tg.read_events(tmp_path, 0)
+    assert [(e["step"], e["params"]) for e in events if e["kind"] == "nonfinite"] == [
+        (2, ["0.weight"])
+    ]
+    assert [e["step"] for e in events if e["kind"] == "skip"] == [2]
+
+
+def test_a_second_optimizer_that_steps_before_the_check_is_told_its_fix(
+    bare_two_optimizers: dict[str, list[Any]], attached: Attacher
+) -> None:
+    """Stepped first in a step (before the guard's check at the guarded optimizer's step),
+    it would update unchecked: the line says so and gives the script's fix."""
+    assert _same(
+        bare_two_optimizers["plain"], _two_optimizers(flip_at=3)
+    )  # unguarded from the flip on: as bare
+    assert attached.aside
     (said,), _ = unguarded_reasons(attached.options.run_dir, since=0.0)
-    assert "a second optimizer (SGD) updates other parameters of the model" in said
-    assert "trainguard.Guard(model, adamw, extra_state={'sgd': sgd})" in said
+    assert "a second optimizer (AdamW) updates other parameters of the model" in said
+    assert "trainguard.Guard(model, muon, extra_state={'adamw': adamw})" in said
+
+
+def test_under_a_grad_scaler_a_second_optimizer_is_told_its_fix(
+    bare_two_optimizers: dict[str, list[Any]], attached: Attacher
+) -> None:
+    """The scaler's overflow skips each optimizer on its own, and at the first one's step
+    the second one's gradients are still scaled: no companion, the line says so."""
+    assert _same(bare_two_optimizers["scaled"], _two_optimizers(scaled=True))
+    assert attached.aside
+    (said,), _ = unguarded_reasons(attached.options.run_dir, since=0.0)
+    assert "a second optimizer (AdamW) updates other parameters" in said and "GradScaler" in said

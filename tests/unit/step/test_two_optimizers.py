@@ -11,35 +11,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tg_optimizers import Muon
 from torch import nn
 
 import trainguard as tg
 from trainguard.testing import poison_grad
 
 VOCAB = 40
-
-
-class Muon(torch.optim.Optimizer):
-    """Momentum orthogonalized by Newton-Schulz iterations (the speedruns' form, shortened)."""
-
-    def __init__(self, params: Any, lr: float = 0.02, momentum: float = 0.95) -> None:
-        super().__init__(params, {"lr": lr, "momentum": momentum})
-
-    @torch.no_grad()  # type: ignore[untyped-decorator]
-    def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                buf = state.setdefault("momentum_buffer", torch.zeros_like(p.grad))
-                buf.lerp_(p.grad, 1 - group["momentum"])
-                x = p.grad.lerp(buf, group["momentum"])
-                x = x / (x.norm() + 1e-7)
-                for _ in range(5):
-                    a = x @ x.mT
-                    x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
-                p.add_(x, alpha=-group["lr"])
 
 
 def _run(run_dir: Path | None, nan_step: int = -1, left_out: int = -1) -> list[dict[str, Any]]:
