@@ -107,6 +107,26 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank(bare: Path, tmp_path: Pa
     assert report["verdict"] == "bad_input"
 
 
+@pytest.mark.timeout(200)
+def test_a_nan_made_after_the_loss_is_named_on_its_rank(bare: Path, tmp_path: Path) -> None:
+    """Rank R's loss times NaN before its backward (past the loss the guard reads): DDP's
+    all-reduce spreads the NaN to every rank's gradients, and every rank's event used to
+    say ``grad_ranks`` all, ``loss_ranks`` none. The tensor the backward ran on is the
+    rank's loss now: every rank names rank R, and skips the step."""
+    ranks = _ranks(bare)
+    nan_rank, run_dir = ranks - 1, tmp_path / "run"
+    cmd = [*_guarded(run_dir), "--", *_launch(ranks), "--out", str(tmp_path / "out")]
+    done = _run([*cmd, "--loss-nan-rank", str(nan_rank), "--loss-nan-step", str(DROP)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_same(tmp_path / "out", bare, ranks)
+    for rank in range(ranks):
+        events = tg.read_events(run_dir, rank)
+        (bad,) = [e for e in events if e["kind"] == "nonfinite"]
+        assert (bad["step"], bad["where"], bad["loss_ranks"]) == (DROP, "loss", [nan_rank])
+        assert bad["grad_ranks"] == list(range(ranks))
+        assert [e["step"] for e in events if e["kind"] == "skip"] == [DROP]
+
+
 @pytest.mark.timeout(120)
 def test_a_rank_blocked_in_its_loader_ends_every_rank_with_91(tmp_path: Path) -> None:
     run_dir, out = tmp_path / "run", tmp_path / "out"

@@ -51,6 +51,7 @@ from torch.utils.hooks import RemovableHandle
 
 from trainguard.attach import first_steps
 from trainguard.attach.announce import announce_guarding, announcer
+from trainguard.attach.backward_calls import BackwardCalls
 from trainguard.attach.clip import ClipWatch
 from trainguard.attach.companions import Companions
 from trainguard.attach.destroy import close_before_destroy
@@ -113,6 +114,8 @@ class Attacher:
         self._drops = DropWatch()
         self._companions = Companions()  # one model, two optimizers: the second's step
         self._loss_inputs = LossInputs()  # criterion(model(x), y): y joins the micro-batch
+        listeners = [self._prestart.loss_inputs.backward_on, self._loss_inputs.backward_on]
+        self._backwards = BackwardCalls(listeners, skip=lambda: self._clip.scaled)
         self._stepping: torch.optim.Optimizer | None = None  # the one whose step() runs
         self._first_losses: list[Tensor] | None = None
         """The losses ``PreStart`` saw in the step the guard attached at (``_attach``)."""
@@ -128,6 +131,7 @@ class Attacher:
         self._prestart.install()
         self._clip.install()
         self._loader_draws.install()
+        self._backwards.install()
         self._handles = [
             register_optimizer_step_pre_hook(eager_when_traced(self._pre_step)),
             register_optimizer_step_post_hook(eager_when_traced(self._post_step)),
@@ -178,9 +182,8 @@ class Attacher:
         guard, self.guard = self.guard, None
         if guard is None:
             return
-        self._clip.remove()  # nothing to check before a clip from now on
-        self._drops.remove()
-        self._loader_draws.remove()
+        for part in (self._clip, self._drops, self._loader_draws, self._backwards):
+            part.remove()  # nothing to check before a clip (or a backward) from now on
         try:
             guard.close()
         except Exception as exc:  # NonFiniteError included: the run is over anyway
@@ -188,10 +191,8 @@ class Attacher:
 
     def _remove_hooks(self) -> None:
         atexit.unregister(self._never_stepped)
-        self._prestart.remove()
-        self._clip.remove()
-        self._drops.remove()
-        self._loader_draws.remove()
+        for part in (self._prestart, self._clip, self._drops, self._loader_draws, self._backwards):
+            part.remove()
         self._loss_inputs.disarm()
         for handle in self._handles:
             if isinstance(handle, RemovableHandle):

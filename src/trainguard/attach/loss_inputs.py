@@ -55,6 +55,7 @@ from torch.nn.modules.module import (
 from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_mode, _push_mode
 from torch.utils.hooks import RemovableHandle
 
+from trainguard.attach.backward_calls import computed_from
 from trainguard.capture import batchtree
 from trainguard.step.recorded_batches import RecordedBatches
 
@@ -68,6 +69,14 @@ def _from(arg: Tensor, outputs: list[Tensor]) -> bool:
         if arg is out or (base is not None and (base is out or base is out._base)):
             return True
     return False
+
+
+def _finite_or(loss: Tensor | None, after: Tensor | None) -> Tensor | None:
+    """``loss``, or where the tensor a backward ran on (computed from it) is not finite,
+    that tensor: on the device, no host read."""
+    if loss is None or after is None:
+        return loss
+    return torch.where(torch.isfinite(after), loss, after.to(loss.dtype))
 
 
 def _call_tensors(args: tuple[Any, ...], kwargs: Any) -> list[Tensor]:
@@ -197,6 +206,11 @@ class LossInputs:
         """Per training call since the last ``take_losses``: the guard's step it belongs to,
         the ``id`` of the module called and the loss found from its output (detached), None
         while none is."""
+        self._nodes: dict[int, Any] = {}
+        """Per entry of ``_losses`` with a loss: that loss's autograd node (``grad_fn``)."""
+        self._after: dict[int, Tensor] = {}
+        """Per entry of ``_losses``: the tensor a backward ran on, computed from its loss
+        (``backward_calls.py``), detached."""
         self._loss_call: tuple[nn.Module, RemovableHandle] | None = None
         """The loss module's call in flight and the process-wide forward hook that reads its
         result (the module follower sees the call's arguments, before it runs)."""
@@ -258,7 +272,12 @@ class LossInputs:
         earlier steps (a step the loop left out, checked without its losses) and of other
         modules are dropped."""
         calls, self._losses = self._losses, []
-        losses = [loss for at, owner, loss in calls if at == step and owner == id(model)]
+        after, self._after, self._nodes = self._after, {}, {}
+        losses = [
+            _finite_or(loss, after.get(index))
+            for index, (at, owner, loss) in enumerate(calls)
+            if at == step and owner == id(model)
+        ]
         found = [loss for loss in losses if loss is not None]
         return found if found and len(found) == len(losses) else None
 
@@ -316,6 +335,18 @@ class LossInputs:
         if self._losses and type(loss) is Tensor and loss.dim() == 0 and loss.requires_grad:
             step, owner, _ = self._losses[-1]
             self._losses[-1] = (step, owner, loss.detach())
+            self._nodes[len(self._losses) - 1] = loss.grad_fn
+
+    def backward_on(self, tensor: Tensor) -> None:
+        """A backward runs on ``tensor`` (0-d): kept for the latest training call's loss
+        when computed from it and not that loss itself (``backward_calls.py``). Only the
+        latest: a backward follows its micro-batch's loss, and a walk per earlier one would
+        cost each micro-batch of a long accumulation more than the last."""
+        if self._nodes:
+            index = next(reversed(self._nodes))
+            node = self._nodes[index]
+            if tensor.grad_fn is not node and computed_from(tensor, node):
+                self._after[index] = tensor.detach()
 
     def _forget_loss_call(self) -> None:
         call, self._loss_call = self._loss_call, None

@@ -4,6 +4,8 @@
     python train_ddp.py --out DIR [--steps N] [--optimizer sgd|adamw|adam|zero]
         [--nan-rank R --nan-step S]      rank R's batch at step S holds a NaN
         [--block-rank R --block-step S]  rank R's loader blocks at step S
+        [--loss-nan-rank R --loss-nan-step S]  rank R's loss is multiplied by NaN after the
+                                         loss function (its backward runs on the product)
         [--drop-step S]                  every rank leaves out step S (no forward, no update)
         [--second-optimizer]             a second optimizer steps too (from step 2)
         [--muon]                         one model, two optimizers: Muon over head.weight
@@ -137,6 +139,8 @@ def main() -> None:
     parser.add_argument("--nan-rank", type=int, default=-1)
     parser.add_argument("--nan-step", type=int, default=-1)
     parser.add_argument("--block-rank", type=int, default=-1)
+    parser.add_argument("--loss-nan-rank", type=int, default=-1)
+    parser.add_argument("--loss-nan-step", type=int, default=-1)
     parser.add_argument("--block-step", type=int, default=-1)
     parser.add_argument("--drop-step", type=int, default=-1)
     parser.add_argument("--second-optimizer", action="store_true")
@@ -206,6 +210,8 @@ def main() -> None:
             scaler.step(optimizer)
             scaler.update()
             continue
+        if rank == args.loss_nan_rank and step == args.loss_nan_step:
+            loss = loss * float("nan")  # made after the loss the guard reads
         loss.backward()
         if args.skip_nonfinite and not torch.isfinite(loss):
             continue  # the script's own rule, on this rank alone

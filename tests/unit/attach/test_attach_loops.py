@@ -5,11 +5,9 @@ that activation checkpointing recomputes in the backward (no second micro-batch)
 
 from __future__ import annotations
 
-import atexit
 import gc
 import threading
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,6 @@ from torch.utils.checkpoint import checkpoint
 
 import trainguard as tg
 from trainguard.attach.hooks import Attacher
-from trainguard.attach.options import RunOptions
 from trainguard.attach.status import unguarded_reasons
 from trainguard.capture.bundle import load_bundle
 from trainguard.testing import poison_grad
@@ -37,20 +34,6 @@ class KeywordNet(nn.Module):
 
     def forward(self, features: Tensor, labels: Tensor) -> Tensor:
         return (self.body(features) - labels).square().mean()
-
-
-@pytest.fixture
-def attached(tmp_path: Path) -> Iterator[Attacher]:
-    attacher = Attacher(RunOptions(run_dir=str(tmp_path), hang_timeout=0))
-    attacher.install()
-    try:
-        yield attacher
-    finally:
-        attacher.close()
-        attacher._remove_hooks()
-        atexit.unregister(attacher.close)  # it holds the model: let it go with the test
-        attacher.model = None
-        gc.collect()
 
 
 def _batches(nan_step: int) -> list[tuple[Tensor, Tensor]]:
