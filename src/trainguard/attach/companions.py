@@ -21,7 +21,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from trainguard.attach.discovery import optimizer_params
+from trainguard.attach.discovery import model_params, optimizer_params
 
 
 class Companions:
@@ -81,7 +81,7 @@ class Companions:
         known = self._known.get(optimizer)
         if known is None:
             params = optimizer_params(optimizer)
-            in_model = params <= {id(p) for p in model.parameters()}
+            in_model = params <= model_params(model)
             known = bool(params) and in_model and not params & optimizer_params(guarded)
             self._known[optimizer] = known
         return known

@@ -26,6 +26,11 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> set[int]:
     return {id(p) for group in optimizer.param_groups for p in group["params"]}
 
 
+def model_params(model: nn.Module) -> set[int]:
+    """The ids of every parameter of ``model``."""
+    return {id(p) for p in model.parameters()}
+
+
 DIRECT_FORWARD = (
     "a loop that calls the model's forward itself (model.forward(x), PyTorch's "
     "forward-forward example) runs no module hook: call model(x)"
@@ -55,7 +60,7 @@ def find_model(candidates: Sequence[nn.Module], optimizer: torch.optim.Optimizer
             f"optimizer step; {DIRECT_FORWARD}",
         )
     for module in candidates:
-        if wanted <= {id(p) for p in module.parameters()}:
+        if wanted <= model_params(module):
             return Found(module)
     names = ", ".join(describe_module(m) for m in candidates[:3])
     return Found(

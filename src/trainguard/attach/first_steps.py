@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainguard.attach.discovery import optimizer_params
+from trainguard.attach.discovery import model_params, optimizer_params
 from trainguard.attach.leaving import AsideReason
 
 LBFGS_REASON = (
@@ -112,11 +112,6 @@ def second_optimizer_reason(
         "script, each checked before its own step: docs/guard.md, 'Several models, "
         "several guards')"
     )
-
-
-def model_params(model: nn.Module) -> set[int]:
-    """The ids of every parameter of ``model``."""
-    return {id(p) for p in model.parameters()}
 
 
 def updates_nothing(optimizer: torch.optim.Optimizer) -> bool:

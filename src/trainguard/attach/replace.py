@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from trainguard.attach.discovery import optimizer_params
+from trainguard.attach.discovery import model_params, optimizer_params
 from trainguard.attach.prestart import StepZero
 from trainguard.step.guard import Guard
 from trainguard.step.internals import StartRecord
@@ -32,7 +32,7 @@ from trainguard.step.internals import StartRecord
 def made_anew(new: torch.optim.Optimizer, guarded: torch.optim.Optimizer, model: nn.Module) -> bool:
     """Whether ``new`` updates every parameter ``guarded`` does and only ``model``'s."""
     updates = optimizer_params(new)
-    return updates >= optimizer_params(guarded) and updates <= {id(p) for p in model.parameters()}
+    return updates >= optimizer_params(guarded) and updates <= model_params(model)
 
 
 HANDOVER: dict[str, object] = {"handover": "optimizer_replaced"}
