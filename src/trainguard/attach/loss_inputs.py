@@ -76,7 +76,11 @@ def _finite_or(loss: Tensor | None, after: Tensor | None) -> Tensor | None:
     that tensor: on the device, no host read."""
     if loss is None or after is None:
         return loss
-    return torch.where(torch.isfinite(after), loss, after.to(loss.dtype))
+    try:
+        return torch.where(torch.isfinite(after), loss, after.to(loss.dtype))
+    except RuntimeError as exc:  # never into the script's step: the loss as read
+        logger.debug("trainguard run: a backward's tensor not compared: %s", exc)
+        return loss
 
 
 def _call_tensors(args: tuple[Any, ...], kwargs: Any) -> list[Tensor]:
@@ -206,8 +210,12 @@ class LossInputs:
         """Per training call since the last ``take_losses``: the guard's step it belongs to,
         the ``id`` of the module called and the loss found from its output (detached), None
         while none is."""
-        self._nodes: dict[int, Any] = {}
-        """Per entry of ``_losses`` with a loss: that loss's autograd node (``grad_fn``)."""
+        self._node: tuple[int, Any] | None = None
+        """The latest loss's entry in ``_losses`` and its autograd node (``grad_fn``), until
+        a backward ran or the followers are disarmed (the model's next call, the optimizer
+        step): holding the node holds the graph, and a loop that leaves a step out before
+        its backward (its own ``if``) would keep that step's activations through the next
+        forward."""
         self._after: dict[int, Tensor] = {}
         """Per entry of ``_losses``: the tensor a backward ran on, computed from its loss
         (``backward_calls.py``), detached."""
@@ -272,7 +280,7 @@ class LossInputs:
         earlier steps (a step the loop left out, checked without its losses) and of other
         modules are dropped."""
         calls, self._losses = self._losses, []
-        after, self._after, self._nodes = self._after, {}, {}
+        after, self._after, self._node = self._after, {}, None
         losses = [
             _finite_or(loss, after.get(index))
             for index, (at, owner, loss) in enumerate(calls)
@@ -286,6 +294,7 @@ class LossInputs:
         it is on top)."""
         self._stop()
         self._forget_loss_call()
+        self._node = None
         if self._armed:
             self._armed = False
             self._learn()
@@ -335,18 +344,22 @@ class LossInputs:
         if self._losses and type(loss) is Tensor and loss.dim() == 0 and loss.requires_grad:
             step, owner, _ = self._losses[-1]
             self._losses[-1] = (step, owner, loss.detach())
-            self._nodes[len(self._losses) - 1] = loss.grad_fn
+            self._node = (len(self._losses) - 1, loss.grad_fn)
 
     def backward_on(self, tensor: Tensor) -> None:
         """A backward runs on ``tensor`` (0-d): kept for the latest training call's loss
-        when computed from it and not that loss itself (``backward_calls.py``). Only the
-        latest: a backward follows its micro-batch's loss, and a walk per earlier one would
-        cost each micro-batch of a long accumulation more than the last."""
-        if self._nodes:
-            index = next(reversed(self._nodes))
-            node = self._nodes[index]
+        when computed from it and not that loss itself (``backward_calls.py``); the loss's
+        node is let go either way (a backward follows its micro-batch's loss)."""
+        latest, self._node = self._node, None
+        if latest is not None and type(tensor) is Tensor:  # a plain tensor, as losses read
+            index, node = latest
             if tensor.grad_fn is not node and computed_from(tensor, node):
                 self._after[index] = tensor.detach()
+
+    def release(self) -> None:
+        """Let the latest loss's node go (a top-level training call starts: before the
+        guard exists, ``PreStart``'s follower is disarmed only when the call ends)."""
+        self._node = None
 
     def _forget_loss_call(self) -> None:
         call, self._loss_call = self._loss_call, None

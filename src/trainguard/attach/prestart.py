@@ -180,6 +180,7 @@ class PreStart:
         self._depth += 1
         if self._depth != 1 or not torch.is_grad_enabled() or not in_training(module):
             return
+        self.loss_inputs.release()  # the last call's graph is not held through this one
         zero = self.calls.get(id(module))
         if zero is None:
             if len(self.calls) >= MAX_CANDIDATES:

@@ -4,6 +4,8 @@ backward of anything else (a probe on the model's detached output) does not."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from torch import nn
 import trainguard as tg
 from trainguard.attach.backward_calls import computed_from
 from trainguard.attach.hooks import Attacher
+from trainguard.attach.loss_inputs import _finite_or
 
 BACKWARD = torch.autograd.backward
 
@@ -84,3 +87,34 @@ def test_computed_from_walks_a_few_nodes_back() -> None:
     for _ in range(8):
         far = far * 1.0
     assert not computed_from(far, node)  # past the bound: not followed
+
+
+def test_only_a_non_finite_backward_tensor_changes_the_loss() -> None:
+    loss = torch.tensor(1.5)
+    assert torch.isnan(_finite_or(loss, torch.tensor(float("nan"))))  # type: ignore[arg-type]
+    assert torch.isinf(_finite_or(loss, torch.tensor(float("inf"))))  # type: ignore[arg-type]
+    assert torch.equal(_finite_or(loss, torch.tensor(3e38)), loss)  # type: ignore[arg-type]
+    assert _finite_or(None, torch.tensor(float("nan"))) is None
+
+
+def test_a_step_left_out_before_its_backward_holds_no_graph(attached: Attacher) -> None:
+    """The loss's autograd node is what the backward's tensor is compared with; held past
+    the step, it held the step's activations: a loop that leaves a step out before its
+    backward (its own rule) kept them through its next forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[Any] = []
+    model[1].register_forward_hook(lambda m, a, out: seen.append(weakref.ref(out)))
+    for step in range(4):
+        loss = F.mse_loss(model(torch.randn(8, 4)), torch.zeros(8, 1))
+        if step == 2:  # the loop's own rule: no backward, no update
+            del loss
+            continue
+        if step == 3:
+            gc.collect()
+            assert seen[2]() is None  # step 2's activation, freed by step 3's forward
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        opt.zero_grad()
+    assert attached.guard is not None
