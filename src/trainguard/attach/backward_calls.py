@@ -11,8 +11,9 @@ So ``torch.autograd.backward`` (which ``Tensor.backward`` calls) is wrapped, pro
 the clipping functions are (``BackwardCalls``): a 0-d tensor it runs on is handed to
 ``LossInputs.backward_on``, which keeps it (detached: no copy, no host read) when it was
 computed from the latest loss read (that loss's autograd node within a few nodes of its
-own; the node is let go at that backward, or when the followers disarm). At the check, a loss whose backward tensor is not finite is taken as that tensor
-(``torch.where``, on the device): the step is bad on that rank, by its loss. Its value is
+own; the node is let go at that backward, or when the followers disarm). At the check, a
+loss whose backward tensor is not finite is taken as that tensor (``torch.where``, on the
+device): the step is bad on that rank, by its loss. Its value is
 never used otherwise (scaled, divided, summed: not the loss). Under a GradScaler nothing
 changes (its scaled loss overflowing is the scaler's business: ``skip``).
 """

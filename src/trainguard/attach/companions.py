@@ -21,7 +21,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from trainguard.attach.discovery import model_params, optimizer_params
+from trainguard.attach.discovery import over_the_rest
 
 
 class Companions:
@@ -80,8 +80,5 @@ class Companions:
     ) -> bool:
         known = self._known.get(optimizer)
         if known is None:
-            params = optimizer_params(optimizer)
-            in_model = params <= model_params(model)
-            known = bool(params) and in_model and not params & optimizer_params(guarded)
-            self._known[optimizer] = known
+            known = self._known[optimizer] = over_the_rest(optimizer, guarded, model)
         return known

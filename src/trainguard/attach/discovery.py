@@ -31,6 +31,15 @@ def model_params(model: nn.Module) -> set[int]:
     return {id(p) for p in model.parameters()}
 
 
+def over_the_rest(
+    optimizer: torch.optim.Optimizer, guarded: torch.optim.Optimizer, model: nn.Module
+) -> bool:
+    """Whether ``optimizer`` updates only parameters of ``model`` that ``guarded`` does not
+    (one model, two optimizers: Muon beside AdamW), and some."""
+    params = optimizer_params(optimizer)
+    return bool(params) and params <= model_params(model) and not params & optimizer_params(guarded)
+
+
 DIRECT_FORWARD = (
     "a loop that calls the model's forward itself (model.forward(x), PyTorch's "
     "forward-forward example) runs no module hook: call model(x)"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainguard.attach.discovery import model_params, optimizer_params
+from trainguard.attach.discovery import optimizer_params, over_the_rest
 from trainguard.attach.leaving import AsideReason
 
 LBFGS_REASON = (
@@ -86,15 +86,14 @@ def second_optimizer_reason(
     other parameters (one model, two optimizers: Muon beside AdamW), or one over part of
     them."""
     new_name, guarded_name = type(new).__name__, type(guarded).__name__
-    new_params, guarded_params = optimizer_params(new), optimizer_params(guarded)
-    if new_params >= guarded_params:
+    if optimizer_params(new) >= optimizer_params(guarded):
         return (
             f"a new optimizer ({new_name}) over every guarded parameter and parameters "
             f"outside the guarded model steps instead of, or besides, the guarded "
             f"{guarded_name}: trainguard run follows an optimizer made anew over the same "
             "model only (use trainguard.Guard in the script)"
         )
-    if model is not None and not new_params & guarded_params and new_params <= model_params(model):
+    if model is not None and over_the_rest(new, guarded, model):
         return (
             f"a second optimizer ({new_name}) updates other parameters of the model the "
             f"guarded {guarded_name} updates, in a step the guard had not checked or under a "
